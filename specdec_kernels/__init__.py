@@ -1,0 +1,36 @@
+"""specdec_kernels: fused kernels and a thin loop for lossless speculative decoding.
+
+Ops (one entry point each; `backend=` forces an implementation, None picks the best):
+    tree_mask, pack_tree_mask, TokenTree       token trees and their ancestor masks
+    tree_attention                              tree queries over a KV cache
+    verify, verify_chain, VerifyOutput          lossless acceptance (greedy and sampled)
+    compact_kv_cache_                           keep the accepted path in the KV cache
+    ngram_propose, ngram_propose_tree           prompt-lookup drafting
+"""
+
+from . import config, reference
+from ._extension import LOAD_ERROR, available_backends
+from .kv_cache import compact_kv_cache_
+from .ngram import ngram_propose, ngram_propose_tree
+from .tree import TokenTree, pack_tree_mask, tree_mask
+from .tree_attention import tree_attention
+from .verify import VerifyOutput, verify, verify_chain
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LOAD_ERROR",
+    "TokenTree",
+    "VerifyOutput",
+    "available_backends",
+    "compact_kv_cache_",
+    "config",
+    "ngram_propose",
+    "ngram_propose_tree",
+    "pack_tree_mask",
+    "reference",
+    "tree_attention",
+    "tree_mask",
+    "verify",
+    "verify_chain",
+]

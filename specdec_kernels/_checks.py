@@ -1,0 +1,128 @@
+"""Input validation shared by every backend, so all of them reject bad input the same way.
+
+Two kinds of checks:
+* metadata (shapes, dtypes, devices, scalar arguments): always, free.
+* values (token ids in range, parents in topological order, lengths in range, ...): need the
+  data, hence a device->host sync on GPU. They run unless `config.check_values` is False,
+  and never while tracing with torch.compile or capturing a CUDA graph.
+"""
+
+import torch
+
+from . import config
+
+INT_DTYPES = (torch.int32, torch.int64)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def checking_values() -> bool:
+    """Whether value checks (which may sync with the GPU) should run now."""
+    if not config.check_values or torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def fail(name: str, message: str):
+    raise ValueError(f"{name}: {message}")
+
+
+def tensor(name, x, *, dims=None, dtypes=None):
+    """x is a tensor with one of `dims` dimensions and one of `dtypes`."""
+    if not isinstance(x, torch.Tensor):
+        fail(name, f"expected a torch.Tensor, got {type(x).__name__}")
+    if dims is not None:
+        dims = (dims,) if isinstance(dims, int) else dims
+        if x.dim() not in dims:
+            fail(name, f"expected {' or '.join(f'{d}-D' for d in dims)} tensor, got shape {tuple(x.shape)}")
+    if dtypes is not None and x.dtype not in dtypes:
+        fail(name, f"expected dtype in {[str(d).replace('torch.', '') for d in dtypes]}, got {x.dtype}")
+
+
+def shape(name, x, expected):
+    """x.shape equals `expected` (None entries match anything)."""
+    if len(x.shape) != len(expected) or any(e is not None and s != e for s, e in zip(x.shape, expected)):
+        shown = tuple("*" if e is None else e for e in expected)
+        fail(name, f"expected shape {shown}, got {tuple(x.shape)}")
+
+
+def same_device(reference_name, reference, **tensors):
+    for name, x in tensors.items():
+        if x is not None and x.device != reference.device:
+            fail(name, f"expected a tensor on {reference.device} (like {reference_name}), got {x.device}")
+
+
+def nonempty_batch(name, x):
+    if x.shape[0] == 0:
+        fail(name, "empty batch (batch size 0); pass at least one row")
+
+
+def last_dim_contiguous(name, x):
+    if x.stride(-1) != 1:
+        fail(name, f"the last dimension must be contiguous (stride 1), got strides {tuple(x.stride())}")
+
+
+def int_arg(name, value, *, minimum=None):
+    if isinstance(value, bool) or not isinstance(value, int):
+        fail(name, f"expected an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        fail(name, f"expected >= {minimum}, got {value}")
+
+
+def parents(name, parents_2d: torch.Tensor):
+    """Values of a [B, T] parent array: root, topological order, trailing padding only."""
+    if not checking_values():
+        return
+    num_nodes = parents_2d.shape[1]
+    root = parents_2d[:, 0]
+    if (root != -1).any():
+        b = int(torch.nonzero(root != -1)[0, 0])
+        fail(name, f"node 0 is the root and must have parent -1, got {int(root[b])} in row {b}")
+    node = torch.arange(num_nodes, device=parents_2d.device)
+    bad = (parents_2d < -1) | (parents_2d >= node)
+    bad[:, 0] = False
+    if bad.any():
+        b, i = (int(v) for v in torch.nonzero(bad)[0])
+        fail(
+            name,
+            f"parents must be in topological order (-1 <= parents[b, i] < i); got parents[{b}, {i}] = "
+            f"{int(parents_2d[b, i])}",
+        )
+    is_pad = parents_2d == -1
+    is_pad[:, 0] = False
+    # Padding is trailing: once a node is padding, every later node is too.
+    pad_then_real = is_pad[:, :-1] & ~is_pad[:, 1:]
+    if pad_then_real.any():
+        b, i = (int(v) for v in torch.nonzero(pad_then_real)[0])
+        fail(name, f"padding nodes (parent -1) must be trailing, but node {i + 1} of row {b} follows padding node {i}")
+
+
+def real_nodes(parents_2d: torch.Tensor) -> torch.Tensor:
+    """bool [B, T]: the root and every node with a parent (not padding)."""
+    real = parents_2d >= 0
+    real[:, 0] = True
+    return real
+
+
+def token_ids(name, tokens: torch.Tensor, valid: torch.Tensor, vocab_size: int):
+    """tokens[valid] all in [0, vocab_size)."""
+    if not checking_values():
+        return
+    bad = valid & ((tokens < 0) | (tokens >= vocab_size))
+    if bad.any():
+        index = tuple(int(v) for v in torch.nonzero(bad)[0])
+        fail(name, f"token id {int(tokens[index])} at {list(index)} is outside the vocabulary [0, {vocab_size})")
+
+
+def per_row(name, value, batch, device, dtype, *, default):
+    """A scalar or a [B] tensor -> a [B] tensor of `dtype` on `device`."""
+    if value is None:
+        value = default
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            value = value.reshape(1).expand(batch)
+        shape(name, value, (batch,))
+        same_device("target_logits", torch.empty(0, device=device), **{name: value})
+        return value.to(dtype)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        fail(name, f"expected a number or a [B] tensor, got {type(value).__name__}")
+    return torch.full((batch,), value, dtype=dtype, device=device)

@@ -1,0 +1,51 @@
+"""Fake (meta) implementations: output shapes and dtypes of every op, for torch.compile tracing.
+
+Every op has static output shapes (no data-dependent sizes), so these are one-liners.
+"""
+
+import torch
+
+
+@torch.library.register_fake("specdec::tree_mask")
+def _tree_mask_fake(parents):
+    batch, num_nodes = parents.shape
+    return parents.new_empty((batch, num_nodes, num_nodes), dtype=torch.bool)
+
+
+@torch.library.register_fake("specdec::pack_tree_mask")
+def _pack_tree_mask_fake(mask):
+    batch, num_nodes, num_keys = mask.shape
+    return mask.new_empty((batch, num_nodes, (num_keys + 63) // 64), dtype=torch.int64)
+
+
+@torch.library.register_fake("specdec::tree_attention")
+def _tree_attention_fake(q, k_cache, v_cache, tree_mask, cache_seqlens, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("specdec::verify")
+def _verify_fake(target_logits, tree_tokens, parents, draft_probs, temperature, top_k, top_p, seed):
+    batch, num_nodes, _ = target_logits.shape
+    accepted_nodes = tree_tokens.new_empty((batch, num_nodes), dtype=torch.int32)
+    num_accepted = tree_tokens.new_empty((batch,), dtype=torch.int32)
+    output_tokens = tree_tokens.new_empty((batch, num_nodes), dtype=torch.int64)
+    return accepted_nodes, num_accepted, output_tokens
+
+
+@torch.library.register_fake("specdec::compact_kv_cache_")
+def _compact_kv_cache_fake(caches, cache_seqlens, accepted_nodes, num_accepted):
+    return torch.empty_like(cache_seqlens)
+
+
+@torch.library.register_fake("specdec::ngram_propose")
+def _ngram_propose_fake(tokens, lengths, min_n, max_n, num_tokens, policy):
+    batch = tokens.shape[0]
+    return tokens.new_empty((batch, num_tokens)), tokens.new_empty((batch,), dtype=torch.int32)
+
+
+@torch.library.register_fake("specdec::ngram_propose_tree")
+def _ngram_propose_tree_fake(tokens, lengths, min_n, max_n, num_tokens, tree_width, max_nodes, policy):
+    batch = tokens.shape[0]
+    tree_tokens = tokens.new_empty((batch, 1 + max_nodes))
+    parents = tokens.new_empty((batch, 1 + max_nodes), dtype=torch.int64)
+    return tree_tokens, parents

@@ -1,0 +1,108 @@
+"""N-gram (prompt lookup) drafting: propose what followed the latest n tokens earlier on."""
+
+from typing import Optional
+
+import torch
+
+from . import _checks
+from ._extension import run
+from .tree import TokenTree
+
+POLICIES = ("earliest", "latest")
+
+
+def _check_ngram_args(tokens, lengths, min_n, max_n, num_tokens, policy):
+    _checks.tensor("tokens", tokens, dims=2, dtypes=_checks.INT_DTYPES)
+    _checks.tensor("lengths", lengths, dims=1, dtypes=_checks.INT_DTYPES)
+    _checks.nonempty_batch("tokens", tokens)
+    _checks.shape("lengths", lengths, (tokens.shape[0],))
+    _checks.same_device("tokens", tokens, lengths=lengths)
+    _checks.int_arg("min_n", min_n, minimum=1)
+    _checks.int_arg("max_n", max_n, minimum=1)
+    if min_n > max_n:
+        _checks.fail("min_n", f"expected min_n <= max_n, got min_n={min_n} > max_n={max_n}")
+    _checks.int_arg("num_tokens", num_tokens, minimum=1)
+    if policy not in POLICIES:
+        _checks.fail("policy", f"expected one of {POLICIES}, got {policy!r}")
+    if _checks.checking_values() and ((lengths < 0) | (lengths > tokens.shape[1])).any():
+        _checks.fail("lengths", f"expected 0 <= lengths[b] <= L = {tokens.shape[1]}")
+
+
+def ngram_propose(
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    min_n: int = 1,
+    max_n: int = 4,
+    num_tokens: int = 5,
+    policy: str = "earliest",
+    backend: Optional[str] = None,
+):
+    """Propose a draft chain per row by finding the history's last n tokens earlier in it.
+
+    For row b with history s = tokens[b, :N], N = lengths[b]: for n from max_n down to
+    min_n, find the positions j <= N - n - 1 with s[j:j+n] == s[N-n:N]; at the first n that
+    has any, take the smallest j ("earliest") or the largest ("latest") and propose
+    s[j+n : min(j+n+num_tokens, N)].
+
+    Args:
+        tokens: int32/int64 [B, L] histories (entries past lengths[b] are ignored).
+        lengths: int [B], 0 <= lengths[b] <= L.
+        backend: force an implementation ("reference", "cpu", "cuda"); None picks the best.
+
+    Returns:
+        (draft_tokens [B, num_tokens] in tokens' dtype, -1 padded; draft_lens int32 [B], 0 = no match).
+    """
+    _check_ngram_args(tokens, lengths, min_n, max_n, num_tokens, policy)
+    return run("ngram_propose", backend, tokens.device, tokens, lengths.to(torch.int64), min_n, max_n, num_tokens, policy)
+
+
+def ngram_propose_tree(
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    min_n: int = 1,
+    max_n: int = 4,
+    num_tokens: int = 5,
+    tree_width: int = 4,
+    max_nodes: Optional[int] = None,
+    policy: str = "earliest",
+    backend: Optional[str] = None,
+) -> TokenTree:
+    """Propose a token tree per row: several distinct continuations of the longest match.
+
+    For the longest n (as in `ngram_propose`), every match position j gives the continuation
+    s[j+n : j+n+num_tokens]. Distinct continuations are ranked by how many positions give
+    them (ties: the earliest, or with policy="latest" the latest occurrence first); the best
+    `tree_width` are merged into one trie under the root (the last token), shared prefixes
+    once, nodes numbered in rank order, at most `max_nodes` drafted nodes. Siblings are
+    distinct, so the tree verifies with draft_probs=None.
+
+    Args:
+        tokens, lengths, min_n, max_n, num_tokens, policy, backend: as in `ngram_propose`.
+        tree_width: how many continuations to merge (>= 1).
+        max_nodes: drafted-node budget (default tree_width * num_tokens, i.e. no truncation).
+
+    Returns:
+        TokenTree with T = 1 + max_nodes: tokens in tokens' dtype (-1 padded; -1 root for an
+        empty history) and parents int64 (-1 for root and padding).
+    """
+    _check_ngram_args(tokens, lengths, min_n, max_n, num_tokens, policy)
+    _checks.int_arg("tree_width", tree_width, minimum=1)
+    if max_nodes is None:
+        max_nodes = tree_width * num_tokens
+    _checks.int_arg("max_nodes", max_nodes, minimum=0)
+    tree_tokens, parents = run(
+        "ngram_propose_tree",
+        backend,
+        tokens.device,
+        tokens,
+        lengths.to(torch.int64),
+        min_n,
+        max_n,
+        num_tokens,
+        tree_width,
+        max_nodes,
+        policy,
+    )
+    return TokenTree(tree_tokens, parents)

@@ -1,0 +1,24 @@
+"""Plain-torch reference implementations of every op: the ground truth for tests and the
+fallback where no compiled kernel exists. Written for clarity, not speed.
+
+Each function takes already-validated, already-normalised inputs (the public API in
+`specdec_kernels` does that once for every backend).
+"""
+
+from .kv_cache import compact_kv_cache_
+from .ngram import ngram_propose, ngram_propose_tree
+from .tree import merge_sequences, pack_tree_mask, tree_mask, unpack_tree_mask
+from .tree_attention import tree_attention
+from .verify import verify
+
+__all__ = [
+    "compact_kv_cache_",
+    "ngram_propose",
+    "merge_sequences",
+    "ngram_propose_tree",
+    "pack_tree_mask",
+    "tree_attention",
+    "tree_mask",
+    "unpack_tree_mask",
+    "verify",
+]

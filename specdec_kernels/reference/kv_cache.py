@@ -1,0 +1,25 @@
+"""Reference KV-cache compaction after verification."""
+
+import torch
+
+
+def compact_kv_cache_(caches, cache_seqlens, accepted_nodes, num_accepted) -> torch.Tensor:
+    """Move the accepted path's entries from L_b + accepted_nodes[b, j] to L_b + j, j <= num_accepted[b].
+
+    Every source row is gathered before anything is written, so a slot that is both a source
+    and a destination is safe. Slots past the accepted path are written back unchanged, which
+    keeps the op free of data-dependent shapes (no host sync). Returns L + num_accepted + 1.
+    """
+    num_nodes = accepted_nodes.shape[1]
+    prefix = cache_seqlens.to(torch.int64)[:, None]
+    j = torch.arange(num_nodes, device=accepted_nodes.device)
+    on_path = j[None, :] <= num_accepted.to(torch.int64)[:, None]  # [B, T]
+    src = prefix + torch.where(on_path, accepted_nodes.to(torch.int64), j[None, :])
+    dst = prefix + j[None, :]
+    for cache in caches:
+        heads, dim = cache.shape[2], cache.shape[3]
+        src_idx = src[:, :, None, None].expand(-1, -1, heads, dim)
+        dst_idx = dst[:, :, None, None].expand(-1, -1, heads, dim)
+        moved = cache.gather(1, src_idx)
+        cache.scatter_(1, dst_idx, moved)
+    return (cache_seqlens + num_accepted + 1).to(cache_seqlens.dtype)

@@ -1,0 +1,151 @@
+"""Token trees: `TokenTree`, `tree_mask` and `pack_tree_mask`.
+
+A tree of T nodes per row is `parents [B, T]`: node 0 is the root (parent -1), every other
+real node has 0 <= parent < its own index (topological order), trailing padding nodes have
+parent -1. A chain of K drafts is parents = [-1, 0, 1, ..., K-1].
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from . import _checks
+from . import reference
+from ._extension import run
+
+
+def _parents_2d(parents: torch.Tensor, name: str = "parents") -> torch.Tensor:
+    """Validated int64 [B, T] view of a [B, T] or [T] parent array."""
+    _checks.tensor(name, parents, dims=(1, 2), dtypes=_checks.INT_DTYPES)
+    parents_2d = parents if parents.dim() == 2 else parents.unsqueeze(0)
+    _checks.nonempty_batch(name, parents_2d)
+    if parents_2d.shape[1] == 0:
+        _checks.fail(name, "a tree has at least one node (the root); got T = 0")
+    parents_2d = parents_2d.to(torch.int64)
+    _checks.parents(name, parents_2d)
+    return parents_2d
+
+
+def tree_mask(parents: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
+    """Ancestor mask of a token tree.
+
+    Args:
+        parents: int [B, T] (or [T], one tree for every row); see the module docstring.
+        backend: force an implementation ("reference", "cpu", "cuda"); None picks the best.
+
+    Returns:
+        bool [B, T, T] ([T, T] for a [T] input): [b, i, j] is true iff node j is node i or
+        one of its ancestors. Padding nodes see only themselves.
+    """
+    parents_2d = _parents_2d(parents)
+    mask = run("tree_mask", backend, parents_2d.device, parents_2d.contiguous())
+    return mask if parents.dim() == 2 else mask[0]
+
+
+def pack_tree_mask(mask: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
+    """Pack a bool tree mask into 64-bit words.
+
+    Args:
+        mask: bool [B, T, T] or [T, T].
+
+    Returns:
+        int64 [B, T, ceil(T/64)] (or [T, ceil(T/64)]): bit j % 64 of word j // 64 is mask[..., j].
+    """
+    _checks.tensor("mask", mask, dims=(2, 3), dtypes=(torch.bool,))
+    mask_3d = mask if mask.dim() == 3 else mask.unsqueeze(0)
+    packed = run("pack_tree_mask", backend, mask.device, mask_3d.contiguous())
+    return packed if mask.dim() == 3 else packed[0]
+
+
+@dataclass
+class TokenTree:
+    """A batch of token trees: `tokens [B, T]` (node 0 = root token) and `parents [B, T]`.
+
+    Padding nodes have parent -1 (and usually token -1). Build one with `TokenTree.chain`,
+    `TokenTree.from_sequences`, or directly from tensors.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+
+    def __post_init__(self):
+        _checks.tensor("tokens", self.tokens, dims=2, dtypes=_checks.INT_DTYPES)
+        self.parents = _parents_2d(self.parents).expand(self.tokens.shape[0], -1)
+        _checks.shape("parents", self.parents, tuple(self.tokens.shape))
+        _checks.same_device("tokens", self.tokens, parents=self.parents)
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_nodes(self) -> torch.Tensor:
+        """int64 [B]: real nodes per row, root included."""
+        return _checks.real_nodes(self.parents).sum(-1)
+
+    @property
+    def depths(self) -> torch.Tensor:
+        """int64 [B, T]: root 0, a child one more than its parent, padding -1."""
+        depths = torch.full_like(self.parents, -1)
+        depths[:, 0] = 0
+        rows = torch.arange(self.batch_size, device=self.parents.device)
+        for i in range(1, self.parents.shape[1]):
+            parent = self.parents[:, i]
+            depths[:, i] = torch.where(parent >= 0, depths[rows, parent.clamp(min=0)] + 1, -1)
+        return depths
+
+    def position_ids(self, prefix_lens: torch.Tensor) -> torch.Tensor:
+        """int64 [B, T]: position of each node in its sequence, prefix_len + depth (padding: prefix_len)."""
+        return prefix_lens.to(torch.int64)[:, None] + self.depths.clamp(min=0)
+
+    def mask(self, packed: bool = False) -> torch.Tensor:
+        """The ancestor mask (`tree_mask`), packed with `pack_tree_mask` if asked."""
+        mask = tree_mask(self.parents)
+        return pack_tree_mask(mask) if packed else mask
+
+    def path(self, row: int, node: int) -> list:
+        """Node indices from the root to `node` (both included) in `row`."""
+        path = [node]
+        while path[-1] > 0:
+            path.append(int(self.parents[row, path[-1]]))
+        return path[::-1]
+
+    def path_tokens(self, row: int, node: int) -> list:
+        """Token ids along `path(row, node)`, root token first."""
+        return [int(self.tokens[row, i]) for i in self.path(row, node)]
+
+    def to(self, device) -> "TokenTree":
+        return TokenTree(self.tokens.to(device), self.parents.to(device))
+
+    @classmethod
+    def chain(cls, root_tokens: torch.Tensor, draft_tokens: torch.Tensor, draft_lens=None) -> "TokenTree":
+        """A chain per row: root, then draft_tokens[b, :draft_lens[b]] (all K if None)."""
+        batch, k = draft_tokens.shape
+        device = draft_tokens.device
+        tokens = torch.cat([root_tokens.reshape(batch, 1).to(draft_tokens.dtype), draft_tokens], dim=1)
+        parents = torch.arange(-1, k, device=device).expand(batch, -1).clone()
+        if draft_lens is not None:
+            is_pad = torch.arange(k + 1, device=device)[None, :] > draft_lens.to(device)[:, None]
+            parents[is_pad] = -1
+            tokens = tokens.masked_fill(is_pad, -1)
+        return cls(tokens, parents)
+
+    @classmethod
+    def from_sequences(
+        cls, root_tokens: Sequence[int], sequences: Sequence[Sequence[Sequence[int]]], max_nodes: int
+    ) -> "TokenTree":
+        """Merge each row's draft sequences into one trie (shared prefixes appear once).
+
+        Args:
+            root_tokens: the root token of each row.
+            sequences: per row, a list of token sequences continuing the root, in priority
+                order; earlier sequences get lower node numbers.
+            max_nodes: drafted-node budget per row; nodes past it are dropped.
+
+        Returns:
+            A TokenTree with T = 1 + max_nodes (tokens and parents -1 padded). Siblings are
+            distinct, as deterministic verification requires.
+        """
+        tokens, parents = reference.merge_sequences(root_tokens, sequences, max_nodes)
+        return cls(tokens, parents)
