@@ -55,9 +55,10 @@ def target_probs(logits, temperature, top_k, top_p) -> torch.Tensor:
     x = (sanitize_logits(logits) / temp[:, None]).clamp(max=FP32_MAX)
 
     use_top_k = (top_k > 0) & (top_k < vocab)
-    sorted_x = torch.sort(x, dim=-1, descending=True).values
-    kth_largest = sorted_x.gather(-1, (top_k.clamp(1, vocab) - 1)[:, None])
-    x = torch.where(use_top_k[:, None] & (x < kth_largest), float("-inf"), x)
+    if use_top_k.any():  # (the sorts are skipped when no row needs them: pure speed)
+        sorted_x = torch.sort(x, dim=-1, descending=True).values
+        kth_largest = sorted_x.gather(-1, (top_k.clamp(1, vocab) - 1)[:, None])
+        x = torch.where(use_top_k[:, None] & (x < kth_largest), float("-inf"), x)
 
     # A node with nothing left (all -inf / NaN) emits token 0: give it all the mass.
     nothing_left = torch.isneginf(x).all(dim=-1, keepdim=True)
@@ -65,18 +66,26 @@ def target_probs(logits, temperature, top_k, top_p) -> torch.Tensor:
     x = torch.where(nothing_left & is_token_0, 0.0, x)
     probs = torch.softmax(x, dim=-1)
 
-    sorted_p = torch.sort(probs, dim=-1, descending=True).values
-    mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-    num_kept = (mass_before < top_p[:, None]).sum(-1, keepdim=True).clamp(min=1)
-    smallest_kept = sorted_p.gather(-1, num_kept - 1)
-    keep = (probs >= smallest_kept) | (top_p[:, None] >= 1.0)
-    probs = torch.where(keep, probs, 0.0)
-    return probs / probs.sum(-1, keepdim=True)
+    if (top_p < 1.0).any():
+        sorted_p = torch.sort(probs, dim=-1, descending=True).values
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        num_kept = (mass_before < top_p[:, None]).sum(-1, keepdim=True).clamp(min=1)
+        smallest_kept = sorted_p.gather(-1, num_kept - 1)
+        keep = (probs >= smallest_kept) | (top_p[:, None] >= 1.0)
+        probs = torch.where(keep, probs, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
 
 
-def sample_race(weights: torch.Tensor, seed: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
-    """One token per row, v with probability weights[v] / sum(weights) (weights >= 0, not all 0)."""
+def sample_race(weights: torch.Tensor, seed: torch.Tensor, node: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """One token per row, v with probability weights[v] / sum(weights) (weights >= 0, not all 0).
+
+    Rows where `active` is False (greedy or finished) get an unspecified token; when no row
+    is active the random numbers are not even drawn.
+    """
     vocab = weights.shape[-1]
+    if not active.any():
+        return torch.zeros(weights.shape[0], dtype=torch.int64, device=weights.device)
     ids = torch.arange(vocab, device=weights.device)
     u = uniform(seed[:, None], node[:, None], PURPOSE_SAMPLE, ids[None, :])
     exponential = -torch.log(u)
@@ -105,12 +114,13 @@ def verify(target_logits, tree_tokens, parents, draft_probs, temperature, top_k,
 
     while not finished.all():
         logits = target_logits[rows, cur]
-        probs = target_probs(logits, temperature, top_k, top_p)
         argmax = greedy_tokens(logits)
+        # With only greedy rows, nothing is sampled and draft probabilities do not matter.
+        probs = None if greedy.all() else target_probs(logits, temperature, top_k, top_p)
         next_node = torch.full((batch,), -1, dtype=torch.int64, device=device)
 
-        if draft_probs is None:
-            y = torch.where(greedy, argmax, sample_race(probs, seed, cur))
+        if draft_probs is None or probs is None:
+            y = argmax if probs is None else torch.where(greedy, argmax, sample_race(probs, seed, cur, ~greedy & ~finished))
             is_match = (parents == cur[:, None]) & (tree_tokens == y[:, None]) & (node_ids > 0)
             next_node = torch.where(is_match.any(-1), is_match.int().argmax(-1), next_node)
             emitted = y
@@ -131,7 +141,7 @@ def verify(target_logits, tree_tokens, parents, draft_probs, temperature, top_k,
                 total = updated.sum(-1, keepdim=True)
                 updated = torch.where(total > 0, updated / total, residual)
                 residual = torch.where(reject[:, None], updated, residual)
-            emitted = torch.where(greedy, argmax, sample_race(residual, seed, cur))
+            emitted = torch.where(greedy, argmax, sample_race(residual, seed, cur, ~greedy & ~finished))
 
         moves = ~finished & (next_node >= 0)
         stops = ~finished & (next_node < 0)

@@ -1,0 +1,92 @@
+"""Shared test helpers: fresh random inputs every run, random token trees.
+
+Inputs are random on every run (a new seed each time, printed on failure); set
+SPECDEC_TEST_SEED=<int> to replay a failing run. Statistical tests use their own fixed seeds.
+"""
+
+import os
+import random
+
+import pytest
+import torch
+
+import specdec_kernels
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_C = specdec_kernels.LOAD_ERROR is None
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+requires_c = pytest.mark.skipif(not HAS_C, reason=f"specdec_kernels._C unavailable: {specdec_kernels.LOAD_ERROR}")
+
+TREE_KINDS = ("chain", "star", "bushy", "deep", "random")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+
+
+@pytest.fixture
+def gen(request):
+    """A torch.Generator with a fresh seed per test (or SPECDEC_TEST_SEED), printed on failure."""
+    seed = int(os.environ.get("SPECDEC_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    print(f"SPECDEC_TEST_SEED={seed}  # replay with this environment variable")
+    g = torch.Generator().manual_seed(seed)
+    return g
+
+
+def randint(gen, low, high, size=()):
+    return torch.randint(low, high, size, generator=gen)
+
+
+def random_parents(gen, batch: int, num_nodes: int, kind: str = "random", ragged: bool = True) -> torch.Tensor:
+    """int64 [batch, num_nodes] valid parent arrays of the given shape family.
+
+    chain: each node under the previous; star: every node under the root; bushy: parent
+    drawn from the first few nodes; deep: parent among the last two nodes; random: any
+    earlier node. With ragged=True each row keeps a random number of real nodes (>= 1) and
+    pads the rest (parent -1).
+    """
+    parents = torch.full((batch, num_nodes), -1, dtype=torch.int64)
+    for b in range(batch):
+        real = int(randint(gen, 1, num_nodes + 1)) if ragged else num_nodes
+        for i in range(1, real):
+            if kind == "chain":
+                p = i - 1
+            elif kind == "star":
+                p = 0
+            elif kind == "bushy":
+                p = int(randint(gen, 0, min(i, 3)))
+            elif kind == "deep":
+                p = int(randint(gen, max(0, i - 2), i))
+            elif kind == "random":
+                p = int(randint(gen, 0, i))
+            else:
+                raise ValueError(kind)
+            parents[b, i] = p
+    return parents
+
+
+def ancestors(parents_row, i: int) -> list:
+    """Node i and its ancestors (i first), by walking parent links in plain Python."""
+    out = [i]
+    while parents_row[out[-1]] >= 0 and out[-1] != 0:
+        out.append(int(parents_row[out[-1]]))
+    return out
+
+
+def distinct_sibling_tokens(gen, parents: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int64 [B, T] tokens with distinct tokens among siblings (padding nodes get -1)."""
+    batch, num_nodes = parents.shape
+    tokens = torch.full((batch, num_nodes), -1, dtype=torch.int64)
+    for b in range(batch):
+        tokens[b, 0] = int(randint(gen, 0, vocab))
+        used = {}
+        for i in range(1, num_nodes):
+            p = int(parents[b, i])
+            if p < 0:
+                continue
+            taken = used.setdefault(p, set())
+            free = [t for t in range(vocab) if t not in taken]
+            tok = free[int(randint(gen, 0, len(free)))]
+            taken.add(tok)
+            tokens[b, i] = tok
+    return tokens
