@@ -71,8 +71,10 @@ class TokenTree:
 
     def __post_init__(self):
         _checks.tensor("tokens", self.tokens, dims=2, dtypes=_checks.INT_DTYPES)
-        self.parents = _parents_2d(self.parents).expand(self.tokens.shape[0], -1)
-        _checks.shape("parents", self.parents, tuple(self.tokens.shape))
+        batch, num_nodes = self.tokens.shape
+        parents = _parents_2d(self.parents)  # a [T] input becomes [1, T]
+        _checks.shape("parents", parents, (batch if self.parents.dim() == 2 else 1, num_nodes))
+        self.parents = parents.expand(batch, -1)
         _checks.same_device("tokens", self.tokens, parents=self.parents)
 
     @property
@@ -106,6 +108,8 @@ class TokenTree:
 
     def path(self, row: int, node: int) -> list:
         """Node indices from the root to `node` (both included) in `row`."""
+        if node > 0 and int(self.parents[row, node]) < 0:
+            _checks.fail("node", f"node {node} of row {row} is a padding node; it has no path")
         path = [node]
         while path[-1] > 0:
             path.append(int(self.parents[row, path[-1]]))

@@ -42,6 +42,8 @@ def tree_attention(
     _checks.tensor("tree_mask", tree_mask, dims=(2, 3), dtypes=(torch.bool, torch.int64))
     _checks.nonempty_batch("q", q)
     batch, num_nodes, num_q_heads, head_dim = q.shape
+    if num_nodes == 0:
+        _checks.fail("q", f"expected T >= 1 tree nodes, got shape {tuple(q.shape)}")
     _checks.shape("k_cache", k_cache, (batch, None, None, head_dim))
     _checks.shape("v_cache", v_cache, tuple(k_cache.shape))
     num_kv_heads = k_cache.shape[2]

@@ -18,7 +18,7 @@ def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale: float) 
     if tree_mask.dtype != torch.bool:
         tree_mask = unpack_tree_mask(tree_mask, num_nodes)
     key_pos = torch.arange(cache_len, device=q.device)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, like every backend
     for b in range(batch):
         prefix_len = cache_seqlens[b].to(torch.int64)
         tree_col = key_pos - prefix_len  # which tree node a key is, if 0 <= tree_col < T
@@ -28,6 +28,9 @@ def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale: float) 
         # Group query heads by the KV head they share: [T, Hkv, group, D].
         qb = q[b].float().reshape(num_nodes, num_kv_heads, group, head_dim)
         kb, vb = k_cache[b].float(), v_cache[b].float()
+        # Slots nobody sees may hold garbage (NaN/inf in an uninitialised cache): a zero
+        # probability times NaN is NaN, so zero those values instead of trusting the mask.
+        vb = vb.masked_fill(~visible.any(0)[:, None, None], 0.0)
         scores = torch.einsum("tkgd,skd->kgts", qb, kb) * scale
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)

@@ -1,0 +1,477 @@
+"""Op registration and dispatch: `torch.library.opcheck` on every `torch.ops.specdec` op,
+`torch.compile(fullgraph=True)` through the public API, backend selection, and importing the
+package without the compiled extension."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import specdec_kernels as sk
+from specdec_kernels import _extension
+
+from conftest import HAS_C, randint, random_parents, requires_c
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OPS = _extension.OPS
+
+
+# ----------------------------------------------------------------------------- sample inputs
+# The normalised argument forms the public wrappers pass to `run(...)`.
+
+
+def tree_mask_samples(gen):
+    for batch, num_nodes, kind in ((1, 1, "chain"), (3, 7, "random"), (2, 70, "bushy")):
+        yield (random_parents(gen, batch, num_nodes, kind),)
+    wide = torch.zeros(2, 18, dtype=torch.int64)
+    wide[:, ::2] = random_parents(gen, 2, 9, "deep")
+    yield (wide[:, ::2],)  # strided (the public API passes contiguous; the op must not care)
+
+
+def pack_tree_mask_samples(gen):
+    for batch, num_nodes in ((1, 1), (2, 9), (2, 65), (1, 130)):
+        mask = sk.tree_mask(random_parents(gen, batch, num_nodes, "random"))
+        yield (mask,)
+    yield (torch.rand(2, 5, 70, generator=gen) < 0.5,)  # not square
+    yield (sk.tree_mask(random_parents(gen, 2, 66, "random")).transpose(1, 2),)  # strided
+
+
+def attention_inputs(gen, batch, num_nodes, q_heads, kv_heads, head_dim, dtype=torch.float32, packed=False, hf=False):
+    parents = random_parents(gen, batch, num_nodes, "random")
+    prefix = randint(gen, 0, 20, (batch,)).to(torch.int32)
+    cache_len = int(prefix.max()) + num_nodes + 2
+    if hf:
+        q = torch.randn(batch, q_heads, num_nodes, head_dim, generator=gen).to(dtype).transpose(1, 2)
+        k = torch.randn(batch, kv_heads, cache_len, head_dim, generator=gen).to(dtype).transpose(1, 2)
+        v = torch.randn(batch, kv_heads, cache_len, head_dim, generator=gen).to(dtype).transpose(1, 2)
+    else:
+        q = torch.randn(batch, num_nodes, q_heads, head_dim, generator=gen).to(dtype)
+        k = torch.randn(batch, cache_len, kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(batch, cache_len, kv_heads, head_dim, generator=gen).to(dtype)
+    mask = sk.tree_mask(parents)
+    if packed:
+        mask = sk.pack_tree_mask(mask)
+    return q, k, v, mask, prefix, head_dim**-0.5
+
+
+def tree_attention_samples(gen):
+    yield attention_inputs(gen, 2, 5, 4, 2, 16)
+    yield attention_inputs(gen, 1, 1, 2, 2, 8, dtype=torch.bfloat16)
+    yield attention_inputs(gen, 2, 66, 2, 1, 16, packed=True)
+    yield attention_inputs(gen, 2, 6, 4, 4, 16, dtype=torch.float16)
+
+
+def tree_attention_hf_samples(gen):
+    yield attention_inputs(gen, 2, 5, 4, 2, 16, hf=True)
+
+
+def verify_samples(gen):
+    batch, num_nodes, vocab = 2, 6, 11
+    parents = random_parents(gen, batch, num_nodes, "random")
+    from conftest import distinct_sibling_tokens
+
+    tokens = distinct_sibling_tokens(gen, parents, vocab)
+    logits = torch.randn(batch, num_nodes, vocab, generator=gen)
+    seed = torch.tensor([1, 2], dtype=torch.int64)
+    temp = torch.tensor([0.0, 0.8])
+    top_k = torch.tensor([0, 5])
+    top_p = torch.tensor([1.0, 0.9])
+    yield (logits, tokens, parents, None, temp, top_k, top_p, seed)
+    draft = torch.softmax(torch.randn(batch, num_nodes, vocab, generator=gen), -1)
+    yield (logits, tokens, parents, draft, torch.tensor([1.0, 0.5]), torch.zeros(2, dtype=torch.int64), torch.ones(2), seed)
+
+
+def compact_samples(gen):
+    batch, num_nodes = 2, 5
+    prefix = torch.tensor([3, 0], dtype=torch.int32)
+    accepted = torch.tensor([[0, 2, 3, -1, -1], [0, -1, -1, -1, -1]], dtype=torch.int32)
+    num_accepted = torch.tensor([2, 0], dtype=torch.int32)
+    caches = [torch.randn(batch, 10, 2, 4, generator=gen), torch.randn(batch, 2, 9, 8, generator=gen).to(torch.bfloat16).transpose(1, 2)]
+    yield (caches, prefix, accepted, num_accepted)
+
+
+def ngram_tokens(gen):
+    tokens = randint(gen, 0, 4, (3, 40))
+    lengths = torch.tensor([40, 0, 17])
+    return tokens, lengths
+
+
+def ngram_propose_samples(gen):
+    tokens, lengths = ngram_tokens(gen)
+    yield (tokens, lengths, 1, 4, 5, "earliest")
+    yield (tokens.to(torch.int32), lengths, 2, 2, 3, "latest")
+
+
+def ngram_propose_tree_samples(gen):
+    tokens, lengths = ngram_tokens(gen)
+    yield (tokens, lengths, 1, 3, 4, 3, 12, "earliest")
+    yield (tokens.to(torch.int32), lengths, 1, 1, 2, 2, 3, "latest")
+
+
+SAMPLES = {
+    "tree_mask": tree_mask_samples,
+    "pack_tree_mask": pack_tree_mask_samples,
+    "tree_attention": tree_attention_samples,
+    "verify": verify_samples,
+    "compact_kv_cache_": compact_samples,
+    "ngram_propose": ngram_propose_samples,
+    "ngram_propose_tree": ngram_propose_tree_samples,
+}
+
+
+def clone_args(args):
+    return tuple([a.clone() for a in x] if isinstance(x, list) else x.clone() if isinstance(x, torch.Tensor) else x for x in args)
+
+
+# ----------------------------------------------------------------------------- opcheck
+
+
+@requires_c
+def test_every_op_is_registered():
+    for op in OPS:
+        packet = getattr(torch.ops.specdec, op)
+        assert packet.default is not None
+        for key in ("CPU",):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(f"specdec::{op}", key), (op, key)
+    assert set(OPS) == set(SAMPLES)
+
+
+@requires_c
+@pytest.mark.parametrize("op", OPS)
+def test_opcheck(gen, op):
+    for args in SAMPLES[op](gen):
+        torch.library.opcheck(getattr(torch.ops.specdec, op).default, clone_args(args))
+
+
+@requires_c
+@pytest.mark.parametrize("op", OPS)
+def test_op_matches_reference(gen, op):
+    """torch.ops.specdec.<op> (compiled or registered reference kernel) == reference function."""
+    for args in SAMPLES[op](gen):
+        a, b = clone_args(args), clone_args(args)
+        got = getattr(torch.ops.specdec, op).default(*a)
+        want = getattr(sk.reference, op)(*b)
+        got = got if isinstance(got, tuple) else (got,)
+        want = want if isinstance(want, tuple) else (want,)
+        for x, y in zip(got, want):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+        if op == "compact_kv_cache_":
+            for x, y in zip(a[0], b[0]):
+                assert torch.equal(x, y)
+
+
+@requires_c
+def test_opcheck_tree_attention_hf_layout(gen):
+    for args in tree_attention_hf_samples(gen):
+        torch.library.opcheck(torch.ops.specdec.tree_attention.default, clone_args(args))
+
+
+def test_tree_attention_output_strides_do_not_depend_on_backend(gen):
+    """The fake says contiguous: every backend must return a contiguous output, for any q layout."""
+    for args in tree_attention_samples(gen):
+        q, k, v, mask, prefix, scale = args
+        for backend in [None] + sk.available_backends("tree_attention", "cpu"):
+            assert sk.tree_attention(q, k, v, mask, prefix, scale=scale, backend=backend).is_contiguous()
+
+
+def test_tree_attention_output_contiguous_for_hf_q(gen):
+    for args in tree_attention_hf_samples(gen):
+        q, k, v, mask, prefix, scale = args
+        for backend in [None] + sk.available_backends("tree_attention", "cpu"):
+            assert sk.tree_attention(q, k, v, mask, prefix, scale=scale, backend=backend).is_contiguous()
+
+
+def _i32(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+COMPILED_BAD_CALLS = [
+    ("tree_mask", "parents", lambda: (torch.tensor([[-1, 0]], dtype=torch.int32),)),
+    ("tree_mask", "parents", lambda: (torch.tensor([-1, 0]),)),
+    ("tree_mask", "parents", lambda: (torch.tensor([[-1, 0, 5]]),)),  # not topological: a value check in the kernel
+    ("tree_mask", "parents", lambda: (torch.tensor([[-1, 0, -3]]),)),
+    ("tree_mask", "parents", lambda: (torch.tensor([[2, 0, 1]]),)),
+    ("pack_tree_mask", "mask", lambda: (torch.zeros(1, 2, 2, dtype=torch.int64),)),
+    ("pack_tree_mask", "mask", lambda: (torch.zeros(2, 2, dtype=torch.bool),)),
+    ("compact_kv_cache_", "cache_seqlens", lambda: ([torch.zeros(1, 5, 1, 2)], torch.tensor([0]), _i32([0, 1]), _i32(1))),
+    ("compact_kv_cache_", "caches", lambda: ([torch.zeros(1, 5, 2)], _i32(0), _i32([0, 1]), _i32(1))),
+    ("compact_kv_cache_", "accepted_nodes", lambda: ([torch.zeros(1, 5, 1, 2)], _i32(0), _i32([0, 7]), _i32(1))),
+    ("compact_kv_cache_", "cache_seqlens", lambda: ([torch.zeros(1, 5, 1, 2)], _i32(4), _i32([0, 1]), _i32(1))),
+    ("compact_kv_cache_", "num_accepted", lambda: ([torch.zeros(1, 5, 1, 2)], _i32(0), _i32([0, 1]), _i32(2))),
+]
+
+
+@requires_c
+@pytest.mark.parametrize("op, name, make_args", COMPILED_BAD_CALLS, ids=[f"{o}-{i}" for i, (o, _, _) in enumerate(COMPILED_BAD_CALLS)])
+def test_compiled_kernels_check_direct_calls(op, name, make_args):
+    """torch.ops.specdec.<op> called directly (no Python checks) fails with an error naming the op
+    and the argument, never a crash or a wrong answer."""
+    if "CPU" not in _extension.COMPILED[op]:
+        pytest.skip(f"no compiled CPU kernel for {op}")
+    with pytest.raises(RuntimeError, match=rf"{op}.*{name}"):
+        getattr(torch.ops.specdec, op).default(*make_args())
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+
+@pytest.fixture
+def no_value_checks():
+    old = sk.config.check_values
+    sk.config.check_values = False
+    try:
+        yield
+    finally:
+        sk.config.check_values = old
+
+
+def _public_calls(gen):
+    """(name, fn, [args for two shapes]) for a small function around each public op."""
+    def f_tree(parents):
+        mask = sk.tree_mask(parents)
+        return mask, sk.pack_tree_mask(mask)
+
+    def f_attention(q, k, v, parents, prefix):
+        mask = sk.tree_mask(parents)
+        return sk.tree_attention(q, k, v, mask, prefix) + 1, sk.tree_attention(q, k, v, sk.pack_tree_mask(mask), prefix, scale=0.1)
+
+    def f_compact(c0, c1, prefix, accepted, num_accepted):
+        return sk.compact_kv_cache_([c0, c1], prefix, accepted, num_accepted) * 2
+
+    def f_ngram(tokens, lengths):
+        drafts, lens = sk.ngram_propose(tokens, lengths, min_n=1, max_n=3, num_tokens=4)
+        tree = sk.ngram_propose_tree(tokens, lengths, min_n=1, max_n=3, num_tokens=4, tree_width=2, policy="latest")
+        return drafts, lens, tree.tokens, tree.parents
+
+    def f_verify(logits, tokens, parents):
+        out = sk.verify(logits, tokens, parents, temperature=0.0, seed=torch.tensor([3, 4]))
+        return out.accepted_nodes, out.num_accepted, out.output_tokens
+
+    from conftest import distinct_sibling_tokens
+
+    def attn_args(num_nodes):
+        q, k, v, _, prefix, _ = attention_inputs(gen, 2, num_nodes, 4, 2, 16)
+        return (q, k, v, random_parents(gen, 2, num_nodes, "random"), prefix)
+
+    def compact_args(num_nodes):
+        accepted = torch.full((2, num_nodes), -1, dtype=torch.int32)
+        accepted[0, :3], accepted[1, 0] = torch.tensor([0, 1, num_nodes - 1]), 0
+        return (torch.randn(2, 20, 2, 4, generator=gen), torch.randn(2, 3, 20, 8, generator=gen).transpose(1, 2),
+                torch.tensor([4, 9], dtype=torch.int32), accepted, torch.tensor([2, 0], dtype=torch.int32))
+
+    def verify_args(num_nodes):
+        parents = random_parents(gen, 2, num_nodes, "random")
+        return (torch.randn(2, num_nodes, 9, generator=gen), distinct_sibling_tokens(gen, parents, 9), parents)
+
+    return [
+        ("tree", f_tree, [(random_parents(gen, 2, t, "random"),) for t in (5, 67)]),
+        ("attention", f_attention, [attn_args(t) for t in (4, 9)]),
+        ("compact", f_compact, [compact_args(t) for t in (4, 6)]),
+        ("ngram", f_ngram, [(randint(gen, 0, 4, (2, n)), torch.tensor([n, n // 2])) for n in (30, 50)]),
+        ("verify", f_verify, [verify_args(t) for t in (4, 7)]),
+    ]
+
+
+def _check_compiled(fn, arg_sets, compile_backend):
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend=compile_backend)
+    for args in arg_sets:
+        eager_args, compiled_args = clone_args(args), clone_args(args)
+        want = fn(*eager_args)
+        got = compiled(*compiled_args)
+        want = want if isinstance(want, tuple) else (want,)
+        got = got if isinstance(got, tuple) else (got,)
+        for x, y in zip(got, want):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+        for x, y in zip(compiled_args, eager_args):  # in-place ops mutate the same way
+            if isinstance(x, torch.Tensor):
+                assert torch.equal(x, y)
+
+
+@requires_c
+@pytest.mark.parametrize("name", ("tree", "attention", "compact", "ngram", "verify"))
+def test_compile_fullgraph(gen, no_value_checks, name):
+    fn, arg_sets = next((f, a) for n, f, a in _public_calls(gen) if n == name)
+    _check_compiled(fn, arg_sets, "aot_eager")
+
+
+@requires_c
+@pytest.mark.parametrize("name", ("tree",))  # ops only: no generated C++ to compile, so it stays fast
+def test_compile_fullgraph_inductor(gen, no_value_checks, name):
+    fn, arg_sets = next((f, a) for n, f, a in _public_calls(gen) if n == name)
+    _check_compiled(fn, arg_sets, "inductor")
+
+
+@requires_c
+def test_compile_value_checks_skipped_but_flag_restored(gen):
+    """With check_values left on, compiling still works: the value checks are skipped while tracing."""
+    assert sk.config.check_values
+    parents = random_parents(gen, 2, 9, "random")
+    compiled = torch.compile(lambda p: sk.tree_mask(p), fullgraph=True, backend="aot_eager")
+    torch._dynamo.reset()
+    assert torch.equal(compiled(parents), sk.tree_mask(parents))
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+def _public_call(op, gen, backend):
+    """Call the public entry point of `op` with small valid inputs and a forced backend."""
+    if op == "tree_mask":
+        return sk.tree_mask(random_parents(gen, 2, 5, "random"), backend=backend)
+    if op == "pack_tree_mask":
+        return sk.pack_tree_mask(sk.tree_mask(random_parents(gen, 2, 5, "random")), backend=backend)
+    if op == "tree_attention":
+        q, k, v, mask, prefix, _ = attention_inputs(gen, 2, 5, 2, 1, 8)
+        return sk.tree_attention(q, k, v, mask, prefix, backend=backend)
+    if op == "verify":
+        logits = torch.randn(1, 3, 5, generator=gen)
+        return sk.verify(logits, torch.tensor([[0, 1, 2]]), torch.tensor([-1, 0, 0]), temperature=0.0, backend=backend)
+    if op == "compact_kv_cache_":
+        (caches, prefix, accepted, num_accepted), = compact_samples(gen)
+        return sk.compact_kv_cache_(caches, prefix, accepted, num_accepted, backend=backend)
+    if op == "ngram_propose":
+        return sk.ngram_propose(*ngram_tokens(gen), backend=backend)
+    if op == "ngram_propose_tree":
+        return sk.ngram_propose_tree(*ngram_tokens(gen), backend=backend)
+    raise AssertionError(op)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_available_backends(op):
+    cpu = sk.available_backends(op, "cpu")
+    assert cpu[-1] == "reference" and len(set(cpu)) == len(cpu)
+    assert set(cpu) <= {"cpu", "reference"}
+    assert ("cpu" in cpu) == ("CPU" in _extension.COMPILED[op])
+    if not HAS_C:
+        assert cpu == ["reference"]
+    cuda = sk.available_backends(op, "cuda")
+    assert cuda[-1] == "reference" and set(cuda) <= {"cuda", "triton", "reference"}
+
+
+@requires_c
+def test_compiled_cpu_kernels_present():
+    """The extension ships compiled CPU kernels for these ops (the brief of the C++ side)."""
+    for op in ("tree_mask", "pack_tree_mask", "compact_kv_cache_"):
+        assert sk.available_backends(op, "cpu")[0] == "cpu", op
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_forced_backends(gen, op):
+    _public_call(op, gen, "reference")
+    _public_call(op, gen, None)
+    if "cpu" in sk.available_backends(op, "cpu"):
+        _public_call(op, gen, "cpu")
+    else:
+        with pytest.raises(RuntimeError, match=op):
+            _public_call(op, gen, "cpu")
+    with pytest.raises(ValueError, match="nope"):
+        _public_call(op, gen, "nope")
+    with pytest.raises(ValueError, match="cuda"):  # CPU tensors
+        _public_call(op, gen, "cuda")
+    with pytest.raises(RuntimeError, match="triton"):
+        _public_call(op, gen, "triton")
+
+
+# ----------------------------------------------------------------------------- import without _C
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+_USE_PACKAGE = """
+    import torch
+    assert sk.available_backends("tree_mask", "cpu") == ["reference"]
+    parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, -1, -1]])
+    mask = sk.tree_mask(parents)
+    assert mask.tolist()[0][3] == [True, True, False, True], mask
+    assert sk.pack_tree_mask(mask).shape == (2, 4, 1)
+    d, n = sk.ngram_propose(torch.tensor([[1, 2, 1]]), torch.tensor([3]))
+    assert d.tolist()[0][:2] == [2, 1] and n.tolist() == [2]
+    try:
+        sk.tree_mask(parents, backend="cpu")
+    except RuntimeError as e:
+        assert "tree_mask" in str(e) and REASON in str(e), e
+    else:
+        raise AssertionError("backend='cpu' should fail without _C")
+    import specdec_kernels, importlib  # importing again does not warn again
+    importlib.import_module("specdec_kernels")
+    ours = [w for w in caught if "specdec_kernels" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in ours]
+    message = str(ours[0].message)
+    assert ours[0].category is RuntimeWarning
+    assert "specdec_kernels._C" in message and REASON in message and "reference" in message, message
+    assert "pip install" in message, message
+    print("OK", sk.LOAD_ERROR)
+"""
+
+
+def test_import_without_extension_warns_once():
+    code = """
+        import sys, warnings
+        sys.modules["specdec_kernels._C"] = None  # as if it was never built
+        REASON = "not built"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import specdec_kernels as sk
+            assert sk.LOAD_ERROR == "it was not built", sk.LOAD_ERROR
+    """ + textwrap.indent(textwrap.dedent(_USE_PACKAGE), " " * 12)
+    result = _run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert "OK it was not built" in result.stdout
+
+
+def test_import_with_broken_extension_warns_once():
+    """An extension that fails to load (e.g. built against another torch) is reported, not raised."""
+    code = """
+        import importlib.abc, importlib.util, sys, warnings
+
+        class Broken(importlib.abc.Loader):
+            def create_module(self, spec):
+                raise ImportError("undefined symbol: _ZN3c1017fake_missing_symbolEv")
+            def exec_module(self, module):
+                pass
+
+        class Finder(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name == "specdec_kernels._C":
+                    return importlib.util.spec_from_loader(name, Broken())
+                return None
+
+        sys.meta_path.insert(0, Finder())
+        REASON = "undefined symbol"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import specdec_kernels as sk
+            assert "failed to load" in sk.LOAD_ERROR and "ImportError" in sk.LOAD_ERROR, sk.LOAD_ERROR
+    """ + textwrap.indent(textwrap.dedent(_USE_PACKAGE), " " * 12)
+    result = _run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert "OK it failed to load: ImportError: undefined symbol" in result.stdout
+
+
+@requires_c
+def test_import_with_extension_does_not_warn():
+    result = _run_python(
+        """
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import specdec_kernels as sk
+        assert sk.LOAD_ERROR is None
+        assert not [w for w in caught if "specdec_kernels" in str(w.message)], [str(w.message) for w in caught]
+        assert sk.available_backends("tree_mask", "cpu") == ["cpu", "reference"]
+        print("OK")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert "OK" in result.stdout

@@ -1,0 +1,390 @@
+"""Tree attention against two oracles written differently from the reference:
+
+* a brute force: for each row, query and head, the list of visible keys (the prefix, then the
+  query's ancestors found by walking parent links) and a float64 softmax over them (numpy);
+* the per-branch oracle: a node's output equals plain causal attention (torch SDPA,
+  is_causal=True, float64) over the prefix followed by its root-to-node path.
+
+Every backend available on the CPU (and backend=None) is compared against `reference`.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import specdec_kernels as sk
+from specdec_kernels import pack_tree_mask, tree_attention, tree_mask
+
+from conftest import TREE_KINDS, ancestors, randint, random_parents
+
+BACKENDS = [None] + sk.available_backends("tree_attention", "cpu")
+
+# Tolerances against the float64 oracles on the same (rounded) inputs: the output is rounded
+# once to the dtype, and low-precision kernels may keep P in that dtype too.
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=1e-4),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+}
+# Between implementations: one or two output roundings apart.
+TOL_BACKEND = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+}
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def make_case(
+    gen,
+    *,
+    batch,
+    num_nodes,
+    q_heads,
+    kv_heads,
+    head_dim,
+    kind="random",
+    ragged=True,
+    dtype=torch.float32,
+    max_prefix=40,
+    hf_layout=False,
+    shared_tree=False,
+    prefix=None,
+):
+    """Random inputs; slots no query may see hold large garbage."""
+    if shared_tree:
+        parents = random_parents(gen, 1, num_nodes, kind, ragged=ragged).expand(batch, -1).contiguous()
+    else:
+        parents = random_parents(gen, batch, num_nodes, kind, ragged=ragged)
+    if prefix is None:
+        prefix = randint(gen, 0, max_prefix + 1, (batch,))
+        prefix[int(randint(gen, 0, batch))] = int(randint(gen, 0, 2))  # a row with an empty / tiny prefix
+    cache_len = int(prefix.max()) + num_nodes + int(randint(gen, 0, 6))
+    if hf_layout:
+        # HF caches are [B, H, S, D]; the kernels take [B, S, H, D] views of them, no copy.
+        k_hf = torch.randn(batch, kv_heads, cache_len, head_dim, generator=gen).to(dtype)
+        v_hf = torch.randn(batch, kv_heads, cache_len, head_dim, generator=gen).to(dtype)
+        q_hf = torch.randn(batch, q_heads, num_nodes, head_dim, generator=gen).to(dtype)
+        k, v, q = k_hf.transpose(1, 2), v_hf.transpose(1, 2), q_hf.transpose(1, 2)
+    else:
+        k = torch.randn(batch, cache_len, kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(batch, cache_len, kv_heads, head_dim, generator=gen).to(dtype)
+        q = torch.randn(batch, num_nodes, q_heads, head_dim, generator=gen).to(dtype)
+    for b in range(batch):  # finite garbage past the tree: must be masked out, not just down-weighted
+        end = int(prefix[b]) + num_nodes
+        k[b, end:] = 50.0
+        v[b, end:] = 1e3
+    return q, k, v, parents, prefix.to(torch.int32)
+
+
+def brute_attention(q, k, v, parents, prefix, scale=None):
+    """float64 numpy [B, T, Hq, D]: loop over rows, queries and heads, softmax over visible keys."""
+    q64 = q.double().numpy()
+    k64 = k.double().numpy()
+    v64 = v.double().numpy()
+    batch, num_nodes, q_heads, head_dim = q.shape
+    group = q_heads // k.shape[2]
+    scale = head_dim**-0.5 if scale is None else scale
+    out = np.zeros((batch, num_nodes, q_heads, head_dim))
+    for b in range(batch):
+        row = parents[b].tolist()
+        length = int(prefix[b])
+        for i in range(num_nodes):
+            visible = list(range(length)) + [length + j for j in sorted(ancestors(row, i))]
+            for h in range(q_heads):
+                keys = k64[b, visible, h // group]  # [n, D]
+                scores = keys @ q64[b, i, h] * scale
+                weights = np.exp(scores - scores.max())
+                weights /= weights.sum()
+                out[b, i, h] = weights @ v64[b, visible, h // group]
+    return torch.from_numpy(out)
+
+
+def branch_oracle(q, k, v, parents, prefix, scale=None, nodes_per_row=3, gen=None):
+    """{(b, node): float64 [Hq, D]} from causal SDPA over prefix + root-to-node path."""
+    batch, num_nodes, q_heads, head_dim = q.shape
+    group = q_heads // k.shape[2]
+    results = {}
+    for b in range(batch):
+        row = parents[b].tolist()
+        real = [i for i in range(num_nodes) if i == 0 or row[i] >= 0]
+        leaves = [i for i in real if i not in row]
+        picks = leaves if len(leaves) <= nodes_per_row else [leaves[int(randint(gen, 0, len(leaves)))] for _ in range(nodes_per_row)]
+        length = int(prefix[b])
+        for leaf in set(picks):
+            path = ancestors(row, leaf)[::-1]  # root first
+            keys = torch.cat([k[b, :length], k[b, [length + j for j in path]]]).double()  # [n, Hkv, D]
+            values = torch.cat([v[b, :length], v[b, [length + j for j in path]]]).double()
+            queries = torch.zeros(length + len(path), q_heads, head_dim, dtype=torch.float64)
+            queries[length:] = q[b, path].double()
+            keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
+            values = values.repeat_interleave(group, dim=1).transpose(0, 1)
+            out = F.scaled_dot_product_attention(queries.transpose(0, 1), keys, values, is_causal=True, scale=scale)
+            for pos, node in enumerate(path):
+                results[(b, node)] = out[:, length + pos]
+    return results
+
+
+def check_all(q, k, v, mask, parents, prefix, *, scale=None, gen=None, branch=True):
+    """Reference and every backend against both oracles and each other."""
+    dtype = q.dtype
+    expected = brute_attention(q, k, v, parents, prefix, scale)
+    oracle = branch_oracle(q, k, v, parents, prefix, scale, gen=gen) if branch else {}
+    ref = tree_attention(q, k, v, mask, prefix, scale=scale, backend="reference")
+    assert ref.shape == q.shape and ref.dtype == dtype
+    torch.testing.assert_close(ref.double(), expected, **TOL[dtype])
+    for (b, node), want in oracle.items():
+        torch.testing.assert_close(ref[b, node].double(), want, **TOL[dtype])
+    for backend in BACKENDS:
+        out = tree_attention(q, k, v, mask, prefix, scale=scale, backend=backend)
+        assert out.shape == q.shape and out.dtype == dtype, backend
+        torch.testing.assert_close(out.double(), expected, **TOL[dtype], msg=lambda m: f"backend={backend}: {m}")
+        torch.testing.assert_close(out, ref, **TOL_BACKEND[dtype], msg=lambda m: f"backend={backend} vs reference: {m}")
+    return ref
+
+
+# ----------------------------------------------------------------------------- correctness
+
+
+@pytest.mark.parametrize("num_nodes", (1, 2, 5, 17, 33, 70))
+@pytest.mark.parametrize("kind", TREE_KINDS)
+def test_tree_shapes(gen, kind, num_nodes):
+    q, k, v, parents, prefix = make_case(gen, batch=3, num_nodes=num_nodes, q_heads=4, kv_heads=2, head_dim=16, kind=kind)
+    check_all(q, k, v, tree_mask(parents), parents, prefix, gen=gen)
+
+
+@pytest.mark.parametrize("head_dim", (16, 64, 128))
+@pytest.mark.parametrize("q_heads, kv_heads", [(4, 4), (4, 1), (8, 2), (8, 1), (16, 2)])
+def test_gqa_and_head_dims(gen, q_heads, kv_heads, head_dim):
+    num_nodes = int(randint(gen, 1, 12))
+    q, k, v, parents, prefix = make_case(
+        gen, batch=2, num_nodes=num_nodes, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, max_prefix=25
+    )
+    check_all(q, k, v, tree_mask(parents), parents, prefix, gen=gen)
+
+
+@pytest.mark.parametrize("max_prefix", (0, 1, 63, 129, 301))
+def test_ragged_prefix_lengths(gen, max_prefix):
+    prefix = randint(gen, 0, max_prefix + 1, (4,))
+    prefix[0] = max_prefix  # one row at the limit, one empty (or tiny), the others anywhere
+    prefix[1] = int(randint(gen, 0, 2))
+    q, k, v, parents, prefix = make_case(
+        gen, batch=4, num_nodes=int(randint(gen, 1, 20)), q_heads=4, kv_heads=2, head_dim=16, prefix=prefix
+    )
+    check_all(q, k, v, tree_mask(parents), parents, prefix, gen=gen)
+
+
+def _grow_cache(gen, k, v, min_len):
+    """Pad the cache along S with random (visible-prefix) entries so min_len fits."""
+    batch, cache_len, heads, dim = k.shape
+    if cache_len >= min_len:
+        return k, v
+    extra = min_len - cache_len
+    k = torch.cat([k, torch.randn(batch, extra, heads, dim, generator=gen).to(k.dtype)], dim=1)
+    v = torch.cat([v, torch.randn(batch, extra, heads, dim, generator=gen).to(v.dtype)], dim=1)
+    return k, v
+
+
+@pytest.mark.parametrize("hf_layout", (False, True), ids=("bshd", "hf_views"))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=str)
+def test_dtypes_and_layouts(gen, dtype, hf_layout):
+    q, k, v, parents, prefix = make_case(
+        gen, batch=3, num_nodes=int(randint(gen, 2, 40)), q_heads=8, kv_heads=2, head_dim=64, dtype=dtype, hf_layout=hf_layout,
+        max_prefix=77,
+    )
+    if hf_layout:
+        assert not q.is_contiguous() and not k.is_contiguous() and q.stride(-1) == 1 and k.stride(-1) == 1
+    check_all(q, k, v, tree_mask(parents), parents, prefix, gen=gen)
+
+
+def test_sliced_cache_views(gen):
+    """Caches that are slices of larger buffers (longer S, more heads, wider D) with odd strides."""
+    q, k, v, parents, prefix = make_case(gen, batch=2, num_nodes=9, q_heads=6, kv_heads=3, head_dim=16, max_prefix=30)
+    big_k = torch.randn(3, k.shape[1] + 7, 5, 40, generator=gen)
+    big_v = torch.randn(3, k.shape[1] + 7, 5, 40, generator=gen)
+    big_k[1:, 3 : 3 + k.shape[1], 1:4, 8:24] = k
+    big_v[1:, 3 : 3 + k.shape[1], 1:4, 8:24] = v
+    k_view = big_k[1:, 3 : 3 + k.shape[1], 1:4, 8:24]
+    v_view = big_v[1:, 3 : 3 + k.shape[1], 1:4, 8:24]
+    big_q = torch.randn(2, 9, 7, 20, generator=gen)
+    big_q[:, :, :6, 2:18] = q
+    q_view = big_q[:, :, :6, 2:18]
+    check_all(q_view, k_view, v_view, tree_mask(parents), parents, prefix, gen=gen)
+
+
+@pytest.mark.parametrize("form", ("bool", "bool_shared", "packed", "packed_shared"))
+@pytest.mark.parametrize("num_nodes", (3, 64, 65, 70))
+def test_mask_forms(gen, form, num_nodes):
+    shared = form.endswith("shared")
+    q, k, v, parents, prefix = make_case(
+        gen, batch=2, num_nodes=num_nodes, q_heads=2, kv_heads=1, head_dim=16, shared_tree=shared, max_prefix=20
+    )
+    mask = tree_mask(parents[0] if shared else parents)
+    if form.startswith("packed"):
+        mask = pack_tree_mask(mask)
+        assert mask.dtype == torch.int64 and mask.shape[-1] == (num_nodes + 63) // 64
+    assert mask.dim() == (2 if shared else 3)
+    out = check_all(q, k, v, mask, parents, prefix, gen=gen, branch=False)
+    dense = tree_attention(q, k, v, tree_mask(parents), prefix, backend="reference")
+    torch.testing.assert_close(out, dense, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("scale", (0.05, 1.0, 0.3))
+def test_custom_scale(gen, scale):
+    prefix = torch.tensor([5, int(randint(gen, 0, 30))])
+    q, k, v, parents, prefix = make_case(gen, batch=2, num_nodes=11, q_heads=4, kv_heads=4, head_dim=32, prefix=prefix)
+    out = check_all(q, k, v, tree_mask(parents), parents, prefix, scale=scale, gen=gen)
+    default = tree_attention(q, k, v, tree_mask(parents), prefix, backend="reference")
+    explicit = tree_attention(q, k, v, tree_mask(parents), prefix, scale=32**-0.5, backend="reference")
+    torch.testing.assert_close(default, explicit, atol=0, rtol=0)
+    assert not torch.allclose(out, default)
+
+
+@pytest.mark.parametrize("kind", TREE_KINDS)
+def test_per_branch_oracle_all_nodes(gen, kind):
+    """Every real node (not only leaves) equals causal attention over prefix + its path."""
+    q, k, v, parents, prefix = make_case(gen, batch=2, num_nodes=int(randint(gen, 1, 30)), q_heads=4, kv_heads=2, head_dim=16, kind=kind)
+    out = tree_attention(q, k, v, tree_mask(parents), prefix)
+    oracle = branch_oracle(q, k, v, parents, prefix, nodes_per_row=10**9, gen=gen)
+    real = {(b, i) for b in range(2) for i in range(q.shape[1]) if i == 0 or parents[b, i] >= 0}
+    assert set(oracle) == real  # leaves' paths cover every real node
+    for (b, node), want in oracle.items():
+        torch.testing.assert_close(out[b, node].double(), want, **TOL[torch.float32])
+
+
+def test_padding_nodes_see_prefix_and_themselves(gen):
+    q, k, v, _, prefix = make_case(gen, batch=1, num_nodes=6, q_heads=2, kv_heads=2, head_dim=16)
+    parents = torch.tensor([[-1, 0, 1, -1, -1, -1]])
+    out = tree_attention(q, k, v, tree_mask(parents), prefix)
+    length = int(prefix[0])
+    for node in (3, 4, 5):
+        keys = torch.cat([k[0, :length], k[0, length + node : length + node + 1]]).double().transpose(0, 1)
+        values = torch.cat([v[0, :length], v[0, length + node : length + node + 1]]).double().transpose(0, 1)
+        want = F.scaled_dot_product_attention(q[0, node].double()[:, None], keys, values)[:, 0]
+        torch.testing.assert_close(out[0, node].double(), want, **TOL[torch.float32])
+
+
+def test_rows_are_independent(gen):
+    q, k, v, parents, prefix = make_case(gen, batch=3, num_nodes=13, q_heads=4, kv_heads=2, head_dim=16, max_prefix=50)
+    mask = tree_mask(parents)
+    for backend in BACKENDS:
+        full = tree_attention(q, k, v, mask, prefix, backend=backend)
+        for b in range(3):
+            alone = tree_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], mask[b : b + 1], prefix[b : b + 1], backend=backend)
+            torch.testing.assert_close(full[b : b + 1], alone, atol=1e-6, rtol=1e-6)
+
+
+def test_check_values_off_same_result(gen):
+    q, k, v, parents, prefix = make_case(gen, batch=2, num_nodes=7, q_heads=2, kv_heads=1, head_dim=16)
+    expected = tree_attention(q, k, v, tree_mask(parents), prefix)
+    old = sk.config.check_values
+    sk.config.check_values = False
+    try:
+        out = tree_attention(q, k, v, tree_mask(parents), prefix)
+    finally:
+        sk.config.check_values = old
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+def test_garbage_nan_outside_visible_region(gen):
+    q, k, v, parents, prefix = make_case(gen, batch=2, num_nodes=5, q_heads=2, kv_heads=1, head_dim=16)
+    k, v = _grow_cache(gen, k, v, k.shape[1] + 3)
+    clean = tree_attention(q, k, v, tree_mask(parents), prefix)
+    for b in range(2):
+        end = int(prefix[b]) + 5
+        k[b, end:] = float("nan")
+        v[b, end:] = float("nan")
+    for backend in BACKENDS + ["reference"]:
+        out = tree_attention(q, k, v, tree_mask(parents), prefix, backend=backend)
+        torch.testing.assert_close(out, clean, atol=0, rtol=0)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def good_inputs(batch=2, num_nodes=4, q_heads=4, kv_heads=2, head_dim=8, cache_len=12):
+    return dict(
+        q=torch.randn(batch, num_nodes, q_heads, head_dim),
+        k_cache=torch.randn(batch, cache_len, kv_heads, head_dim),
+        v_cache=torch.randn(batch, cache_len, kv_heads, head_dim),
+        tree_mask=tree_mask(torch.tensor([-1, 0, 0, 1]).expand(batch, -1)),
+        cache_seqlens=torch.tensor([3, 8], dtype=torch.int32)[:batch],
+    )
+
+
+def _noncontig_last(x):
+    """Same shape, last-dim stride 2."""
+    wide = torch.zeros(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype)
+    return wide[..., ::2]
+
+
+BAD_INPUTS = [
+    ("q", "not_tensor", lambda a: a.update(q=a["q"].tolist())),
+    ("q", "3d", lambda a: a.update(q=a["q"][0])),
+    ("q", "int", lambda a: a.update(q=a["q"].to(torch.int32))),
+    ("q", "float64", lambda a: a.update(q=a["q"].double())),
+    ("q", "last_dim_stride", lambda a: a.update(q=_noncontig_last(a["q"]))),
+    ("q", "empty_batch", lambda a: a.update(q=a["q"][:0], k_cache=a["k_cache"][:0], v_cache=a["v_cache"][:0],
+                                            tree_mask=a["tree_mask"][:0], cache_seqlens=a["cache_seqlens"][:0])),
+    ("k_cache", "3d", lambda a: a.update(k_cache=a["k_cache"][0])),
+    ("k_cache", "dtype", lambda a: a.update(k_cache=a["k_cache"].half())),
+    ("k_cache", "batch", lambda a: a.update(k_cache=a["k_cache"][:1])),
+    ("k_cache", "head_dim", lambda a: a.update(k_cache=a["k_cache"][..., :4])),
+    ("k_cache", "gqa_ratio", lambda a: a.update(k_cache=torch.randn(2, 12, 3, 8), v_cache=torch.randn(2, 12, 3, 8))),
+    ("k_cache", "zero_heads", lambda a: a.update(k_cache=torch.randn(2, 12, 0, 8), v_cache=torch.randn(2, 12, 0, 8))),
+    ("k_cache", "last_dim_stride", lambda a: a.update(k_cache=_noncontig_last(a["k_cache"]))),
+    ("k_cache", "device", lambda a: a.update(k_cache=a["k_cache"].to("meta"))),
+    ("v_cache", "3d", lambda a: a.update(v_cache=a["v_cache"][0])),
+    ("v_cache", "dtype", lambda a: a.update(v_cache=a["v_cache"].bfloat16())),
+    ("v_cache", "shape_s", lambda a: a.update(v_cache=a["v_cache"][:, :11])),
+    ("v_cache", "shape_h", lambda a: a.update(v_cache=torch.randn(2, 12, 4, 8))),
+    ("v_cache", "last_dim_stride", lambda a: a.update(v_cache=_noncontig_last(a["v_cache"]))),
+    ("v_cache", "device", lambda a: a.update(v_cache=a["v_cache"].to("meta"))),
+    ("tree_mask", "dtype_int32", lambda a: a.update(tree_mask=a["tree_mask"].to(torch.int32))),
+    ("tree_mask", "dtype_float", lambda a: a.update(tree_mask=a["tree_mask"].float())),
+    ("tree_mask", "4d", lambda a: a.update(tree_mask=a["tree_mask"][None])),
+    ("tree_mask", "1d", lambda a: a.update(tree_mask=a["tree_mask"][0, 0])),
+    ("tree_mask", "cols", lambda a: a.update(tree_mask=torch.ones(2, 4, 5, dtype=torch.bool))),
+    ("tree_mask", "rows", lambda a: a.update(tree_mask=torch.ones(2, 3, 4, dtype=torch.bool))),
+    ("tree_mask", "batch", lambda a: a.update(tree_mask=torch.ones(3, 4, 4, dtype=torch.bool))),
+    ("tree_mask", "shared_shape", lambda a: a.update(tree_mask=torch.ones(5, 5, dtype=torch.bool))),
+    ("tree_mask", "packed_words", lambda a: a.update(tree_mask=torch.ones(2, 4, 2, dtype=torch.int64))),
+    ("tree_mask", "packed_bool_words", lambda a: a.update(tree_mask=torch.ones(2, 4, 1, dtype=torch.bool))),
+    ("tree_mask", "device", lambda a: a.update(tree_mask=a["tree_mask"].to("meta"))),
+    ("cache_seqlens", "int64", lambda a: a.update(cache_seqlens=a["cache_seqlens"].long())),
+    ("cache_seqlens", "float", lambda a: a.update(cache_seqlens=a["cache_seqlens"].float())),
+    ("cache_seqlens", "2d", lambda a: a.update(cache_seqlens=a["cache_seqlens"][None])),
+    ("cache_seqlens", "shape", lambda a: a.update(cache_seqlens=torch.tensor([1, 2, 3], dtype=torch.int32))),
+    ("cache_seqlens", "overflow", lambda a: a.update(cache_seqlens=torch.tensor([3, 9], dtype=torch.int32))),
+    ("cache_seqlens", "negative", lambda a: a.update(cache_seqlens=torch.tensor([-1, 2], dtype=torch.int32))),
+    ("cache_seqlens", "device", lambda a: a.update(cache_seqlens=a["cache_seqlens"].to("meta"))),
+]
+
+
+@pytest.mark.parametrize("name, case, mutate", BAD_INPUTS, ids=[f"{n}-{c}" for n, c, _ in BAD_INPUTS])
+def test_bad_input(name, case, mutate):
+    args = good_inputs()
+    tree_attention(**args)  # the unmodified inputs are fine
+    mutate(args)
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        tree_attention(**args)
+
+
+def test_cache_exactly_full_is_fine():
+    args = good_inputs()
+    args["cache_seqlens"] = torch.tensor([8, 0], dtype=torch.int32)  # 8 + T=4 == S=12
+    out = tree_attention(**args)
+    assert out.shape == args["q"].shape and torch.isfinite(out).all()
+
+
+def test_zero_nodes():
+    args = good_inputs()
+    args["q"] = args["q"][:, :0]
+    args["tree_mask"] = args["tree_mask"][:, :0, :0]
+    with pytest.raises(ValueError, match="^q:"):
+        tree_attention(**args)
