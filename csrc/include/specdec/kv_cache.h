@@ -1,0 +1,85 @@
+// KV-cache compaction after verification, CPU side: plain C++ over raw pointers, no torch.
+//
+// A cache is one [B, S, H, D] tensor (a layer's keys or values) seen as bytes: the move
+// never looks at the values, so one code path serves every dtype. Row b's tree occupies
+// positions prefix_b + node, node < T; the accepted path accepted[0..n] (node 0, the root,
+// first) moves to positions prefix_b + j, j <= n.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace specdec {
+
+// One [B, S, H, D] cache as bytes. Plain data, passed by value to the CUDA kernel too.
+struct KvCacheView {
+  char* data;
+  int64_t stride_b;    // bytes between batch rows
+  int64_t stride_s;    // bytes between positions
+  int64_t stride_h;    // bytes between heads
+  int32_t seq_len;     // S
+  int32_t heads;       // H
+  int32_t head_bytes;  // D * element size (a head's D values are contiguous)
+  int32_t vec_bytes;   // CUDA: widest load (16, 8, 4, 2 or 1 bytes) the layout allows
+};
+
+// The widest power-of-two access, at most 16 bytes, that divides the base address, every
+// stride and the head size, so every vector of every row is aligned.
+inline int32_t widest_vector_bytes(const KvCacheView& cache) {
+  const uint64_t bits = reinterpret_cast<uintptr_t>(cache.data) | static_cast<uint64_t>(cache.stride_b) |
+                        static_cast<uint64_t>(cache.stride_s) | static_cast<uint64_t>(cache.stride_h) |
+                        static_cast<uint64_t>(cache.head_bytes);
+  int32_t vec = 16;
+  while (vec > 1 && (bits & static_cast<uint64_t>(vec - 1)) != 0) vec /= 2;
+  return vec;
+}
+
+namespace cpu {
+
+// Why batch row `path` cannot be compacted in a cache of `seq_len` positions, or nullptr.
+// The tree (all T nodes) must fit after the prefix, the path must hold 1..T nodes, and
+// every node on it must be a node id.
+inline const char* path_error(int32_t prefix, const int32_t* path, int32_t num_accepted, int32_t num_nodes,
+                              int32_t seq_len) {
+  if (prefix < 0) return "cache_seqlens is negative";
+  if (static_cast<int64_t>(prefix) + num_nodes > seq_len) return "cache_seqlens + T exceeds the cache length S";
+  if (num_accepted < 0 || num_accepted >= num_nodes) return "num_accepted is outside [0, T)";
+  for (int32_t j = 0; j <= num_accepted; ++j) {
+    if (path[j] < 0 || path[j] >= num_nodes) return "accepted_nodes has a node outside [0, T) on the path";
+  }
+  return nullptr;
+}
+
+// Bytes of scratch `compact_row` needs for a path of up to num_nodes nodes.
+inline int64_t compact_scratch_bytes(const KvCacheView& cache, int32_t num_nodes) {
+  return static_cast<int64_t>(num_nodes) * cache.heads * cache.head_bytes;
+}
+
+// Moves row b's accepted path (path_len = num_accepted + 1 nodes, already checked with
+// path_error) in one cache. Every source is copied to `scratch` before any destination is
+// written, because a source slot can also be a destination.
+inline void compact_row(const KvCacheView& cache, int64_t b, int32_t prefix, const int32_t* path, int32_t path_len,
+                        char* scratch) {
+  char* tree = cache.data + b * cache.stride_b + static_cast<int64_t>(prefix) * cache.stride_s;
+  const int64_t row_bytes = static_cast<int64_t>(cache.heads) * cache.head_bytes;
+  // Nodes already in place (path[j] == j, e.g. every node of an accepted chain) are skipped:
+  // destinations are distinct, so nothing else writes their slot.
+  for (int32_t j = 0; j < path_len; ++j) {
+    if (path[j] == j) continue;
+    const char* src = tree + path[j] * cache.stride_s;
+    for (int32_t h = 0; h < cache.heads; ++h) {
+      std::memcpy(scratch + j * row_bytes + h * cache.head_bytes, src + h * cache.stride_h, cache.head_bytes);
+    }
+  }
+  for (int32_t j = 0; j < path_len; ++j) {
+    if (path[j] == j) continue;
+    char* dst = tree + j * cache.stride_s;
+    for (int32_t h = 0; h < cache.heads; ++h) {
+      std::memcpy(dst + h * cache.stride_h, scratch + j * row_bytes + h * cache.head_bytes, cache.head_bytes);
+    }
+  }
+}
+
+}  // namespace cpu
+}  // namespace specdec

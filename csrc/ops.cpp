@@ -1,0 +1,43 @@
+// The specdec op library: every schema, in one place, and the Python module that loads it.
+//
+// `import specdec_kernels._C` loads this shared library; its static initializers run the
+// TORCH_LIBRARY block below and the TORCH_LIBRARY_IMPL blocks of the other csrc files
+// (CPU kernels, and CUDA kernels when built), which is all the module is for. Python
+// (specdec_kernels/_extension.py) adds fake implementations and reference kernels for the
+// (op, device) pairs without a compiled one.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// A module with no methods: registering the ops happens when the library loads.
+PyObject* PyInit__C(void) {
+  static PyModuleDef module = {
+      PyModuleDef_HEAD_INIT,
+      "_C",                                                   // name
+      "specdec kernels; importing registers torch.ops.specdec",  // doc
+      -1,                                                     // no per-interpreter state
+      nullptr,                                                // no methods
+  };
+  return PyModule_Create(&module);
+}
+}
+
+TORCH_LIBRARY(specdec, m) {
+  m.def("tree_mask(Tensor parents) -> Tensor");
+  m.def("pack_tree_mask(Tensor mask) -> Tensor");
+  m.def(
+      "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tree_mask, Tensor cache_seqlens, "
+      "float scale) -> Tensor");
+  m.def(
+      "verify(Tensor target_logits, Tensor tree_tokens, Tensor parents, Tensor? draft_probs, "
+      "Tensor temperature, Tensor top_k, Tensor top_p, Tensor seed) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "compact_kv_cache_(Tensor(a!)[] caches, Tensor cache_seqlens, Tensor accepted_nodes, "
+      "Tensor num_accepted) -> Tensor");
+  m.def(
+      "ngram_propose(Tensor tokens, Tensor lengths, int min_n, int max_n, int num_tokens, str policy) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "ngram_propose_tree(Tensor tokens, Tensor lengths, int min_n, int max_n, int num_tokens, "
+      "int tree_width, int max_nodes, str policy) -> (Tensor, Tensor)");
+}

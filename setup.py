@@ -1,0 +1,89 @@
+"""Builds specdec_kernels._C, the compiled kernels, against the torch already installed.
+
+    pip install --no-build-isolation -e .     # or without -e
+
+--no-build-isolation is required: the extension must be compiled against the exact torch
+it will run with, so torch is not a build requirement (pip would fetch a different one).
+
+What gets compiled:
+* always the CPU kernels and the op schemas (csrc/*.cpp), as a CppExtension;
+* also the CUDA kernels (csrc/cuda/*.cu), as a CUDAExtension, only if torch has CUDA,
+  nvcc is found, and SPECDEC_ENABLE_UNVERIFIED_CUDA=1 is set. The CUDA kernels compile
+  (tools/compile_check.sh checks them for sm_80 and sm_90a) but have not yet run on a GPU,
+  so they stay opt-in until GPU tests pass; without them, CUDA tensors use the Triton or
+  reference implementations.
+SPECDEC_FORCE_CPU=1 builds the CPU kernels only, whatever else holds.
+"""
+
+import glob
+import os
+import shutil
+import sys
+
+from setuptools import setup
+
+try:
+    import torch
+    from torch.utils import cpp_extension
+except ImportError as error:
+    sys.exit(
+        f"specdec-kernels: cannot import torch ({error}). specdec_kernels._C is built against the "
+        "installed torch: install torch first (e.g. `pip install torch`), then build with "
+        "`pip install --no-build-isolation -e .` (without --no-build-isolation, pip builds in a "
+        "fresh environment that has no torch)."
+    )
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def find_nvcc():
+    """Path to the nvcc that torch's build helpers would use, or None."""
+    if cpp_extension.CUDA_HOME is not None:
+        nvcc = os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")
+        if os.path.exists(nvcc):
+            return nvcc
+    return shutil.which("nvcc")
+
+
+def why_no_cuda():
+    """Why the CUDA kernels are not compiled, or None if they are."""
+    if os.environ.get("SPECDEC_FORCE_CPU") == "1":
+        return "SPECDEC_FORCE_CPU=1 is set"
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is built without CUDA"
+    if find_nvcc() is None:
+        return "nvcc was not found (set CUDA_HOME or put nvcc on PATH)"
+    if os.environ.get("SPECDEC_ENABLE_UNVERIFIED_CUDA") != "1":
+        return (
+            "the CUDA kernels have not been run on a GPU yet; set SPECDEC_ENABLE_UNVERIFIED_CUDA=1 "
+            "to build them anyway"
+        )
+    return None
+
+
+def extension():
+    # Sources relative to setup.py, as setuptools wants them.
+    sources = sorted(glob.glob("csrc/*.cpp"))
+    include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc", "include")]
+    # -O3 for speed; -g0 overrides the -g that Python's own CFLAGS add (faster build, smaller .so).
+    extra_compile_args = {"cxx": ["-O3", "-g0"]}
+    reason = why_no_cuda()
+    if reason is not None:
+        print(f"specdec-kernels: building CPU kernels only: {reason}.")
+        return cpp_extension.CppExtension(
+            "specdec_kernels._C", sources, include_dirs=include_dirs, extra_compile_args=extra_compile_args
+        )
+    print(f"specdec-kernels: building CPU and CUDA kernels (nvcc: {find_nvcc()}, torch CUDA {torch.version.cuda}).")
+    extra_compile_args["nvcc"] = ["-O3"]
+    return cpp_extension.CUDAExtension(
+        "specdec_kernels._C",
+        sources + sorted(glob.glob("csrc/cuda/*.cu")),
+        include_dirs=include_dirs,
+        extra_compile_args=extra_compile_args,
+    )
+
+
+setup(
+    ext_modules=[extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension},
+)
