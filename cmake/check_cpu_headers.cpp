@@ -1,7 +1,20 @@
 // Torch-free translation unit for the compile check: the CPU kernel headers in
 // csrc/include/specdec/ compile on their own with only the C++ standard library.
 #include "specdec/kv_cache.h"
+#include "specdec/ngram.h"
+#include "specdec/ngram_index.h"
 #include "specdec/tree.h"
 
 template int64_t specdec::cpu::tree_mask<int64_t>(const int64_t*, int64_t, int64_t, bool*);
 template int64_t specdec::cpu::tree_mask<int32_t>(const int32_t*, int64_t, int64_t, bool*);
+template int64_t specdec::cpu::ngram_propose_row<int64_t>(const int64_t*, int64_t, int64_t, int64_t, int64_t, bool,
+                                                          int64_t*);
+template int64_t specdec::cpu::ngram_propose_row<int32_t>(const int32_t*, int64_t, int64_t, int64_t, int64_t, bool,
+                                                          int32_t*);
+template void specdec::cpu::ngram_propose_tree_row<int64_t>(const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                                            int64_t, bool, int64_t*, int64_t*,
+                                                            specdec::cpu::TreeScratch&);
+template void specdec::cpu::ngram_propose_tree_row<int32_t>(const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                                            int64_t, bool, int32_t*, int64_t*,
+                                                            specdec::cpu::TreeScratch&);
+template int64_t specdec::cpu::NgramHistoryIndex::propose<int64_t>(int64_t, int64_t, int64_t, bool, int64_t*) const;

@@ -1,4 +1,9 @@
-"""N-gram (prompt lookup) drafting: propose what followed the latest n tokens earlier on."""
+"""N-gram (prompt lookup) drafting: propose what followed the latest n tokens earlier on.
+
+These ops rescan each history (the compiled CPU kernel: one SIMD pass per row, rows over
+threads). A serving loop that appends a few tokens per step can use
+`specdec_kernels.ngram_index.NgramIndex` instead: the same drafts without the rescan.
+"""
 
 from typing import Optional
 
@@ -24,8 +29,16 @@ def _check_ngram_args(tokens, lengths, min_n, max_n, num_tokens, policy):
     _checks.int_arg("num_tokens", num_tokens, minimum=1)
     if policy not in POLICIES:
         _checks.fail("policy", f"expected one of {POLICIES}, got {policy!r}")
-    if _checks.checking_values() and ((lengths < 0) | (lengths > tokens.shape[1])).any():
-        _checks.fail("lengths", f"expected 0 <= lengths[b] <= L = {tokens.shape[1]}")
+    if _checks.checking_values():
+        if lengths.device.type == "cpu" and lengths.shape[0] <= 4096:
+            # Small host tensors: reading the values beats launching three torch ops (the
+            # check is most of a CPU call's overhead otherwise).
+            values = lengths.tolist()
+            bad = min(values) < 0 or max(values) > tokens.shape[1]
+        else:
+            bad = bool(((lengths < 0) | (lengths > tokens.shape[1])).any())
+        if bad:
+            _checks.fail("lengths", f"expected 0 <= lengths[b] <= L = {tokens.shape[1]}")
 
 
 def ngram_propose(

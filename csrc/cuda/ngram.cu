@@ -1,0 +1,58 @@
+// CUDA glue for ngram_propose: checks, outputs, current stream; the kernel is in
+// include/specdec/ngram.cuh. No host sync. (ngram_propose_tree on CUDA tensors runs the
+// reference implementation: its ranking needs dynamic per-row storage.)
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <string>
+#include <tuple>
+
+#include "checks.h"
+#include "specdec/ngram.cuh"
+
+namespace specdec {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> ngram_propose_cuda(const at::Tensor& tokens, const at::Tensor& lengths,
+                                                      int64_t min_n, int64_t max_n, int64_t num_tokens,
+                                                      std::string policy) {
+  constexpr const char* op = "ngram_propose";
+  TORCH_CHECK(tokens.dim() == 2, op, ": tokens must be a 2-D [B, L] tensor, got shape ", tokens.sizes());
+  TORCH_CHECK(tokens.scalar_type() == at::kInt || tokens.scalar_type() == at::kLong, op,
+              ": tokens must have dtype int32 or int64, got ", tokens.scalar_type());
+  TORCH_CHECK(tokens.is_cuda(), op, ": tokens must be a CUDA tensor, got ", tokens.device());
+  check_tensor(op, "lengths", lengths, 1, at::kLong);
+  check_device(op, "lengths", lengths, tokens.device());
+  check_size(op, "lengths", lengths, 0, tokens.size(0), "B (tokens.size(0))");
+  TORCH_CHECK(min_n >= 1, op, ": min_n must be >= 1, got ", min_n);
+  TORCH_CHECK(max_n >= min_n, op, ": max_n must be >= min_n = ", min_n, ", got ", max_n);
+  TORCH_CHECK(num_tokens >= 1, op, ": num_tokens must be >= 1, got ", num_tokens);
+  TORCH_CHECK(policy == "earliest" || policy == "latest", op, ": policy must be \"earliest\" or \"latest\", got \"",
+              policy, "\"");
+  check_fits_int32(op, "B (tokens.size(0))", tokens.size(0));
+  TORCH_CHECK(tokens.size(1) < (int64_t{1} << cuda::kNgramPositionBits), op, ": L = ", tokens.size(1),
+              " is too long (at most 2^40 - 1)");
+  const c10::cuda::CUDAGuard guard(tokens.device());
+  const at::Tensor lens = lengths.contiguous();
+  at::Tensor drafts = tokens.new_empty({tokens.size(0), num_tokens});
+  at::Tensor draft_lens = tokens.new_empty({tokens.size(0)}, tokens.options().dtype(at::kInt));
+  AT_DISPATCH_INDEX_TYPES(tokens.scalar_type(), "ngram_propose_cuda", [&] {
+    C10_CUDA_CHECK(cuda::launch_ngram_propose<index_t>(
+        tokens.const_data_ptr<index_t>(), tokens.stride(0), tokens.stride(1), lens.const_data_ptr<int64_t>(),
+        tokens.size(0), tokens.size(1), min_n, max_n, num_tokens, policy == "latest",
+        drafts.mutable_data_ptr<index_t>(), draft_lens.mutable_data_ptr<int32_t>(),
+        c10::cuda::getCurrentCUDAStream()));
+  });
+  return {drafts, draft_lens};
+}
+
+}  // namespace
+}  // namespace specdec
+
+TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
+  m.impl("ngram_propose", &specdec::ngram_propose_cuda);
+}

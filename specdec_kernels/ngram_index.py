@@ -1,0 +1,288 @@
+"""Incremental n-gram index: `ngram_propose`'s answer per decoding step without rescanning.
+
+A serving loop appends a few accepted tokens per sequence per step and asks for the next
+draft. `ngram_propose` rescans the whole history each time (O(L) per row); `NgramIndex`
+keeps one slot per running sequence and answers the same query in O(max_n + num_tokens),
+after O(max_n) work per appended token:
+
+    index = NgramIndex(num_slots=8, max_n=4)
+    index.reset(0, prompt_ids)                                   # a new sequence in slot 0
+    drafts, lens = index.propose([0], num_tokens=5)              # == ngram_propose(history)
+    drafts, lens = index.append_and_propose([0], accepted, counts, num_tokens=5)
+
+For every slot, `propose(..., min_n, max_n, num_tokens, policy)` returns exactly what
+`ngram_propose(history[None], [len(history)], ...)` returns (same match rule: longest n,
+earliest / latest start j <= N - n - 1), for max_n up to the index's max_n.
+
+How: every distinct n-gram gets an exact integer id, looked up by the pair (id of its first
+n - 1 tokens, its last token), so hash collisions cost a probe and never a wrong answer.
+Per id the index keeps the first and latest end position that is followed by a token; the
+current suffix's id then gives the earliest / latest match directly.
+
+Backends: "cpu" is the compiled class `torch.classes.specdec.NgramIndex` (rows of one call
+split over threads, GIL released); "python" is a pure-Python implementation of the same
+algorithm, used when specdec_kernels._C is unavailable (slow, but the same results).
+Memory: about 40 bytes per distinct n-gram (<= max_n per token) plus 8 bytes per token.
+An index is not thread-safe: call it from one thread at a time (its calls release the GIL).
+"""
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from . import _checks
+from ._extension import LOAD_ERROR
+
+POLICIES = ("earliest", "latest")
+BACKENDS = ("cpu", "python")
+
+Slots = Union[int, Sequence[int], torch.Tensor]
+
+
+def _cpu_int64(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.int64 and x.device.type == "cpu":
+        return x
+    return x.to(device="cpu", dtype=torch.int64)
+
+
+def _has_compiled_class() -> bool:
+    if LOAD_ERROR is not None:
+        return False
+    try:
+        torch.classes.specdec.NgramIndex  # noqa: B018  (raises if _C did not register it)
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+class _PyHistoryIndex:
+    """One slot, in plain Python: the algorithm of csrc/include/specdec/ngram_index.h."""
+
+    def __init__(self, max_n: int):
+        self.max_n = max_n
+        self.clear()
+
+    def clear(self):
+        self.tokens = []
+        self.ids = {}  # (prev id, token) -> id; prev id -1 for 1-grams
+        self.first = []  # per id: smallest end e <= N - 2, or -1
+        self.latest = []
+        self.current = [-1] * self.max_n  # current[n - 1]: id of the n-gram ending at N - 1
+
+    def _id(self, prev: int, token: int) -> int:
+        key = (prev, token)
+        found = self.ids.get(key)
+        if found is None:
+            found = self.ids[key] = len(self.first)
+            self.first.append(-1)
+            self.latest.append(-1)
+        return found
+
+    def push(self, token: int):
+        pos = len(self.tokens)
+        for k in range(min(self.max_n, pos)):
+            i = self.current[k]
+            if self.first[i] < 0:
+                self.first[i] = pos - 1
+            self.latest[i] = pos - 1
+        for n in range(min(self.max_n, pos + 1), 1, -1):
+            self.current[n - 1] = self._id(self.current[n - 2], token)
+        self.current[0] = self._id(-1, token)
+        self.tokens.append(token)
+
+    def propose(self, min_n, max_n, num_tokens, latest) -> list:
+        num = len(self.tokens)
+        for n in range(min(max_n, num - 1), max(min_n, 1) - 1, -1):
+            i = self.current[n - 1]
+            if self.first[i] >= 0:
+                start = (self.latest[i] if latest else self.first[i]) + 1
+                return self.tokens[start : start + num_tokens]
+        return []
+
+
+class NgramIndex:
+    """Per-sequence incremental n-gram index; `propose` equals `ngram_propose` on the history.
+
+    Args:
+        num_slots: how many sequences it tracks (slot ids 0 .. num_slots - 1).
+        max_n: the longest n-gram indexed; `propose`'s max_n may not exceed it. Memory and
+            append cost grow linearly with it.
+        dtype: dtype of the returned draft tokens (int32 or int64).
+        backend: None (compiled if available, else "python"), "cpu" or "python".
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        *,
+        max_n: int = 4,
+        dtype: torch.dtype = torch.int64,
+        backend: Optional[str] = None,
+        _hash_bits: int = 64,
+    ):
+        _checks.int_arg("num_slots", num_slots, minimum=1)
+        _checks.int_arg("max_n", max_n, minimum=1)
+        if max_n > 64:
+            _checks.fail("max_n", f"expected max_n <= 64, got {max_n}")
+        if dtype not in _checks.INT_DTYPES:
+            _checks.fail("dtype", f"expected torch.int32 or torch.int64, got {dtype}")
+        if backend is None:
+            backend = "cpu" if _has_compiled_class() else "python"
+        if backend not in BACKENDS:
+            _checks.fail("backend", f"expected None or one of {BACKENDS}, got {backend!r}")
+        if backend == "cpu" and not _has_compiled_class():
+            raise RuntimeError(
+                "NgramIndex(backend='cpu'): specdec_kernels._C has no compiled NgramIndex "
+                f"({LOAD_ERROR or 'the loaded build predates it'}); use backend='python' or rebuild"
+            )
+        self.num_slots, self.max_n, self.dtype, self.backend = num_slots, max_n, dtype, backend
+        if backend == "cpu":
+            # _hash_bits < 64 keeps only that many hash bits: a test hook to force collisions.
+            self._impl = torch.classes.specdec.NgramIndex(num_slots, max_n, _hash_bits)
+        else:
+            self._slots = [_PyHistoryIndex(max_n) for _ in range(num_slots)]
+
+    # ------------------------------------------------------------------ inspection
+
+    def length(self, slot: int) -> int:
+        """Number of tokens in the slot's history."""
+        self._check_slot("slot", slot)
+        return self._impl.length(slot) if self.backend == "cpu" else len(self._slots[slot].tokens)
+
+    def history(self, slot: int) -> torch.Tensor:
+        """The slot's history as an int64 tensor (a copy)."""
+        self._check_slot("slot", slot)
+        if self.backend == "cpu":
+            return self._impl.history(slot)
+        return torch.tensor(self._slots[slot].tokens, dtype=torch.int64)
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the compiled index (0 for the Python backend: not tracked)."""
+        return self._impl.memory_bytes() if self.backend == "cpu" else 0
+
+    # ------------------------------------------------------------------ updates
+
+    def reset(self, slot: int, prompt_tokens) -> None:
+        """Start a new sequence in `slot` with history `prompt_tokens` (1-D int tensor or list)."""
+        self._check_slot("slot", slot)
+        prompt = torch.as_tensor(prompt_tokens)
+        if prompt.numel() == 0:
+            prompt = prompt.to(torch.int64)
+        _checks.tensor("prompt_tokens", prompt, dims=1, dtypes=_checks.INT_DTYPES)
+        if prompt.device.type != "cpu":
+            prompt = prompt.cpu()
+        if self.backend == "cpu":
+            self._impl.reset(slot, prompt.to(torch.int64))
+        else:
+            s = self._slots[slot]
+            s.clear()
+            for t in prompt.tolist():
+                s.push(t)
+
+    def append(self, slots: Slots, accepted_tokens, counts=None) -> None:
+        """Append `accepted_tokens[r, :counts[r]]` to slot `slots[r]` (slots distinct).
+
+        accepted_tokens: int [R, K]; counts: int [R] in [0, K], None for all K.
+        """
+        slots, tokens, counts = self._rows(slots, accepted_tokens, counts)
+        if self.backend == "cpu":
+            self._impl.append(slots, tokens, counts)
+        else:
+            for s, row, c in zip(slots.tolist(), tokens.tolist(), counts.tolist()):
+                for t in row[:c]:
+                    self._slots[s].push(t)
+
+    # ------------------------------------------------------------------ queries
+
+    def propose(self, slots: Slots, *, min_n: int = 1, max_n: Optional[int] = None, num_tokens: int = 5,
+                policy: str = "earliest"):
+        """Draft per row for slot `slots[r]`: (draft_tokens [R, num_tokens] -1 padded, draft_lens int32 [R]).
+
+        Same result as `ngram_propose` on each slot's history with these arguments; max_n
+        defaults to (and may not exceed) the index's max_n.
+        """
+        max_n = self._check_query(min_n, max_n, num_tokens, policy)
+        slots = self._slot_tensor(slots)
+        if self.backend == "cpu":
+            drafts, lens = self._impl.propose(slots, min_n, max_n, num_tokens, policy)
+            return (drafts if self.dtype == torch.int64 else drafts.to(self.dtype)), lens
+        return self._py_propose(slots.tolist(), min_n, max_n, num_tokens, policy)
+
+    def append_and_propose(self, slots: Slots, accepted_tokens, counts=None, *, min_n: int = 1,
+                           max_n: Optional[int] = None, num_tokens: int = 5, policy: str = "earliest"):
+        """`append(slots, accepted_tokens, counts)` then `propose(slots, ...)`, in one call."""
+        max_n = self._check_query(min_n, max_n, num_tokens, policy)
+        slots, tokens, counts = self._rows(slots, accepted_tokens, counts)
+        if self.backend == "cpu":
+            drafts, lens = self._impl.append_and_propose(slots, tokens, counts, min_n, max_n, num_tokens, policy)
+            return (drafts if self.dtype == torch.int64 else drafts.to(self.dtype)), lens
+        self.append(slots, tokens, counts)
+        return self._py_propose(slots.tolist(), min_n, max_n, num_tokens, policy)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _py_propose(self, slots, min_n, max_n, num_tokens, policy):
+        drafts = torch.full((len(slots), num_tokens), -1, dtype=self.dtype)
+        lens = torch.zeros(len(slots), dtype=torch.int32)
+        for r, s in enumerate(slots):
+            proposal = self._slots[s].propose(min_n, max_n, num_tokens, policy == "latest")
+            if proposal:
+                drafts[r, : len(proposal)] = torch.tensor(proposal, dtype=self.dtype)
+            lens[r] = len(proposal)
+        return drafts, lens
+
+    def _check_slot(self, name, slot):
+        _checks.int_arg(name, slot, minimum=0)
+        if slot >= self.num_slots:
+            _checks.fail(name, f"expected a slot in [0, {self.num_slots}), got {slot}")
+
+    def _slot_tensor(self, slots) -> torch.Tensor:
+        if isinstance(slots, int) and not isinstance(slots, bool):
+            slots = [slots]
+        slots = torch.as_tensor(slots)
+        if slots.numel() == 0:
+            slots = slots.to(torch.int64)
+        _checks.tensor("slots", slots, dims=1, dtypes=_checks.INT_DTYPES)
+        slots = _cpu_int64(slots)
+        if self.backend == "python":  # the compiled class checks these itself
+            values = slots.tolist()
+            if any(s < 0 or s >= self.num_slots for s in values):
+                _checks.fail("slots", f"expected slots in [0, {self.num_slots}), got {values}")
+        return slots
+
+    def _rows(self, slots, accepted_tokens, counts):
+        slots = self._slot_tensor(slots)
+        tokens = torch.as_tensor(accepted_tokens)
+        if tokens.numel() == 0 and tokens.dim() <= 1:  # [] or [[]]-like: no tokens at all
+            tokens = tokens.reshape(slots.shape[0], 0).to(torch.int64)
+        _checks.tensor("accepted_tokens", tokens, dims=2, dtypes=_checks.INT_DTYPES)
+        _checks.shape("accepted_tokens", tokens, (slots.shape[0], tokens.shape[1]))
+        if counts is None:
+            counts = torch.full((slots.shape[0],), tokens.shape[1], dtype=torch.int64)
+        counts = torch.as_tensor(counts)
+        if counts.numel() == 0:  # [] is float32 to torch
+            counts = counts.to(torch.int64)
+        _checks.tensor("counts", counts, dims=1, dtypes=_checks.INT_DTYPES)
+        _checks.shape("counts", counts, (slots.shape[0],))
+        tokens, counts = _cpu_int64(tokens), _cpu_int64(counts)
+        if self.backend == "python":
+            values = slots.tolist()
+            if len(set(values)) != len(values):
+                _checks.fail("slots", f"expected distinct slots when appending, got {values}")
+            if ((counts < 0) | (counts > tokens.shape[1])).any():
+                _checks.fail("counts", f"expected 0 <= counts[r] <= K = {tokens.shape[1]}, got {counts.tolist()}")
+        return slots, tokens, counts
+
+    def _check_query(self, min_n, max_n, num_tokens, policy) -> int:
+        if max_n is None:
+            max_n = self.max_n
+        _checks.int_arg("min_n", min_n, minimum=1)
+        _checks.int_arg("max_n", max_n, minimum=1)
+        if min_n > max_n:
+            _checks.fail("min_n", f"expected min_n <= max_n, got min_n={min_n} > max_n={max_n}")
+        if max_n > self.max_n:
+            _checks.fail("max_n", f"expected max_n <= the index's max_n = {self.max_n}, got {max_n}")
+        _checks.int_arg("num_tokens", num_tokens, minimum=1)
+        if policy not in POLICIES:
+            _checks.fail("policy", f"expected one of {POLICIES}, got {policy!r}")
+        return max_n
