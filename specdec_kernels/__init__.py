@@ -6,12 +6,20 @@ Ops (one entry point each; `backend=` forces an implementation, None picks the b
     verify, verify_chain, VerifyOutput          lossless acceptance (greedy and sampled)
     compact_kv_cache_                           keep the accepted path in the KV cache
     ngram_propose, ngram_propose_tree           prompt-lookup drafting
+    NgramIndex                                  incremental n-gram index, one slot per sequence
+    generate, GenerateOutput                    the draft -> verify -> accept loop on HF models
+    NgramDrafter, DraftModelDrafter, MergedDrafter   drafters for `generate`
+(`generate` and the draft-model drafter need the optional `hf` extra: transformers >= 5;
+it is imported only when they run.)
 """
 
 from . import config, reference
 from ._extension import LOAD_ERROR, available_backends
+from .drafters import DraftModelDrafter, MergedDrafter, NgramDrafter
+from .generate import GenerateOutput, GenerateStats, generate
 from .kv_cache import compact_kv_cache_
 from .ngram import ngram_propose, ngram_propose_tree
+from .ngram_index import NgramIndex
 from .tree import TokenTree, pack_tree_mask, tree_mask
 from .tree_attention import tree_attention
 from .verify import VerifyOutput, verify, verify_chain
@@ -19,12 +27,19 @@ from .verify import VerifyOutput, verify, verify_chain
 __version__ = "0.1.0"
 
 __all__ = [
+    "DraftModelDrafter",
+    "GenerateOutput",
+    "GenerateStats",
     "LOAD_ERROR",
+    "MergedDrafter",
+    "NgramDrafter",
+    "NgramIndex",
     "TokenTree",
     "VerifyOutput",
     "available_backends",
     "compact_kv_cache_",
     "config",
+    "generate",
     "ngram_propose",
     "ngram_propose_tree",
     "pack_tree_mask",

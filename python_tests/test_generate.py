@@ -1,0 +1,369 @@
+"""End-to-end tests of `specdec_kernels.generate` on tiny random transformers models (CPU).
+
+Greedy: token-for-token equality with HF `generate(do_sample=False)` for every drafter and
+tree shape, batches with left padding, eos and max_new_tokens edges. Sampling: the joint
+distribution of the first two generated tokens over many seeded rows against the target's
+exact distribution (chi-square, fixed seeds). Plus the HF integration pieces: tree forward
+logits against plain forwards of each node's path, and the SDPA fallback.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+scipy_stats = pytest.importorskip("scipy.stats")
+
+import specdec_kernels as sk  # noqa: E402
+from specdec_kernels import hf  # noqa: E402
+
+VOCAB = 128
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The reference ops run many tiny kernels; intra-op threads only add spin-waiting
+    (tens of times slower on a loaded 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_model(seed: int, family: str = "llama", vocab: int = VOCAB, hidden: int = 64, logit_scale: float = 1.0):
+    """A 2-layer random causal LM with GQA (4 query heads, 2 KV heads), fp32, eval mode."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
+    )
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, use_sliding_window=False))
+    model.eval()
+    if logit_scale != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(logit_scale)
+    return model
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(0)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return tiny_model(1)
+
+
+def left_pad(prompts, pad=0):
+    """(input_ids, attention_mask) [B, L] with left padding."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p) :] = torch.as_tensor(p)
+        mask[b, width - len(p) :] = 1
+    return ids, mask
+
+
+def repetitive_prompts(batch: int, seed: int = 3):
+    """Prompts that repeat a random phrase (so n-gram drafts exist), different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(1, VOCAB, (11,), generator=g)
+    lengths = [31, 17, 24, 9, 40, 13][:batch]
+    return [phrase.repeat(4)[:n] for n in lengths]
+
+
+def hf_greedy(model, ids, mask, max_new_tokens, eos_token_id=None):
+    kwargs = dict(eos_token_id=eos_token_id) if eos_token_id is not None else {}
+    return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0, **kwargs)
+
+
+DRAFTERS = {
+    "plain": lambda d: None,
+    "ngram_chain": lambda d: sk.NgramDrafter(min_n=1, max_n=4, num_tokens=5),
+    "ngram_tree": lambda d: sk.NgramDrafter(min_n=1, max_n=3, num_tokens=4, tree_width=3),
+    "model_chain": lambda d: sk.DraftModelDrafter(d, num_tokens=3),
+    "model_tree": lambda d: sk.DraftModelDrafter(d, tree_widths=(2, 2, 1)),
+    "merged": lambda d: sk.MergedDrafter([sk.NgramDrafter(num_tokens=4), sk.DraftModelDrafter(d, tree_widths=(2, 1))]),
+}
+
+
+# ----------------------------------------------------------------------------- greedy
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("kind", list(DRAFTERS))
+def test_greedy_matches_hf_generate(target, draft, kind, batch):
+    ids, mask = left_pad(repetitive_prompts(batch))
+    expected = hf_greedy(target, ids, mask, 24)
+    out = sk.generate(target, ids, attention_mask=mask, drafter=DRAFTERS[kind](draft), max_new_tokens=24)
+    assert torch.equal(out.sequences, expected)
+    assert out.stats.new_tokens == [24] * batch
+    assert out.stats.steps >= 1 and out.stats.tokens_per_step >= 1.0
+    if kind in ("ngram_chain", "ngram_tree", "merged"):
+        assert out.stats.tokens_per_step > 1.0  # repetitive prompts: some drafts accepted
+
+
+@pytest.mark.parametrize("kind", ["plain", "ngram_chain", "model_tree"])
+def test_greedy_matches_hf_generate_qwen2(kind):
+    target, draft = tiny_model(10, "qwen2"), tiny_model(11, "qwen2")
+    ids, mask = left_pad(repetitive_prompts(3, seed=5))
+    expected = hf_greedy(target, ids, mask, 16)
+    out = sk.generate(target, ids, attention_mask=mask, drafter=DRAFTERS[kind](draft), max_new_tokens=16)
+    assert torch.equal(out.sequences, expected)
+
+
+def test_self_drafting_accepts_everything(target):
+    """The target as its own draft model: every drafted token is accepted, and the draft
+    cache stays in step with the accepted tokens across steps."""
+    ids, mask = left_pad(repetitive_prompts(4))
+    out = sk.generate(target, ids, attention_mask=mask, drafter=sk.DraftModelDrafter(target, num_tokens=3), max_new_tokens=20)
+    assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 20))
+    assert out.stats.steps == 5  # 4 tokens per step
+    assert out.stats.acceptance_per_depth == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("kind", ["plain", "ngram_chain", "model_tree"])
+def test_eos_stops_rows_and_pads(target, draft, kind):
+    ids, mask = left_pad(repetitive_prompts(4))
+    free = hf_greedy(target, ids, mask, 20)[:, ids.shape[1] :]
+    eos = int(free[1, 6])  # row 1 stops at (or before) its 7th new token, others maybe later
+    expected = hf_greedy(target, ids, mask, 20, eos_token_id=eos)
+    out = sk.generate(target, ids, attention_mask=mask, drafter=DRAFTERS[kind](draft), max_new_tokens=20, eos_token_id=eos)
+    assert torch.equal(out.sequences, expected)
+    assert out.stats.new_tokens[1] <= 7
+    new = out.sequences[:, ids.shape[1] :]
+    for b, n in enumerate(out.stats.new_tokens):
+        assert (new[b, n:] == 0).all()  # padded with the pad token after the row stopped
+        assert n == new.shape[1] or int(new[b, n - 1]) == eos
+
+
+@pytest.mark.parametrize("max_new_tokens", [0, 1, 2, 7])
+def test_max_new_tokens_edges(target, max_new_tokens):
+    ids, mask = left_pad(repetitive_prompts(2))
+    out = sk.generate(target, ids, attention_mask=mask, drafter=sk.NgramDrafter(num_tokens=5), max_new_tokens=max_new_tokens)
+    if max_new_tokens == 0:
+        assert torch.equal(out.sequences, ids)
+    else:
+        assert torch.equal(out.sequences, hf_greedy(target, ids, mask, max_new_tokens))
+    assert out.stats.new_tokens == [max_new_tokens] * 2
+
+
+def test_single_token_prompts(target, draft):
+    ids, mask = left_pad([[5], [7, 8, 9]])
+    for drafter in (None, sk.DraftModelDrafter(draft, tree_widths=(2, 1)), sk.NgramDrafter()):
+        out = sk.generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=6)
+        assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 6))
+
+
+def test_streamer_gets_prompt_then_every_new_token(target):
+    class Recorder:
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, value):
+            self.puts.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    ids, _ = left_pad(repetitive_prompts(1))
+    rec = Recorder()
+    out = sk.generate(target, ids, drafter=sk.NgramDrafter(), max_new_tokens=15, streamer=rec)
+    assert rec.ended and rec.puts[0] == ids[0].tolist()
+    assert sum(rec.puts[1:], []) == out.sequences[0, ids.shape[1] :].tolist()
+    assert len(rec.puts) - 1 == out.stats.steps
+
+
+def test_bad_inputs(target):
+    ids, mask = left_pad(repetitive_prompts(2))
+    with pytest.raises(ValueError, match="attention_mask"):
+        sk.generate(target, ids, attention_mask=mask.flip(1), max_new_tokens=2)  # right padding
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        sk.generate(target, ids, attention_mask=mask, max_new_tokens=-1)
+    with pytest.raises(ValueError, match="temperature"):
+        sk.generate(target, ids, attention_mask=mask, max_new_tokens=2, temperature=-1.0)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+SMALL_VOCAB = 8
+SAMPLE_ROWS = 2000
+SAMPLE_PROMPT = [1, 2, 3, 4, 1, 2, 3, 4, 5, 1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    """Tiny-vocabulary target and draft with sharp-ish distributions."""
+    return (tiny_model(20, vocab=SMALL_VOCAB, hidden=32, logit_scale=8.0),
+            tiny_model(21, vocab=SMALL_VOCAB, hidden=32, logit_scale=8.0))
+
+
+def warped_probs(logits, temperature, top_k, top_p):
+    """softmax(logits / t), top-k then top-p (written independently of the package)."""
+    probs = torch.softmax(logits.double() / temperature, -1)
+    if top_k:
+        kth = probs.topk(top_k, dim=-1).values[..., -1:]
+        probs = torch.where(probs >= kth, probs, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if top_p is not None and top_p < 1:
+        sorted_p, order = probs.sort(-1, descending=True)
+        keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = torch.where(keep, probs, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def exact_pair_distribution(model, prompt, temperature=1.0, top_k=None, top_p=None):
+    """float64 [V * V]: P(first two generated tokens) under sequential sampling."""
+    prompt = torch.tensor(prompt)
+    with torch.no_grad():
+        p1 = warped_probs(model(prompt[None]).logits[0, -1], temperature, top_k, top_p)
+        cont = torch.cat([prompt.expand(SMALL_VOCAB, -1), torch.arange(SMALL_VOCAB)[:, None]], 1)
+        p2 = warped_probs(model(cont).logits[:, -1], temperature, top_k, top_p)
+    return (p1[:, None] * p2).flatten()
+
+
+def chi_square_pvalue(tokens, expected_probs):
+    counts = torch.bincount(tokens[:, 0] * SMALL_VOCAB + tokens[:, 1], minlength=SMALL_VOCAB**2).double()
+    expected = expected_probs * tokens.shape[0]
+    assert counts[expected == 0].sum() == 0, "sampled a pair the target gives probability 0"
+    big = expected >= 5  # cells with small expectations are pooled into one
+    obs, exp = counts[big], expected[big]
+    if expected[~big].sum() > 0:
+        obs, exp = torch.cat([obs, counts[~big].sum()[None]]), torch.cat([exp, expected[~big].sum()[None]])
+    return scipy_stats.chisquare(obs.numpy(), exp.numpy() * float(obs.sum() / exp.sum())).pvalue
+
+
+SAMPLING_DRAFTERS = {
+    "plain": lambda d: None,
+    "ngram_chain": lambda d: sk.NgramDrafter(num_tokens=3),
+    "ngram_tree": lambda d: sk.NgramDrafter(num_tokens=3, tree_width=3),
+    "model_chain": lambda d: sk.DraftModelDrafter(d, num_tokens=3),
+    "model_tree": lambda d: sk.DraftModelDrafter(d, tree_widths=(2, 2)),
+    "merged": lambda d: sk.MergedDrafter([sk.NgramDrafter(num_tokens=2), sk.DraftModelDrafter(d, tree_widths=(2, 1))]),
+}
+
+
+@pytest.mark.parametrize("kind", list(SAMPLING_DRAFTERS))
+def test_sampling_matches_target_distribution(small_pair, kind):
+    target, draft = small_pair
+    ids = torch.tensor(SAMPLE_PROMPT).expand(SAMPLE_ROWS, -1)
+    out = sk.generate(target, ids, drafter=SAMPLING_DRAFTERS[kind](draft), max_new_tokens=2, temperature=1.0, seed=1234)
+    pvalue = chi_square_pvalue(out.sequences[:, -2:], exact_pair_distribution(target, SAMPLE_PROMPT))
+    assert pvalue > 1e-3, f"{kind}: chi-square p = {pvalue}"
+    if kind != "plain":
+        assert out.stats.acceptance_per_depth[0] > 0.05  # the drafts are exercised, accept and reject
+
+
+@pytest.mark.parametrize("kind", ["plain", "model_tree", "ngram_chain"])
+def test_sampling_with_top_k_top_p_temperature(small_pair, kind):
+    target, draft = small_pair
+    ids = torch.tensor(SAMPLE_PROMPT).expand(SAMPLE_ROWS, -1)
+    args = dict(temperature=0.7, top_k=5, top_p=0.9)
+    out = sk.generate(target, ids, drafter=SAMPLING_DRAFTERS[kind](draft), max_new_tokens=2, seed=99, **args)
+    pvalue = chi_square_pvalue(out.sequences[:, -2:], exact_pair_distribution(target, SAMPLE_PROMPT, **args))
+    assert pvalue > 1e-3, f"{kind}: chi-square p = {pvalue}"
+
+
+def test_seeds_reproducible_and_per_row(target, draft):
+    ids, mask = left_pad(repetitive_prompts(3))
+    run = lambda seed: sk.generate(target, ids, attention_mask=mask, drafter=sk.DraftModelDrafter(draft, num_tokens=2),  # noqa: E731
+                                   max_new_tokens=12, temperature=1.0, seed=seed).sequences
+    assert torch.equal(run(7), run(7))
+    assert not torch.equal(run(7), run(8))
+    assert torch.equal(run(torch.tensor([1, 2, 3])), run(torch.tensor([1, 2, 3])))
+
+
+def test_steps_use_fresh_randomness(small_pair):
+    """A row's successive steps must not reuse random numbers: with plain decoding and one
+    seed, the generated tokens are not a function of the position only."""
+    target, _ = small_pair
+    ids = torch.tensor(SAMPLE_PROMPT).expand(400, -1)
+    out = sk.generate(target, ids, max_new_tokens=6, temperature=1.0, seed=5).sequences[:, -6:]
+    assert len({tuple(r) for r in out.tolist()}) > 100
+
+
+# ----------------------------------------------------------------------------- HF integration
+
+
+def test_tree_forward_matches_plain_forward_of_each_path(target):
+    """Each tree node's logits equal a plain forward of prefix + its root-to-node path."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g) for n in (12, 7, 10)]
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 5])
+    tokens = torch.randint(1, VOCAB, (3, parents.numel()), generator=g)
+    tree = sk.TokenTree(tokens, parents)
+    ids, mask = left_pad(prompts)
+    lengths = mask.sum(1)
+    history = torch.zeros(3, 40, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        history[b, : len(p)] = p
+    cache = hf.TreeKVCache.for_model(target, 3, 40)
+    with torch.no_grad(), hf.use_tree_attention(target):
+        hf.prefill(target, cache, history, lengths)
+        tree.tokens[:, 0] = history[torch.arange(3), lengths - 1]
+        positions = cache.seqlens.long()[:, None] + tree.depths
+        logits = hf.forward(target, cache, tree.tokens, positions, tree.mask(packed=True))
+        for b, p in enumerate(prompts):
+            for i in range(parents.numel()):
+                seq = torch.cat([p, torch.tensor(tree.path_tokens(b, i)[1:], dtype=torch.long)])
+                ref = target(seq[None]).logits[0, -1]
+                torch.testing.assert_close(logits[b, i], ref, atol=1e-4, rtol=1e-4)
+    assert target.config._attn_implementation != hf.NAME  # restored
+
+
+def test_tree_kv_cache_writes_ragged_and_compacts():
+    """update() writes at seqlens[b] + j and returns [B, H, max_len + T, D] views of the
+    preallocated buffers; compact_() keeps the accepted path and grows the lengths."""
+    cache = hf.TreeKVCache(num_layers=2, batch_size=2, capacity=16, num_kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu")
+    cache.set_lengths(torch.tensor([3, 5]))
+    buffers = [b.data_ptr() for b in cache.buffers()]
+    keys = torch.randn(2, 2, 4, 4)  # [B, H, T=4, D]
+    for layer in range(2):
+        k_view, v_view = cache.update(keys + layer, -keys, layer)
+        assert k_view.shape == (2, 2, 9, 4) and k_view.data_ptr() == buffers[2 * layer]
+    k0 = cache.layers[0].k_buf
+    torch.testing.assert_close(k0[0, 3:7], keys[0].transpose(0, 1))
+    torch.testing.assert_close(k0[1, 5:9], keys[1].transpose(0, 1))
+    accepted = torch.tensor([[0, 2, -1, -1], [0, 1, 3, -1]], dtype=torch.int32)
+    cache.compact_(accepted, torch.tensor([1, 2], dtype=torch.int32))
+    assert cache.seqlens.tolist() == [5, 8] and cache.max_len == 8
+    torch.testing.assert_close(k0[0, 4], keys[0, :, 2])
+    torch.testing.assert_close(k0[1, 6:8], keys[1, :, [1, 3]].transpose(0, 1))
+    torch.testing.assert_close(cache.layers[1].v_buf[1, 7], -keys[1, :, 3])
+    assert [b.data_ptr() for b in cache.buffers()] == buffers  # in place, no reallocation
+
+
+def test_fallback_attention_is_sdpa(target):
+    """Ordinary forwards under `specdec_tree` (no tree metadata) match SDPA, with padding."""
+    ids, mask = left_pad(repetitive_prompts(3))
+    with torch.no_grad():
+        expected = target(ids, attention_mask=mask).logits
+        with hf.use_tree_attention(target):
+            got = target(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], atol=1e-5, rtol=1e-5)
+
+
+def test_import_without_transformers():
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "import specdec_kernels as sk\n"
+        "d = sk.NgramDrafter(); assert callable(sk.generate) and sk.GenerateOutput\n"
+        "import torch\n"
+        "try:\n"
+        "    sk.generate(None, torch.ones(1, 2, dtype=torch.long), max_new_tokens=1)\n"
+        "except ImportError:\n"
+        "    print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "ok" in result.stdout

@@ -1,0 +1,11 @@
+"""Hugging Face transformers integration (needs the optional `hf` extra: transformers >= 5).
+
+`register()` / `use_tree_attention(model)`: our tree attention as the `specdec_tree`
+attention implementation; `TreeKVCache`: a preallocated ragged KV cache for `past_key_values`;
+`forward(...)`: one prefill or tree forward through a model and a `TreeKVCache`.
+"""
+
+from .attention import NAME, forward, prefill, register, specdec_tree_attention, specdec_tree_mask, use_tree_attention
+from .cache import TreeKVCache
+
+__all__ = ["NAME", "TreeKVCache", "forward", "prefill", "register", "specdec_tree_attention", "specdec_tree_mask", "use_tree_attention"]
