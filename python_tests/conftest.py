@@ -4,8 +4,10 @@ Inputs are random on every run (a new seed each time, printed on failure); set
 SPECDEC_TEST_SEED=<int> to replay a failing run. Statistical tests use their own fixed seeds.
 """
 
+import importlib.util
 import os
 import random
+import sys
 
 import pytest
 import torch
@@ -13,6 +15,32 @@ import torch
 import specdec_kernels
 
 HAS_CUDA = torch.cuda.is_available()
+
+
+def _import_triton_for_the_interpreter() -> None:
+    """Without a GPU, Triton kernels run only in the interpreter, and triton picks interpreter or
+    compiler when each @triton.jit function is defined, its own helpers (tl.sum, ...) at import.
+    Import it first, with TRITON_INTERPRET=1 set just for the import, so that
+    test_tree_attention_triton.py can run the kernels in this process even though other test
+    modules import triton at collection (transformers -> torch._dynamo). The variable is
+    restored: `backend="triton"` on CPU tensors stays refused unless a test sets it.
+    """
+    if HAS_CUDA or "triton" in sys.modules or importlib.util.find_spec("triton") is None:
+        return
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    except Exception:  # a broken triton: its tests report it
+        pass
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+_import_triton_for_the_interpreter()
 HAS_C = specdec_kernels.LOAD_ERROR is None
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 requires_c = pytest.mark.skipif(not HAS_C, reason=f"specdec_kernels._C unavailable: {specdec_kernels.LOAD_ERROR}")

@@ -351,7 +351,7 @@ def test_available_backends(op):
     if not HAS_C:
         assert cpu == ["reference"]
     cuda = sk.available_backends(op, "cuda")
-    assert cuda[-1] == "reference" and set(cuda) <= {"cuda", "triton", "reference"}
+    assert "reference" in cuda and len(set(cuda)) == len(cuda) and set(cuda) <= {"cuda", "triton", "reference"}
 
 
 @requires_c
@@ -374,8 +374,11 @@ def test_forced_backends(gen, op):
         _public_call(op, gen, "nope")
     with pytest.raises(ValueError, match="cuda"):  # CPU tensors
         _public_call(op, gen, "cuda")
-    with pytest.raises(RuntimeError, match="triton"):
-        _public_call(op, gen, "triton")
+    if op in _extension.TRITON_OPS and _extension.HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1":
+        _public_call(op, gen, "triton")  # interpreted on CPU (test_tree_attention_triton.py checks the values)
+    else:
+        with pytest.raises(RuntimeError, match="triton"):  # no kernel, no triton, or CPU tensors uninterpreted
+            _public_call(op, gen, "triton")
 
 
 # ----------------------------------------------------------------------------- import without _C

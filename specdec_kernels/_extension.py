@@ -3,12 +3,16 @@
 `_C` defines every op's schema (`TORCH_LIBRARY(specdec, m)`) and registers compiled kernels
 for some (op, device) pairs. Here we add, once, a fake (meta) implementation per op so it
 traces under torch.compile, and the reference implementation for each (op, device) pair
-without a compiled kernel, so `torch.ops.specdec.<op>` works on every device. Without `_C`
-the package still works: every call runs the reference directly, and we say why once.
+without a compiled kernel, so `torch.ops.specdec.<op>` works on every device: on CUDA the
+Triton kernel where there is one and `triton` is installed (imported on first use), else the
+reference. Without `_C` the package still works: every call runs the Triton kernel (CUDA) or
+the reference directly, and we say why once.
 """
 
+import functools
 import importlib
 import importlib.util
+import os
 import warnings
 
 import torch
@@ -25,6 +29,12 @@ OPS = (
     "ngram_propose_tree",
 )
 BACKENDS = ("reference", "cpu", "cuda", "triton")
+TRITON_OPS = frozenset({"tree_attention"})  # ops with a kernel in specdec_kernels/triton/<op>.py
+HAS_TRITON = importlib.util.find_spec("triton") is not None  # without importing it
+# The Triton kernels have only run in the interpreter, never on a GPU: until a GPU run has
+# checked them, CUDA tensors use them by default only when this is set (backend="triton"
+# always forces them).
+TRITON_BY_DEFAULT = HAS_TRITON and os.environ.get("SPECDEC_ENABLE_UNVERIFIED_TRITON") == "1"
 
 
 def _load_extension():
@@ -59,13 +69,31 @@ def _compiled_keys(op: str) -> frozenset:
 COMPILED = {op: _compiled_keys(op) for op in OPS}
 
 
+@functools.lru_cache(maxsize=None)
+def triton_kernel(op: str):
+    """The Triton implementation of `op` (imports triton and the kernel module on first use)."""
+    return getattr(importlib.import_module(f"specdec_kernels.triton.{op}"), op)
+
+
+def _lazy_triton_kernel(op: str):
+    def kernel(*args):
+        return triton_kernel(op)(*args)
+
+    kernel.__name__ = f"triton_{op}"
+    return kernel
+
+
 def _register_python_kernels() -> None:
     from . import _fake  # noqa: F401  (registers the fake implementations)
 
     for op in OPS:
         for key in ("CPU", "CUDA"):
             if key not in COMPILED[op]:
-                torch.library.register_kernel(f"specdec::{op}", key.lower(), getattr(reference, op))
+                if key == "CUDA" and op in TRITON_OPS and TRITON_BY_DEFAULT:
+                    kernel = _lazy_triton_kernel(op)
+                else:
+                    kernel = getattr(reference, op)
+                torch.library.register_kernel(f"specdec::{op}", key.lower(), kernel)
 
 
 if _C is not None:
@@ -73,15 +101,22 @@ if _C is not None:
 
 
 def available_backends(op: str, device_type: str) -> list:
-    """Backends that can run `op` on `device_type` ("cpu" / "cuda"), best first."""
+    """Backends that can run `op` on `device_type` ("cpu" / "cuda"), in the order the default
+    (backend=None) path prefers them. An unverified Triton kernel comes after the reference
+    unless SPECDEC_ENABLE_UNVERIFIED_TRITON=1."""
     found = [device_type] if device_type.upper() in COMPILED[op] else []
-    return found + ["reference"]
+    has_triton = device_type == "cuda" and op in TRITON_OPS and HAS_TRITON
+    if has_triton and TRITON_BY_DEFAULT:
+        return found + ["triton", "reference"]
+    return found + ["reference"] + (["triton"] if has_triton else [])
 
 
 def run(op: str, backend, device: torch.device, *args):
     """Run `op` on normalised arguments with the chosen backend (None: the best available)."""
     if backend is None:
         if _C is None:
+            if available_backends(op, device.type)[0] == "triton":
+                return triton_kernel(op)(*args)
             return getattr(reference, op)(*args)
         return getattr(torch.ops.specdec, op).default(*args)
     if backend == "reference":
@@ -97,5 +132,16 @@ def run(op: str, backend, device: torch.device, *args):
             )
         return getattr(torch.ops.specdec, op).default(*args)
     if backend == "triton":
-        raise RuntimeError(f"backend='triton': no Triton kernel for {op} in this build")
+        if op not in TRITON_OPS:
+            raise RuntimeError(f"backend='triton': no Triton kernel for {op} in this build")
+        if not HAS_TRITON:
+            raise RuntimeError(f"backend='triton' for {op} needs the triton package (pip install triton)")
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                f"backend='triton' for {op} on CPU tensors runs only under the Triton interpreter "
+                "(TRITON_INTERPRET=1, for testing); on CPU use backend=None or 'reference'"
+            )
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"backend='triton' needs cuda (or, interpreted, cpu) tensors, got tensors on {device}")
+        return triton_kernel(op)(*args)
     raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")

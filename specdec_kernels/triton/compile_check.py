@@ -1,0 +1,99 @@
+"""Compile the Triton kernels for sm_80 and sm_90 without a GPU (triton's bundled ptxas).
+
+    python -m specdec_kernels.triton.compile_check          # prints one JSON line per config
+
+The interpreter cannot catch GPU code-generation problems (types, layouts, shared memory),
+so this lowers every configuration the tree_attention wrapper launches to a cubin and
+reports its shared memory against the per-block limit. Run it in a process without
+TRITON_INTERPRET=1 (triton's own helpers are interpreted there and cannot be compiled).
+"""
+
+import inspect
+import json
+import os
+import sys
+
+import torch
+
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # opt-in maximum per block: A100, H100
+ELEMENT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+# (arch, dtype, head_dim, rows = T * group, packed mask, splits)
+SPLIT_CASES = [
+    (90, torch.bfloat16, 128, 64 * 4, True, 8),
+    (90, torch.bfloat16, 128, 4, False, 33),
+    (90, torch.bfloat16, 256, 16, True, 1),
+    (90, torch.float16, 64, 128 * 8, True, 2),
+    (80, torch.float16, 64, 17 * 4, False, 1),
+    (80, torch.bfloat16, 128, 16 * 4, True, 4),
+    (80, torch.float32, 128, 4, False, 4),
+    (80, torch.float32, 256, 64, True, 2),
+]
+COMBINE_CASES = [(90, torch.bfloat16, 128, 33), (80, torch.float32, 256, 2)]
+
+
+def _compile(kernel, pointer_types, constexprs, arch, **options):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = kernel.fn
+    signature = {}
+    for name in inspect.signature(fn).parameters:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointer_types:
+            signature[name] = pointer_types[name]
+        else:
+            signature[name] = "fp32" if name == "qk_scale" else "i32"
+    return triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def check_split(arch, dtype, head_dim, rows, packed, num_splits):
+    from . import tree_attention as ta
+
+    block_m, block_n, block_d, num_warps, num_stages = ta.launch_config(dtype, head_dim, rows)
+    elt = ELEMENT[dtype]
+    pointers = {"q_ptr": f"*{elt}", "k_ptr": f"*{elt}", "v_ptr": f"*{elt}", "mask_ptr": "*i64" if packed else "*u8",
+                "seqlens_ptr": "*i32", "out_ptr": f"*{elt}", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+    constexprs = dict(GROUP=4, NUM_SPLITS=num_splits, NUM_M_BLOCKS=-(-rows // block_m), BLOCK_M=block_m,
+                      BLOCK_N=block_n, BLOCK_D=block_d, PACKED=packed,
+                      PRECISION="ieee" if dtype == torch.float32 else None)
+    compiled = _compile(ta._split_kernel, pointers, constexprs, arch, num_warps=num_warps, num_stages=num_stages)
+    return dict(kernel="split", arch=arch, dtype=ELEMENT[dtype], head_dim=head_dim, rows=rows, packed=packed,
+                splits=num_splits, block=[block_m, block_n, block_d], num_warps=num_warps, num_stages=num_stages,
+                shared=compiled.metadata.shared, shared_limit=SHARED_LIMIT[arch])
+
+
+def check_combine(arch, dtype, head_dim, num_splits):
+    import triton
+
+    from . import tree_attention as ta
+
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    pointers = {"out_ptr": f"*{ELEMENT[dtype]}", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+    constexprs = dict(GROUP=4, NUM_SPLITS=num_splits, M_PAD=16, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)
+    compiled = _compile(ta._combine_kernel, pointers, constexprs, arch, num_warps=4)
+    return dict(kernel="combine", arch=arch, dtype=ELEMENT[dtype], head_dim=head_dim, splits=num_splits,
+                shared=compiled.metadata.shared, shared_limit=SHARED_LIMIT[arch])
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("compile_check: unset TRITON_INTERPRET (the interpreter cannot compile kernels)", file=sys.stderr)
+        return 2
+    failed = 0
+    for case in [("split", c) for c in SPLIT_CASES] + [("combine", c) for c in COMBINE_CASES]:
+        kind, args = case
+        try:
+            result = check_split(*args) if kind == "split" else check_combine(*args)
+            result["ok"] = result["shared"] <= result["shared_limit"]
+        except Exception as error:  # report every config, then fail
+            result = dict(kernel=kind, case=[str(a) for a in args], ok=False, error=f"{type(error).__name__}: {error}"[:2000])
+        failed += not result["ok"]
+        print(json.dumps(result), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""Tree attention in Triton: split-KV (flash-decoding) over the prefix, one masked tile for the tree.
+
+Work layout. One program handles one (batch row b, KV head, KV split, block of query rows).
+The query rows of a program are all T tree nodes times the Hq / Hkv query heads sharing the
+KV head, packed as rows m = node * group + g of one [BLOCK_M, D] tile, so each K/V tile of
+the cache is loaded once for all of them (decode-time attention is bandwidth bound: the
+cache read is the cost). The prefix keys 0 .. L_b - 1 are split into `num_splits` equal
+chunks, computed in the kernel from L_b (no host sync); they need no mask beyond the L_b
+bound. The last split also does the tree: keys L_b + j, j < T, visible to node i iff bit j
+of its ancestor mask is set (packed int64 words, or a bool mask read directly).
+
+Each split keeps an fp32 online softmax (exp2, scale folded with log2 e) and writes its
+normalised partial output and log-sum-exp; `_combine_kernel` merges the splits. With one
+split the first kernel writes the output directly.
+
+Slots a query may not see are never loaded into its sum: loads past L_b give 0, and tree
+values no row of the tile sees are zeroed, so garbage (even NaN) in unused cache slots does
+not leak into the output, matching the reference.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_HEAD_DIM = 256
+
+
+def interpreted() -> bool:
+    """Whether these kernels were built for the Triton interpreter (TRITON_INTERPRET=1 at import)."""
+    return not isinstance(_split_kernel, triton.runtime.JITFunction)
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, seqlens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_mb, stride_mt, stride_mw,
+    stride_ob, stride_ot, stride_oh,
+    num_nodes, head_dim, qk_scale,
+    GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_M_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PACKED: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid0 = tl.program_id(0)
+    split = pid0 % NUM_SPLITS
+    m_block = pid0 // NUM_SPLITS
+    kv_head = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows: node * GROUP + g
+    num_rows = num_nodes * GROUP
+    row_ok = rows < num_rows
+    node = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < head_dim
+
+    q = tl.load(
+        q_ptr + b * stride_qb + node[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
+    )
+    k_base = k_ptr + b * stride_kb + kv_head * stride_kh
+    v_base = v_ptr + b * stride_vb + kv_head * stride_vh
+
+    prefix_len = tl.load(seqlens_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(prefix_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, prefix_len)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+
+    # Prefix: every key below L_b is visible to every query.
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + cols
+        key_ok = keys < hi
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_base + keys[:, None] * stride_ks + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + keys[:, None] * stride_vs + dims[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    # Tree: keys L_b + j, j < T, visible per the ancestor mask; done by the last split.
+    if split == NUM_SPLITS - 1:
+        for start in range(0, num_nodes, BLOCK_N):
+            tree_cols = start + cols
+            col_ok = tree_cols < num_nodes
+            if PACKED:
+                words = tl.load(
+                    mask_ptr + b * stride_mb + node[:, None] * stride_mt + (tree_cols // 64)[None, :] * stride_mw,
+                    mask=row_ok[:, None] & col_ok[None, :], other=0,
+                )
+                visible = ((words >> (tree_cols % 64).to(tl.int64)[None, :]) & 1) != 0
+            else:
+                visible = tl.load(
+                    mask_ptr + b * stride_mb + node[:, None] * stride_mt + tree_cols[None, :] * stride_mw,
+                    mask=row_ok[:, None] & col_ok[None, :], other=0,
+                ) != 0
+            visible = visible & row_ok[:, None] & col_ok[None, :]
+            seen = tl.max(visible.to(tl.int32), 0) != 0  # key seen by some row of this tile
+            keys = prefix_len + tree_cols
+            kv_mask = col_ok[:, None] & dim_ok[None, :]
+            k = tl.load(k_base + keys[:, None] * stride_ks + dims[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + keys[:, None] * stride_vs + dims[None, :], mask=kv_mask, other=0.0)
+            v = tl.where(seen[:, None], v, 0.0).to(v.dtype)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_safe)
+            p = tl.math.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # padding rows of the tile see nothing
+        tl.store(
+            out_ptr + b * stride_ob + node[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :],
+        )
+    else:
+        # Partials: [B, Hkv, NUM_SPLITS, M_pad, BLOCK_D] fp32 outputs and [.., M_pad] log2-sum-exp2.
+        has_mass = l_i > 0.0
+        out = acc / tl.where(has_mass, l_i, 1.0)[:, None]
+        lse = tl.where(has_mass, m_i + tl.math.log2(tl.where(has_mass, l_i, 1.0)), float("-inf"))
+        num_kv_heads = tl.num_programs(1)
+        m_pad = NUM_M_BLOCKS * BLOCK_M
+        part = ((b * num_kv_heads + kv_head) * NUM_SPLITS + split) * m_pad + rows
+        tl.store(part_lse_ptr + part, lse)
+        tl.store(part_o_ptr + part[:, None] * BLOCK_D + dims[None, :], out)
+
+
+@triton.jit
+def _combine_kernel(
+    out_ptr, part_o_ptr, part_lse_ptr,
+    stride_ob, stride_ot, stride_oh,
+    head_dim,
+    GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, M_PAD: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    num_kv_heads = tl.num_programs(1)
+    splits = tl.arange(0, BLOCK_S)
+    split_ok = splits < NUM_SPLITS
+    dims = tl.arange(0, BLOCK_D)
+    part = ((b * num_kv_heads + kv_head) * NUM_SPLITS + splits) * M_PAD + row
+    lse = tl.load(part_lse_ptr + part, mask=split_ok, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = tl.math.exp2(lse - lse_max)  # 0 for empty splits
+    o = tl.load(part_o_ptr + part[:, None] * BLOCK_D + dims[None, :], mask=split_ok[:, None], other=0.0)
+    out = tl.sum(o * weight[:, None], 0) / tl.sum(weight, 0)
+    node = row // GROUP
+    head = kv_head * GROUP + row % GROUP
+    tl.store(
+        out_ptr + b * stride_ob + node * stride_ot + head * stride_oh + dims,
+        out.to(out_ptr.dtype.element_ty), mask=dims < head_dim,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_config(dtype: torch.dtype, head_dim: int, rows: int):
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) of the split kernel.
+
+    Sized to stay within sm_80's 163 KiB of shared memory (checked by compiling for sm_80 and
+    sm_90 in the tests): fp32 inputs take half-width key tiles, and one stage at D = 256.
+    """
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_m = min(max(16, triton.next_power_of_2(rows)), 64 if block_d <= 128 else 32)
+    block_n = 32 if block_d > 128 or dtype == torch.float32 else 64
+    num_stages = 1 if dtype == torch.float32 and block_d > 128 else 2
+    num_warps = 4 if block_m * block_d <= 64 * 64 else 8
+    return block_m, block_n, block_d, num_warps, num_stages
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, num_m_blocks: int, rows: int, cache_len: int, num_sms: int) -> int:
+    """KV splits per (row, KV head, row block), from shapes only (no host sync).
+
+    Enough programs to fill the GPU about twice, each split at least 256 keys of the
+    allocated cache, and the fp32 partials (splits x rows x D x 8 bytes written and read)
+    small next to the cache read (cache_len x D x 4 bytes for fp16 K and V).
+    """
+    programs = batch * num_kv_heads * num_m_blocks
+    want = triton.cdiv(2 * num_sms, programs)
+    by_length = max(1, cache_len // 256)
+    by_partials = max(1, cache_len // (4 * rows))
+    return max(1, min(want, by_length, by_partials, 64))
+
+
+def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale: float, *, num_splits=None) -> torch.Tensor:
+    """Same normalised arguments and result as `specdec_kernels.reference.tree_attention`.
+
+    q [B, T, Hq, D]; k/v_cache [B, S, Hkv, D] (any strides, contiguous last dim); tree_mask
+    bool [B, T, T] (stride-0 batch fine) or packed int64 [B, T, ceil(T/64)]; cache_seqlens
+    int32 [B]. Returns a contiguous [B, T, Hq, D] tensor in q's dtype. `num_splits` overrides
+    the split heuristic (tests).
+    """
+    batch, num_nodes, num_q_heads, head_dim = q.shape
+    cache_len, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"q: the Triton tree_attention supports head dims up to {MAX_HEAD_DIM}, got {head_dim}")
+    is_interpreted = interpreted()
+    if q.device.type != "cuda" and not is_interpreted:
+        raise RuntimeError(
+            "backend='triton' on CPU tensors runs only under the Triton interpreter: set TRITON_INTERPRET=1 "
+            "before specdec_kernels.triton is first imported"
+        )
+    out = torch.empty((batch, num_nodes, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    compute_dtype = q.dtype
+    if is_interpreted and q.dtype == torch.bfloat16:
+        # The interpreter (numpy) has no bf16: compute in fp32 there.
+        q, k_cache, v_cache = q.float(), k_cache.float(), v_cache.float()
+        compute_dtype = torch.float32
+    cache_seqlens = cache_seqlens.contiguous()  # the kernel reads it with stride 1
+    packed = tree_mask.dtype != torch.bool
+    if not packed:
+        # Triton has no bool pointers on every path; a uint8 view of the same bytes keeps strides.
+        tree_mask = tree_mask.view(torch.uint8)
+    precision = "ieee" if compute_dtype == torch.float32 else None  # exact fp32, not tf32
+
+    rows = num_nodes * group
+    block_m, block_n, block_d, num_warps, num_stages = launch_config(compute_dtype, head_dim, rows)
+    num_m_blocks = triton.cdiv(rows, block_m)
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, num_m_blocks, rows, cache_len, _num_sms(q.device))
+    num_splits = max(1, int(num_splits))
+    m_pad = num_m_blocks * block_m
+    if num_splits > 1:
+        part_o = torch.empty((batch, num_kv_heads, num_splits, m_pad, block_d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, num_kv_heads, num_splits, m_pad), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    qk_scale = float(scale) * 1.4426950408889634  # log2(e): the kernels use exp2
+    _split_kernel[(num_m_blocks * num_splits, num_kv_heads, batch)](
+        q, k_cache, v_cache, tree_mask, cache_seqlens, out, part_o, part_lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        tree_mask.stride(0), tree_mask.stride(1), tree_mask.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        num_nodes, head_dim, qk_scale,
+        GROUP=group, NUM_SPLITS=num_splits, NUM_M_BLOCKS=num_m_blocks,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        PACKED=packed, PRECISION=precision,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _combine_kernel[(rows, num_kv_heads, batch)](
+            out, part_o, part_lse,
+            out.stride(0), out.stride(1), out.stride(2),
+            head_dim,
+            GROUP=group, NUM_SPLITS=num_splits, M_PAD=m_pad,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            num_warps=4,
+        )
+    return out
