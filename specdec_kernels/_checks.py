@@ -113,16 +113,19 @@ def token_ids(name, tokens: torch.Tensor, valid: torch.Tensor, vocab_size: int):
         fail(name, f"token id {int(tokens[index])} at {list(index)} is outside the vocabulary [0, {vocab_size})")
 
 
-def per_row(name, value, batch, device, dtype, *, default):
-    """A scalar or a [B] tensor -> a [B] tensor of `dtype` on `device`."""
+def per_row(name, value, batch, device, dtype, *, default, integral=False):
+    """A scalar or a [B] tensor -> a [B] tensor of `dtype` on `device` (`integral`: ints only)."""
     if value is None:
         value = default
+    kind = "an int" if integral else "a number"
     if isinstance(value, torch.Tensor):
+        if integral and value.dtype not in INT_DTYPES:
+            fail(name, f"expected {kind} or an integer [B] tensor, got dtype {value.dtype}")
         if value.dim() == 0:
             value = value.reshape(1).expand(batch)
         shape(name, value, (batch,))
         same_device("target_logits", torch.empty(0, device=device), **{name: value})
         return value.to(dtype)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        fail(name, f"expected a number or a [B] tensor, got {type(value).__name__}")
+    if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
+        fail(name, f"expected {kind} or a [B] tensor, got {value!r}")
     return torch.full((batch,), value, dtype=dtype, device=device)

@@ -87,10 +87,10 @@ def verify(
     _checks.shape("tree_tokens", tree_tokens, (batch, num_nodes))
     _checks.tensor("parents", parents, dims=(1, 2), dtypes=_checks.INT_DTYPES)
     _checks.shape("parents", parents, (batch, num_nodes)[2 - parents.dim() :])
-    _checks.same_device("target_logits", target_logits, tree_tokens=tree_tokens, parents=parents, draft_probs=draft_probs)
     if draft_probs is not None:
         _checks.tensor("draft_probs", draft_probs, dims=3, dtypes=_checks.FLOAT_DTYPES)
         _checks.shape("draft_probs", draft_probs, (batch, num_nodes, vocab))
+    _checks.same_device("target_logits", target_logits, tree_tokens=tree_tokens, parents=parents, draft_probs=draft_probs)
     _checks.last_dim_contiguous("target_logits", target_logits)
 
     parents_2d = parents.to(torch.int64)
@@ -102,7 +102,7 @@ def verify(
     _checks.token_ids("tree_tokens", tree_tokens, drafted, vocab)
 
     temperature = _checks.per_row("temperature", temperature, batch, device, torch.float32, default=1.0)
-    top_k = _checks.per_row("top_k", top_k, batch, device, torch.int64, default=0)
+    top_k = _checks.per_row("top_k", top_k, batch, device, torch.int64, default=0, integral=True)
     top_p = _checks.per_row("top_p", top_p, batch, device, torch.float32, default=1.0)
     seed = _row_seeds(seed, batch, device)
     if _checks.checking_values():
@@ -175,6 +175,8 @@ def verify_chain(
     batch, num_nodes, vocab = target_logits.shape
     k = num_nodes - 1
     _checks.shape("draft_tokens", draft_tokens, (batch, k))
+    _checks.same_device("target_logits", target_logits, draft_tokens=draft_tokens)
+    _checks.token_ids("draft_tokens", draft_tokens, torch.ones_like(draft_tokens, dtype=torch.bool), vocab)
     # The chain as a tree: node i + 1 is draft i; the root token is not used by verify.
     tree_tokens = torch.cat([draft_tokens.new_zeros(batch, 1), draft_tokens], dim=1)
     parents = torch.arange(-1, k, device=draft_tokens.device)
