@@ -29,7 +29,6 @@ import datetime
 import glob
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -43,6 +42,7 @@ sys.path.insert(0, ROOT)
 
 import specdec_kernels as sk  # noqa: E402
 from specdec_kernels import reference  # noqa: E402
+from specdec_kernels._platform import cpu_name  # noqa: E402
 from specdec_kernels.ngram_index import NgramIndex  # noqa: E402
 
 PROMPTS = "/work/shared/data/prompts/*.jsonl"
@@ -300,17 +300,6 @@ def print_table(rows):
               f"{ours / p['index']:>9.1f}x")
 
 
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def plot(rows, path):
     try:
         import matplotlib
@@ -340,7 +329,7 @@ def plot(rows, path):
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("per-step latency (us)")
     axes[0][-1].legend(fontsize=7)
-    fig.suptitle(f"n-gram drafting on {cpu_model()}, {torch.get_num_threads()} threads", fontsize=9)
+    fig.suptitle(f"n-gram drafting on {cpu_name()}, {torch.get_num_threads()} threads", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
@@ -393,7 +382,7 @@ def main():
         commit = "unknown"
     result = {
         "benchmark": "ngram",
-        "device": cpu_model(),
+        "device": cpu_name(),
         "backend": "cpu",
         "torch": torch.__version__,
         "triton": None,

@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from ._platform import cpu_name
+
 METHODS = ("none", "ngram", "ngram-tree", "draft", "draft-tree", "merged")
 DEMO_MAX_NEW_TOKENS = 128  # long enough for the n-gram drafts to pay off, short enough for ~1 min on 2 CPU cores
 
@@ -333,17 +335,6 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def cmd_info(args) -> int:
     """Versions, whether `_C` loaded, backends per op and device, the default model's state."""
     import specdec_kernels
@@ -356,7 +347,7 @@ def cmd_info(args) -> int:
     c = "loaded" if specdec_kernels.LOAD_ERROR is None else f"NOT loaded: {specdec_kernels.LOAD_ERROR}"
     print(f"compiled extension specdec_kernels._C: {c}")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    print(f"device: CPU {_cpu_name()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}")
+    print(f"device: CPU {cpu_name()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}")
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             print(f"device: cuda:{i} {torch.cuda.get_device_name(i)} (CUDA {torch.version.cuda})")
