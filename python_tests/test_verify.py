@@ -1041,3 +1041,12 @@ def test_verify_chain_bad_draft_token_names_draft_tokens(draft_tokens):
 def test_non_integer_top_k_raises(top_k):
     with pytest.raises(ValueError, match="top_k"):
         call(top_k=top_k)
+
+
+def test_tiny_temperature_does_not_overflow_into_ties():
+    """logits / 1e-39 overflows fp32; the warp subtracts the row max first, so the largest
+    logit keeps (almost) all the mass instead of every finite logit tying at +max."""
+    rows = 400
+    logits = torch.tensor([[[1.0, 2.0, 0.5]]]).expand(rows, 1, 3).contiguous()
+    out = verify(logits, torch.zeros(rows, 1, dtype=torch.int64), torch.tensor([-1]), temperature=1e-39, seed=3)
+    assert torch.equal(out.output_tokens[:, 0], torch.full((rows,), 1))

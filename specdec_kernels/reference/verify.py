@@ -52,7 +52,11 @@ def target_probs(logits, temperature, top_k, top_p) -> torch.Tensor:
     """
     vocab = logits.shape[-1]
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    x = (sanitize_logits(logits) / temp[:, None]).clamp(max=FP32_MAX)
+    x = sanitize_logits(logits)
+    # Subtract the row max before dividing: x / T overflows for tiny T (1e-39 would make
+    # every finite logit +max and tie them), (x - max) / T only underflows towards -inf.
+    row_max = x.amax(dim=-1, keepdim=True)
+    x = (x - torch.where(torch.isfinite(row_max), row_max, 0.0)) / temp[:, None]
 
     use_top_k = (top_k > 0) & (top_k < vocab)
     if use_top_k.any():  # (the sorts are skipped when no row needs them: pure speed)
