@@ -435,14 +435,9 @@ def test_matches_bruteforce_nonfinite_and_ties(gen, with_probs, dtype):
     """NaN / +-inf logits sprinkled everywhere, whole dead nodes, integer logits (many ties)."""
     batch, num_nodes, vocab = 32, 15, 9
     for ties in (False, True):
-        parents = random_parents(gen, batch, num_nodes, "deep", ragged=True)
-        if with_probs:
-            draft_probs = random_draft_probs(gen, batch, num_nodes, vocab).to(dtype)
-            tokens = sampled_tree_tokens(gen, parents, draft_probs.float())
-        else:
-            draft_probs = None
-            tokens = distinct_sibling_tokens(gen, parents, vocab)
-        logits = random_logits(gen, batch, num_nodes, vocab, dtype, ties=ties, nonfinite=True)
+        logits, tokens, parents, draft_probs = build_case(
+            gen, "deep", num_nodes, vocab, dtype, with_probs, batch, ties=ties, nonfinite=True
+        )
         temperature, top_k, top_p = random_row_params(gen, batch, vocab)
         seed = randint(gen, -(2**62), 2**62, (batch,))
         kw = dict(draft_probs=draft_probs, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)

@@ -45,10 +45,16 @@ def shape(name, x, expected):
         fail(name, f"expected shape {shown}, got {tuple(x.shape)}")
 
 
+def on_device(name, x, device, like: str):
+    """x lives on `device` (the device of the argument named `like`)."""
+    if x.device != device:
+        fail(name, f"expected a tensor on {device} (like {like}), got {x.device}")
+
+
 def same_device(reference_name, reference, **tensors):
     for name, x in tensors.items():
-        if x is not None and x.device != reference.device:
-            fail(name, f"expected a tensor on {reference.device} (like {reference_name}), got {x.device}")
+        if x is not None:
+            on_device(name, x, reference.device, reference_name)
 
 
 def nonempty_batch(name, x):
@@ -124,7 +130,7 @@ def per_row(name, value, batch, device, dtype, *, default, integral=False):
         if value.dim() == 0:
             value = value.reshape(1).expand(batch)
         shape(name, value, (batch,))
-        same_device("target_logits", torch.empty(0, device=device), **{name: value})
+        on_device(name, value, device, "target_logits")
         return value.to(dtype)
     if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
         fail(name, f"expected {kind} or a [B] tensor, got {value!r}")

@@ -38,7 +38,7 @@ def _row_seeds(seed, batch: int, device) -> torch.Tensor:
     if isinstance(seed, torch.Tensor):
         _checks.tensor("seed", seed, dims=1, dtypes=(torch.int64,))
         _checks.shape("seed", seed, (batch,))
-        _checks.same_device("target_logits", torch.empty(0, device=device), seed=seed)
+        _checks.on_device("seed", seed, device, "target_logits")
         return seed
     _checks.int_arg("seed", seed)
     return seeds_from_int(seed, batch, device)
