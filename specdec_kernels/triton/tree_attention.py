@@ -33,6 +33,20 @@ def interpreted() -> bool:
 
 
 @triton.jit
+def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
+    """One online-softmax step (base 2) over a KV tile: scores of invisible keys are -inf."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, seqlens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     stride_qb, stride_qt, stride_qh,
@@ -83,15 +97,7 @@ def _split_kernel(
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_base + keys[:, None] * stride_ks + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + keys[:, None] * stride_vs + dims[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(key_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, key_ok[None, :], m_i, l_i, acc, qk_scale, PRECISION)
 
     # Tree: keys L_b + j, j < T, visible per the ancestor mask; done by the last split.
     if split == NUM_SPLITS - 1:
@@ -116,15 +122,7 @@ def _split_kernel(
             k = tl.load(k_base + keys[:, None] * stride_ks + dims[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_base + keys[:, None] * stride_vs + dims[None, :], mask=kv_mask, other=0.0)
             v = tl.where(seen[:, None], v, 0.0).to(v.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_safe)
-            p = tl.math.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, PRECISION)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # padding rows of the tile see nothing
