@@ -102,6 +102,18 @@ def parents(name, parents_2d: torch.Tensor):
         fail(name, f"padding nodes (parent -1) must be trailing, but node {i + 1} of row {b} follows padding node {i}")
 
 
+def parents_2d(value: torch.Tensor, name: str = "parents") -> torch.Tensor:
+    """Validated int64 [B, T] view of a [B, T] or [T] parent array."""
+    tensor(name, value, dims=(1, 2), dtypes=INT_DTYPES)
+    rows = value if value.dim() == 2 else value.unsqueeze(0)
+    nonempty_batch(name, rows)
+    if rows.shape[1] == 0:
+        fail(name, "a tree has at least one node (the root); got T = 0")
+    rows = rows.to(torch.int64)
+    parents(name, rows)
+    return rows
+
+
 def real_nodes(parents_2d: torch.Tensor) -> torch.Tensor:
     """bool [B, T]: the root and every node with a parent (not padding)."""
     real = parents_2d >= 0

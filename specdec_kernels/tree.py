@@ -15,18 +15,6 @@ from . import reference
 from ._extension import run
 
 
-def _parents_2d(parents: torch.Tensor, name: str = "parents") -> torch.Tensor:
-    """Validated int64 [B, T] view of a [B, T] or [T] parent array."""
-    _checks.tensor(name, parents, dims=(1, 2), dtypes=_checks.INT_DTYPES)
-    parents_2d = parents if parents.dim() == 2 else parents.unsqueeze(0)
-    _checks.nonempty_batch(name, parents_2d)
-    if parents_2d.shape[1] == 0:
-        _checks.fail(name, "a tree has at least one node (the root); got T = 0")
-    parents_2d = parents_2d.to(torch.int64)
-    _checks.parents(name, parents_2d)
-    return parents_2d
-
-
 def tree_mask(parents: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
     """Ancestor mask of a token tree.
 
@@ -38,7 +26,7 @@ def tree_mask(parents: torch.Tensor, *, backend: Optional[str] = None) -> torch.
         bool [B, T, T] ([T, T] for a [T] input): [b, i, j] is true iff node j is node i or
         one of its ancestors. Padding nodes see only themselves.
     """
-    parents_2d = _parents_2d(parents)
+    parents_2d = _checks.parents_2d(parents)
     mask = run("tree_mask", backend, parents_2d.device, parents_2d.contiguous())
     return mask if parents.dim() == 2 else mask[0]
 
@@ -72,7 +60,7 @@ class TokenTree:
     def __post_init__(self):
         _checks.tensor("tokens", self.tokens, dims=2, dtypes=_checks.INT_DTYPES)
         batch, num_nodes = self.tokens.shape
-        parents = _parents_2d(self.parents)  # a [T] input becomes [1, T]
+        parents = _checks.parents_2d(self.parents)  # a [T] input becomes [1, T]
         _checks.shape("parents", parents, (batch if self.parents.dim() == 2 else 1, num_nodes))
         self.parents = parents.expand(batch, -1)
         _checks.same_device("tokens", self.tokens, parents=self.parents)

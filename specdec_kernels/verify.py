@@ -93,9 +93,7 @@ def verify(
     _checks.same_device("target_logits", target_logits, tree_tokens=tree_tokens, parents=parents, draft_probs=draft_probs)
     _checks.last_dim_contiguous("target_logits", target_logits)
 
-    parents_2d = parents.to(torch.int64)
-    parents_2d = parents_2d.expand(batch, -1) if parents.dim() == 1 else parents_2d
-    _checks.parents("parents", parents_2d)
+    parents_2d = _checks.parents_2d(parents).expand(batch, -1)
     real = _checks.real_nodes(parents_2d)
     drafted = real.clone()
     drafted[:, 0] = False
