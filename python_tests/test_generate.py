@@ -130,8 +130,9 @@ def test_self_drafting_accepts_everything(target):
     assert out.stats.acceptance_per_depth == [1.0, 1.0, 1.0]
 
 
-@pytest.mark.parametrize("kind", ["plain", "ngram_chain", "model_tree"])
+@pytest.mark.parametrize("kind", list(DRAFTERS))
 def test_eos_stops_rows_and_pads(target, draft, kind):
+    """Rows stop at different steps and leave the batch (caches and drafter state follow)."""
     ids, mask = left_pad(repetitive_prompts(4))
     free = hf_greedy(target, ids, mask, 20)[:, ids.shape[1] :]
     eos = int(free[1, 6])  # row 1 stops at (or before) its 7th new token, others maybe later
@@ -143,6 +144,30 @@ def test_eos_stops_rows_and_pads(target, draft, kind):
     for b, n in enumerate(out.stats.new_tokens):
         assert (new[b, n:] == 0).all()  # padded with the pad token after the row stopped
         assert n == new.shape[1] or int(new[b, n - 1]) == eos
+
+
+def test_ngram_drafter_index_matches_rescan():
+    """On CPU the chain n-gram drafter feeds an incremental NgramIndex; its drafts must equal
+    a rescan of the history with ngram_propose at every step, rows growing raggedly."""
+    g = torch.Generator().manual_seed(11)
+    batch, capacity = 3, 200
+    history = torch.randint(1, 6, (batch, capacity), generator=g)  # small alphabet: many matches
+    lengths = torch.tensor([5, 1, 30])
+    indexed = sk.NgramDrafter(min_n=1, max_n=3, num_tokens=4)
+    indexed.start(history, lengths, capacity)
+    assert indexed.index is not None or not sk.NgramIndex.has_compiled_backend()
+    for step in range(20):
+        got = indexed.propose(history, lengths).tree
+        drafts, lens = sk.ngram_propose(history[:, : int(lengths.max())], lengths, min_n=1, max_n=3, num_tokens=4)
+        expected = sk.TokenTree.chain(history.gather(1, (lengths - 1)[:, None])[:, 0], drafts.long(), lens)
+        width = got.tokens.shape[1]
+        assert torch.equal(got.tokens, expected.tokens[:, :width]) and torch.equal(got.parents, expected.parents[:, :width])
+        assert (expected.parents[:, width:] == -1).all()
+        lengths = lengths + torch.randint(0, 5, lengths.shape, generator=g)
+        if step == 10:  # row 1 finishes: the batch keeps rows 0 and 2
+            keep = torch.tensor([0, 2])
+            indexed.keep_rows(keep)
+            history, lengths = history[keep], lengths[keep]
 
 
 @pytest.mark.parametrize("max_new_tokens", [0, 1, 2, 7])

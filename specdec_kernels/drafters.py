@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import torch
 
 from .ngram import ngram_propose, ngram_propose_tree
+from .ngram_index import NgramIndex
 from .tree import TokenTree, tree_mask
 
 
@@ -79,12 +80,21 @@ class Drafter:
         `sampling` None asks for a deterministic proposal (draft_probs None)."""
         return Draft(TokenTree.chain(root_tokens(history, lengths), history.new_zeros(history.shape[0], 0)))
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Called when rows finish: from now on the batch is the old rows `rows` (int64
+        indices, in that order); per-row state must follow."""
+
     def finish(self) -> None:
         """Called when generation ends: release per-call state (caches)."""
 
 
 class NgramDrafter(Drafter):
     """Prompt-lookup drafts: the tokens that followed the latest n-gram earlier in the history.
+
+    Chains on CPU use the incremental `NgramIndex` (one slot per row, fed the tokens each
+    step appended: O(max_n) per token instead of rescanning the history); trees, and
+    histories on a GPU, call `ngram_propose_tree` / `ngram_propose` on the history. Both give
+    the same drafts.
 
     Args:
         min_n, max_n: n-gram sizes tried, longest first.
@@ -99,12 +109,39 @@ class NgramDrafter(Drafter):
             raise ValueError(f"tree_width must be >= 1, got {tree_width}")
         self.min_n, self.max_n, self.num_tokens, self.tree_width, self.policy = min_n, max_n, num_tokens, tree_width, policy
         self.max_nodes = num_tokens * tree_width
+        self.index = None
+
+    def start(self, history, lengths, capacity):
+        """Chains on CPU: index every row's prompt (slot b = row b)."""
+        self.index = None
+        if self.tree_width == 1 and history.device.type == "cpu" and NgramIndex.has_compiled_backend():
+            self.index = NgramIndex(history.shape[0], max_n=self.max_n)
+            for b, n in enumerate(lengths.tolist()):
+                self.index.reset(b, history[b, :n])
+            self.slots = torch.arange(history.shape[0])
+            self.indexed = lengths.long().cpu().clone()  # tokens of each row the index holds
+
+    def keep_rows(self, rows):
+        if self.index is not None:
+            self.slots, self.indexed = self.slots[rows], self.indexed[rows]
+
+    def finish(self):
+        self.index = None
 
     def propose(self, history, lengths, sampling=None) -> Draft:
         """Deterministic n-gram proposal (see class docstring); `sampling` is ignored."""
-        tokens = history[:, : int(lengths.max())]
         args = dict(min_n=self.min_n, max_n=self.max_n, num_tokens=self.num_tokens, policy=self.policy)
         root = root_tokens(history, lengths)
+        if self.index is not None:
+            # Feed each row the tokens appended since the last step, then propose.
+            lengths = lengths.long()
+            new = lengths - self.indexed
+            j = torch.arange(max(int(new.max()), 1))
+            appended = history.gather(1, (self.indexed[:, None] + j).clamp(max=history.shape[1] - 1))
+            drafts, draft_lens = self.index.append_and_propose(self.slots, appended, new, **args)
+            self.indexed = lengths.clone()
+            return Draft(trimmed(TokenTree.chain(root, drafts, draft_lens)))
+        tokens = history[:, : int(lengths.max())]
         if self.tree_width == 1:
             drafts, draft_lens = ngram_propose(tokens, lengths, **args)
             return Draft(trimmed(TokenTree.chain(root, drafts.long(), draft_lens)))
@@ -151,6 +188,9 @@ class DraftModelDrafter(Drafter):
 
         self.cache = hf.TreeKVCache.for_model(self.model, history.shape[0], capacity)
         hf.prefill(self.model, self.cache, history, lengths)
+
+    def keep_rows(self, rows):
+        self.cache.keep_rows(rows)
 
     def finish(self):
         self.cache = None
@@ -242,6 +282,10 @@ class MergedDrafter(Drafter):
     def start(self, history, lengths, capacity):
         for d in self.drafters:
             d.start(history, lengths, capacity)
+
+    def keep_rows(self, rows):
+        for d in self.drafters:
+            d.keep_rows(rows)
 
     def finish(self):
         for d in self.drafters:

@@ -223,6 +223,10 @@ def generate(
     history = _left_align(input_ids, lengths, capacity)  # every row's tokens, left-aligned
     generated = torch.zeros(batch, dtype=torch.int64, device=device)
     done = generated >= max_new_tokens
+    # Rows still running are history[i] etc. for original row row_ids[i]; finished rows are
+    # moved into the out_* tensors and dropped from the batch.
+    row_ids = torch.arange(batch, device=device)
+    out_history, out_lengths, out_generated = history.clone(), lengths.clone(), generated.clone()
     accepted_hist = torch.zeros(1 + drafter.max_nodes, dtype=torch.int64)
     max_depth = 0
     with hf.use_tree_attention(target, *drafter.models), _value_checks_off():
@@ -257,6 +261,16 @@ def generate(
                 done = done | hit_eos | (generated >= max_new_tokens)
                 cache.set_lengths(lengths - 1)  # (rows that just finished drop what they accepted past their end)
                 stats.steps += 1
+                if bool(done.any()) and not bool(done.all()):
+                    # Finished rows leave the batch (one copy of the caches), so later steps
+                    # do not spend target and draft compute on them.
+                    finished, keep = done.nonzero()[:, 0], (~done).nonzero()[:, 0]
+                    out_history[row_ids[finished]] = history[finished]
+                    out_lengths[row_ids[finished]], out_generated[row_ids[finished]] = lengths[finished], generated[finished]
+                    history, lengths, generated, done = history[keep], lengths[keep], generated[keep], done[keep]
+                    row_ids, row_seeds = row_ids[keep], row_seeds[keep]
+                    cache.keep_rows(keep)
+                    drafter.keep_rows(keep)
                 t3 = _sync(device)
                 stats.time_draft, stats.time_verify, stats.time_accept = (
                     stats.time_draft + t1 - t0, stats.time_verify + t2 - t1, stats.time_accept + t3 - t2)
@@ -266,6 +280,8 @@ def generate(
     if streamer is not None:
         streamer.end()
 
+    out_history[row_ids], out_lengths[row_ids], out_generated[row_ids] = history, lengths, generated
+    history, lengths, generated = out_history, out_lengths, out_generated
     new = int(generated.max()) if batch else 0
     j = torch.arange(new, device=device)
     gen_tokens = history.gather(1, (lengths - generated)[:, None] + j)

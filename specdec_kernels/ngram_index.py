@@ -142,6 +142,11 @@ class NgramIndex:
         else:
             self._slots = [_PyHistoryIndex(max_n) for _ in range(num_slots)]
 
+    @staticmethod
+    def has_compiled_backend() -> bool:
+        """Whether backend "cpu" (the compiled index in specdec_kernels._C) is available."""
+        return _has_compiled_class()
+
     # ------------------------------------------------------------------ inspection
 
     def length(self, slot: int) -> int:

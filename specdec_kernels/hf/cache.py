@@ -112,6 +112,16 @@ class TreeKVCache(Cache):
         self.seqlens = seqlens.to(device=self.seqlens.device, dtype=torch.int32).contiguous()
         self.max_len = int(self.seqlens.max())
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` (int64 indices, in the new order): every layer's buffers
+        are copied once, so later forwards run on the smaller batch (rows that finished early
+        stop costing compute)."""
+        for layer in self.layers:
+            layer.k_buf, layer.v_buf = layer.k_buf[rows], layer.v_buf[rows]
+            layer.keys, layer.values = layer.k_buf.transpose(1, 2), layer.v_buf.transpose(1, 2)
+        self._rows = torch.arange(rows.numel(), device=self.seqlens.device)[:, None]
+        self.set_lengths(self.seqlens[rows])
+
     def compact_(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Keep a verified tree's accepted path (root first) right after each row's prefix.
 
