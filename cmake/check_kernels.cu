@@ -22,6 +22,12 @@ template cudaError_t launch_ngram_propose<int64_t>(const int64_t*, int64_t, int6
                                                    int64_t, int64_t, int64_t, bool, int64_t*, int32_t*, cudaStream_t);
 template cudaError_t launch_ngram_propose<int32_t>(const int32_t*, int64_t, int64_t, const int64_t*, int64_t, int64_t,
                                                    int64_t, int64_t, int64_t, bool, int32_t*, int32_t*, cudaStream_t);
+template cudaError_t launch_ngram_propose_tree<int64_t>(const int64_t*, int64_t, int64_t, const int64_t*, int64_t,
+                                                        int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool,
+                                                        int32_t*, int64_t*, int64_t*, int64_t*, cudaStream_t);
+template cudaError_t launch_ngram_propose_tree<int32_t>(const int32_t*, int64_t, int64_t, const int64_t*, int64_t,
+                                                        int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool,
+                                                        int32_t*, int64_t*, int32_t*, int64_t*, cudaStream_t);
 
 }  // namespace cuda
 }  // namespace specdec

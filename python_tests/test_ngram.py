@@ -7,7 +7,7 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels import ngram_propose, ngram_propose_tree
 
-from conftest import randint
+from conftest import HAS_CUDA, randint, requires_cuda
 
 BACKENDS = [None] + sk.available_backends("ngram_propose", "cpu")
 TREE_BACKENDS = [None] + sk.available_backends("ngram_propose_tree", "cpu")
@@ -399,6 +399,173 @@ def test_tree_empty_history_root():
     assert tree.tokens.tolist() == [[-1, -1, -1, -1, -1], [3, -1, -1, -1, -1]]
     assert tree.parents.tolist() == [[-1] * 5] * 2
     assert tree.num_nodes.tolist() == [1, 1]
+
+
+# ----------------------------------------------------------------------------- CUDA ngram_propose_tree
+# The CUDA kernel (built only with SPECDEC_ENABLE_UNVERIFIED_CUDA=1) against the reference.
+
+HAS_CUDA_TREE = HAS_CUDA and "cuda" in sk.available_backends("ngram_propose_tree", "cuda")
+requires_cuda_tree = pytest.mark.skipif(
+    not HAS_CUDA_TREE, reason="needs a CUDA GPU and a build with the CUDA ngram_propose_tree kernel"
+)
+
+
+def check_tree_cuda(tokens, lengths, what, *, strided=False, **kwargs):
+    """CUDA (contiguous, and optionally a strided view) == reference, exactly."""
+    want = ngram_propose_tree(tokens, lengths, **kwargs, backend="reference")
+    inputs = [tokens.cuda()]
+    if strided:
+        wide = torch.zeros(tokens.shape[0], 2 * tokens.shape[1], dtype=tokens.dtype, device="cuda")
+        wide[:, ::2] = tokens.cuda()
+        inputs.append(wide[:, ::2])
+    for t in inputs:
+        got = ngram_propose_tree(t, lengths.cuda(), **kwargs, backend="cuda")
+        assert got.tokens.device.type == "cuda" and got.tokens.dtype == tokens.dtype, what
+        assert got.parents.dtype == torch.int64 and got.tokens.shape == want.tokens.shape, what
+        assert torch.equal(got.tokens.cpu(), want.tokens), (what, kwargs, t.stride(), got.tokens.cpu(), want.tokens)
+        assert torch.equal(got.parents.cpu(), want.parents), (what, kwargs, t.stride(), got.parents.cpu(), want.parents)
+    return want
+
+
+def many_continuations(gen, length, every=5, vocab=1000, repeats=40):
+    """Token 0 every `every` positions, random tokens between (thousands of distinct
+    continuations of the suffix [0]: more than the kernel's shared-memory table holds), a few
+    of them repeated 2-4 times at random places so that the ranking spans table rounds."""
+    if length == 0:
+        return []
+    s = randint(gen, 1, vocab, (length,)).tolist()
+    for i in range(0, length, every):
+        s[i] = 0
+    if length > 4 * every:
+        for _ in range(repeats):
+            src_pos = int(randint(gen, 0, length // every - 2)) * every
+            for _ in range(int(randint(gen, 1, 4))):
+                dst = int(randint(gen, 0, length // every - 2)) * every
+                s[dst : dst + every] = s[src_pos : src_pos + every]
+    s[-1] = 0
+    return s
+
+
+@requires_cuda
+@requires_cuda_tree
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("kind", ("small_vocab", "zipf", "planted"))
+def test_cuda_tree_random(gen, kind, policy):
+    histories = make_histories(gen, kind, ragged_lengths(gen, 14, 3000, 5))
+    for dtype in (torch.int32, torch.int64):
+        tokens, lengths = pack(gen, histories, dtype, garbage_vocab=50)
+        for min_n, max_n in ((1, 1), (1, 4), (2, 3), (3, 5)):
+            num_tokens = int(randint(gen, 1, 9))
+            tree_width = int(randint(gen, 1, 9))
+            for max_nodes in (None, 0, 1, int(randint(gen, 0, tree_width * num_tokens + 3))):
+                kwargs = dict(min_n=min_n, max_n=max_n, num_tokens=num_tokens, tree_width=tree_width,
+                              max_nodes=max_nodes, policy=policy)
+                check_tree_cuda(tokens, lengths, (kind, dtype), strided=max_nodes is None, **kwargs)
+
+
+@requires_cuda
+@requires_cuda_tree
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", POLICIES)
+def test_cuda_tree_long_rows(gen, policy):
+    """Rows up to 128k tokens (several table rounds for the frequent tokens), ragged, both dtypes."""
+    lengths = [131072, 0, 1, 2, 1023, 1024, 1025, int(randint(gen, 0, 20000))]
+    histories = (
+        make_histories(gen, "zipf", lengths[:1])
+        + make_histories(gen, "small_vocab", lengths[1:4])
+        + make_histories(gen, "planted", lengths[4:7])
+        + [many_continuations(gen, lengths[7])]
+    )
+    for dtype in (torch.int32, torch.int64):
+        tokens, lens = pack(gen, histories, dtype, garbage_vocab=50)
+        for min_n, max_n, num_tokens, tree_width, max_nodes in ((1, 1, 4, 8, None), (1, 4, 5, 4, 9), (2, 3, 3, 1, None)):
+            kwargs = dict(min_n=min_n, max_n=max_n, num_tokens=num_tokens, tree_width=tree_width,
+                          max_nodes=max_nodes, policy=policy)
+            check_tree_cuda(tokens, lens, dtype, **kwargs)
+
+
+@requires_cuda
+@requires_cuda_tree
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", POLICIES)
+def test_cuda_tree_table_overflow(gen, policy):
+    """Far more distinct continuations than the shared-memory table holds: the deferred rounds
+    must still find the most frequent ones and break count ties by position exactly."""
+    histories = [
+        many_continuations(gen, 60000),  # ~12k candidates, mostly distinct, some repeated
+        many_continuations(gen, 30000, every=3, repeats=0),  # all counts 1: ties decide everything
+        many_continuations(gen, 20000, every=7, vocab=3),  # few distinct continuations, large counts
+        [7] * 50000,  # one continuation (plus the prefixes that run into the end)
+        [int(t) for t in randint(gen, 0, 2, (40000,))],  # two tokens: every n-gram repeats
+    ]
+    tokens, lens = pack(gen, histories, torch.int64)
+    for num_tokens, tree_width, max_nodes in ((1, 8, None), (3, 8, None), (6, 3, 7), (4, 1, None), (2, 8, 100)):
+        kwargs = dict(min_n=1, max_n=1, num_tokens=num_tokens, tree_width=tree_width, max_nodes=max_nodes, policy=policy)
+        check_tree_cuda(tokens, lens, "overflow", **kwargs)
+    kwargs = dict(min_n=1, max_n=6, num_tokens=5, tree_width=6, max_nodes=None, policy=policy)
+    check_tree_cuda(tokens, lens, "overflow, longer n", **kwargs)
+
+
+@requires_cuda
+@requires_cuda_tree
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", POLICIES)
+def test_cuda_tree_edges(gen, policy):
+    histories = [
+        [5, 6, 7, 5, 6],  # continuations run into the suffix itself
+        [1, 1, 1, 1],
+        [9, 8, 9, 8, 9, 8],
+        [3, 4, 3],
+        [3, 3, 5, 3, 3],  # [3] is a prefix of [3, 5]: adds no node
+        [1, 2, 3, 1, 5, 1, 9, 1, 2, 3, 8, 1, 2, 4, 8, 1, 5, 1, 6, 1],  # count ties
+        [2, 2],
+        [7],  # shorter than any n
+        [],  # empty: root -1
+        [1, 2, 3, 4, 5, 6],  # no match
+    ]
+    for dtype in (torch.int32, torch.int64):
+        tokens, lengths = pack(gen, histories, dtype)
+        for min_n, max_n in ((1, 1), (1, 4), (2, 2), (3, 8)):
+            for num_tokens in (1, 2, 5, 64):
+                for tree_width in (1, 2, 3, 8):
+                    for max_nodes in (None, 0, 1, 3):
+                        kwargs = dict(min_n=min_n, max_n=max_n, num_tokens=num_tokens, tree_width=tree_width,
+                                      max_nodes=max_nodes, policy=policy)
+                        check_tree_cuda(tokens, lengths, dtype, **kwargs)
+
+
+@requires_cuda
+@requires_cuda_tree
+@pytest.mark.gpu
+def test_cuda_tree_graph_capture(gen):
+    """The op launches without a host sync and allocates by shape only: it captures into a CUDA
+    graph, and replays on new contents of the same input buffers give the reference's trees."""
+    kwargs = dict(min_n=1, max_n=3, num_tokens=4, tree_width=4, max_nodes=None, policy="latest")
+    histories = make_histories(gen, "zipf", [500, 0, 37, 3000])
+    tokens, lengths = pack(gen, histories, torch.int64)
+    static_tokens, static_lengths = tokens.cuda(), lengths.cuda()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm up outside the graph
+            ngram_propose_tree(static_tokens, static_lengths, **kwargs, backend="cuda")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ngram_propose_tree(static_tokens, static_lengths, **kwargs, backend="cuda")
+    for kind in ("small_vocab", "planted", "zipf"):
+        new = make_histories(gen, kind, [int(randint(gen, 0, tokens.shape[1] + 1)) for _ in histories])
+        new_tokens, new_lengths = pack(gen, new, torch.int64, extra=0)
+        padded = torch.full_like(tokens, -1)
+        padded[:, : new_tokens.shape[1]] = new_tokens
+        static_tokens.copy_(padded.cuda())
+        static_lengths.copy_(new_lengths.cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        want = ngram_propose_tree(padded, new_lengths, **kwargs, backend="reference")
+        assert torch.equal(out.tokens.cpu(), want.tokens), kind
+        assert torch.equal(out.parents.cpu(), want.parents), kind
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -1,6 +1,6 @@
-// CUDA glue for ngram_propose: checks, outputs, current stream; the kernel is in
-// include/specdec/ngram.cuh. No host sync. (ngram_propose_tree on CUDA tensors runs the
-// reference implementation: its ranking needs dynamic per-row storage.)
+// CUDA glue for ngram_propose and ngram_propose_tree: checks, outputs, workspaces, current
+// stream; the kernels are in include/specdec/ngram.cuh. No host sync, and every allocation's
+// size depends on shapes only, so both ops can be captured in a CUDA graph.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
@@ -8,6 +8,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstdint>
+#include <limits>
 #include <string>
 #include <tuple>
 
@@ -17,10 +19,9 @@
 namespace specdec {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> ngram_propose_cuda(const at::Tensor& tokens, const at::Tensor& lengths,
-                                                      int64_t min_n, int64_t max_n, int64_t num_tokens,
-                                                      std::string policy) {
-  constexpr const char* op = "ngram_propose";
+// The checks both ops share (the CPU glue's, plus the kernels' size limits).
+void check_ngram_args_cuda(const char* op, const at::Tensor& tokens, const at::Tensor& lengths, int64_t min_n,
+                           int64_t max_n, int64_t num_tokens, const std::string& policy) {
   TORCH_CHECK(tokens.dim() == 2, op, ": tokens must be a 2-D [B, L] tensor, got shape ", tokens.sizes());
   TORCH_CHECK(tokens.scalar_type() == at::kInt || tokens.scalar_type() == at::kLong, op,
               ": tokens must have dtype int32 or int64, got ", tokens.scalar_type());
@@ -34,6 +35,13 @@ std::tuple<at::Tensor, at::Tensor> ngram_propose_cuda(const at::Tensor& tokens, 
   TORCH_CHECK(policy == "earliest" || policy == "latest", op, ": policy must be \"earliest\" or \"latest\", got \"",
               policy, "\"");
   check_fits_int32(op, "B (tokens.size(0))", tokens.size(0));
+}
+
+std::tuple<at::Tensor, at::Tensor> ngram_propose_cuda(const at::Tensor& tokens, const at::Tensor& lengths,
+                                                      int64_t min_n, int64_t max_n, int64_t num_tokens,
+                                                      std::string policy) {
+  constexpr const char* op = "ngram_propose";
+  check_ngram_args_cuda(op, tokens, lengths, min_n, max_n, num_tokens, policy);
   TORCH_CHECK(tokens.size(1) < (int64_t{1} << cuda::kNgramPositionBits), op, ": L = ", tokens.size(1),
               " is too long (at most 2^40 - 1)");
   const c10::cuda::CUDAGuard guard(tokens.device());
@@ -50,9 +58,44 @@ std::tuple<at::Tensor, at::Tensor> ngram_propose_cuda(const at::Tensor& tokens, 
   return {drafts, draft_lens};
 }
 
+std::tuple<at::Tensor, at::Tensor> ngram_propose_tree_cuda(const at::Tensor& tokens, const at::Tensor& lengths,
+                                                           int64_t min_n, int64_t max_n, int64_t num_tokens,
+                                                           int64_t tree_width, int64_t max_nodes,
+                                                           std::string policy) {
+  constexpr const char* op = "ngram_propose_tree";
+  check_ngram_args_cuda(op, tokens, lengths, min_n, max_n, num_tokens, policy);
+  TORCH_CHECK(tree_width >= 1, op, ": tree_width must be >= 1, got ", tree_width);
+  TORCH_CHECK(max_nodes >= 0, op, ": max_nodes must be >= 0, got ", max_nodes);
+  // Positions are kept as int32 in the kernel's hash table and rank keys.
+  TORCH_CHECK(tokens.size(1) <= std::numeric_limits<int32_t>::max(), op, ": L = ", tokens.size(1),
+              " is too long (at most 2^31 - 1)");
+  const c10::cuda::CUDAGuard guard(tokens.device());
+  const at::Tensor lens = lengths.contiguous();
+  const int64_t batch = tokens.size(0);
+  const int64_t width = tokens.size(1);
+  at::Tensor tree_tokens = tokens.new_empty({batch, 1 + max_nodes});
+  at::Tensor parents = tokens.new_empty({batch, 1 + max_nodes}, tokens.options().dtype(at::kLong));
+  // Workspaces (uninitialised; the kernel writes before it reads).
+  const int64_t ranks = cuda::ngram_tree_ranks(tree_width, max_nodes, num_tokens, width);
+  at::Tensor pending = tokens.new_empty({batch, cuda::ngram_tree_pending_stride(width)},
+                                        tokens.options().dtype(at::kInt));
+  at::Tensor ranked = tokens.new_empty({batch, cuda::ngram_tree_ranked_stride(ranks)},
+                                       tokens.options().dtype(at::kLong));
+  AT_DISPATCH_INDEX_TYPES(tokens.scalar_type(), "ngram_propose_tree_cuda", [&] {
+    C10_CUDA_CHECK(cuda::launch_ngram_propose_tree<index_t>(
+        tokens.const_data_ptr<index_t>(), tokens.stride(0), tokens.stride(1), lens.const_data_ptr<int64_t>(), batch,
+        width, min_n, max_n, num_tokens, tree_width, max_nodes, policy == "latest",
+        pending.mutable_data_ptr<int32_t>(), ranked.mutable_data_ptr<int64_t>(),
+        tree_tokens.mutable_data_ptr<index_t>(), parents.mutable_data_ptr<int64_t>(),
+        c10::cuda::getCurrentCUDAStream()));
+  });
+  return {tree_tokens, parents};
+}
+
 }  // namespace
 }  // namespace specdec
 
 TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
   m.impl("ngram_propose", &specdec::ngram_propose_cuda);
+  m.impl("ngram_propose_tree", &specdec::ngram_propose_tree_cuda);
 }
