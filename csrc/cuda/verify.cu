@@ -1,0 +1,151 @@
+// CUDA glue for verify: checks, outputs, workspace, current stream; the kernel is in
+// include/specdec/verify.cuh. No host sync: the workspace comes from the caching allocator on
+// the current stream and the counters are zeroed with cudaMemsetAsync, so the call captures
+// into CUDA graphs. Python (specdec_kernels/verify.py) validates values (token ids, parents,
+// temperature, top-k/top-p ranges) before calling; here only metadata is checked.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+#include "checks.h"
+#include "specdec/verify.cuh"
+
+namespace specdec {
+namespace {
+
+constexpr const char* kOp = "verify";
+
+// Rows may be strided; the vocabulary dim must be contiguous for the 16-byte loads.
+void check_logits_like(const char* name, const at::Tensor& t, const at::Device& device) {
+  TORCH_CHECK(t.dim() == 3, kOp, ": ", name, " must be a 3-D [B, T, V] tensor, got shape ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, kOp,
+              ": ", name, " must have dtype float32, bfloat16 or float16, got ", t.scalar_type());
+  check_device(kOp, name, t, device);
+  TORCH_CHECK(t.stride(2) == 1 || t.size(2) <= 1, kOp, ": ", name,
+              " needs a contiguous last (vocabulary) dim (stride 1), got strides ", t.strides());
+}
+
+void check_per_row(const char* name, const at::Tensor& t, at::ScalarType dtype, int64_t batch,
+                   const at::Device& device) {
+  check_tensor(kOp, name, t, 1, dtype);
+  check_device(kOp, name, t, device);
+  check_size(kOp, name, t, 0, batch, "B (target_logits.size(0))");
+}
+
+template <typename LogitT>
+void run(const cuda::VerifyArgs& args, const at::Tensor& like) {
+  cuda::VerifyPlan plan;
+  const cudaError_t planned =
+      cuda::plan_verify<LogitT>(args.batch, args.num_nodes, args.vocab, args.draft_probs != nullptr, &plan);
+  TORCH_CHECK(planned != cudaErrorInvalidValue, kOp, ": T = ", args.num_nodes,
+              " tree nodes leave no shared memory for a vocabulary slice on this GPU");
+  C10_CUDA_CHECK(planned);
+  const at::Tensor workspace =
+      at::empty({static_cast<int64_t>(plan.workspace_bytes)}, like.options().dtype(at::kByte));
+  const cudaError_t launched =
+      cuda::launch_verify<LogitT>(args, plan, workspace.mutable_data_ptr(), c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_CHECK(launched);
+}
+
+int32_t dtype_code(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kBFloat16: return cuda::kVerifyBFloat16;
+    case at::kHalf: return cuda::kVerifyFloat16;
+    default: return cuda::kVerifyFloat32;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_cuda(const at::Tensor& target_logits,
+                                                           const at::Tensor& tree_tokens, const at::Tensor& parents,
+                                                           const std::optional<at::Tensor>& draft_probs,
+                                                           const at::Tensor& temperature, const at::Tensor& top_k,
+                                                           const at::Tensor& top_p, const at::Tensor& seed) {
+  TORCH_CHECK(target_logits.is_cuda(), kOp, ": target_logits must be a CUDA tensor, got ", target_logits.device());
+  const at::Device device = target_logits.device();
+  check_logits_like("target_logits", target_logits, device);
+  const int64_t batch = target_logits.size(0);
+  const int64_t num_nodes = target_logits.size(1);
+  const int64_t vocab = target_logits.size(2);
+  TORCH_CHECK(num_nodes >= 1 && vocab >= 1, kOp, ": target_logits needs T >= 1 nodes and V >= 1 tokens, got shape ",
+              target_logits.sizes());
+  check_fits_int32(kOp, "B (target_logits.size(0))", batch);
+  check_fits_int32(kOp, "T (target_logits.size(1))", num_nodes);
+  check_fits_int32(kOp, "V (target_logits.size(2))", vocab);
+  check_tensor(kOp, "tree_tokens", tree_tokens, 2, at::kLong);
+  check_device(kOp, "tree_tokens", tree_tokens, device);
+  check_size(kOp, "tree_tokens", tree_tokens, 0, batch, "B (target_logits.size(0))");
+  check_size(kOp, "tree_tokens", tree_tokens, 1, num_nodes, "T (target_logits.size(1))");
+  // parents: [B, T] (any strides, an expanded [T] included) or [T], shared by all rows.
+  TORCH_CHECK(parents.dim() == 1 || parents.dim() == 2, kOp, ": parents must be [B, T] or [T], got shape ",
+              parents.sizes());
+  TORCH_CHECK(parents.scalar_type() == at::kLong, kOp, ": parents must have dtype int64, got ", parents.scalar_type());
+  check_device(kOp, "parents", parents, device);
+  if (parents.dim() == 2) check_size(kOp, "parents", parents, 0, batch, "B (target_logits.size(0))");
+  check_size(kOp, "parents", parents, parents.dim() - 1, num_nodes, "T (target_logits.size(1))");
+  if (draft_probs.has_value()) {
+    check_logits_like("draft_probs", *draft_probs, device);
+    for (int64_t d = 0; d < 3; ++d) {
+      check_size(kOp, "draft_probs", *draft_probs, d, target_logits.size(d), "target_logits.size(d)");
+    }
+  }
+  check_per_row("temperature", temperature, at::kFloat, batch, device);
+  check_per_row("top_k", top_k, at::kLong, batch, device);
+  check_per_row("top_p", top_p, at::kFloat, batch, device);
+  check_per_row("seed", seed, at::kLong, batch, device);
+
+  const c10::cuda::CUDAGuard guard(device);
+  const auto int_options = target_logits.options().dtype(at::kInt);
+  at::Tensor accepted_nodes = at::empty({batch, num_nodes}, int_options);
+  at::Tensor num_accepted = at::empty({batch}, int_options);
+  at::Tensor output_tokens = at::empty({batch, num_nodes}, target_logits.options().dtype(at::kLong));
+  if (batch == 0) return {accepted_nodes, num_accepted, output_tokens};
+
+  cuda::VerifyArgs args{};
+  args.logits = target_logits.const_data_ptr();
+  args.logits_stride_b = target_logits.stride(0);
+  args.logits_stride_t = target_logits.stride(1);
+  if (draft_probs.has_value()) {
+    args.draft_probs = draft_probs->const_data_ptr();
+    args.draft_stride_b = draft_probs->stride(0);
+    args.draft_stride_t = draft_probs->stride(1);
+    args.draft_dtype = dtype_code(draft_probs->scalar_type());
+  }
+  args.tree_tokens = tree_tokens.const_data_ptr<int64_t>();
+  args.tokens_stride_b = tree_tokens.stride(0);
+  args.tokens_stride_t = tree_tokens.stride(1);
+  args.parents = parents.const_data_ptr<int64_t>();
+  args.parents_stride_b = parents.dim() == 2 ? parents.stride(0) : 0;
+  args.parents_stride_t = parents.stride(parents.dim() - 1);
+  args.temperature = temperature.const_data_ptr<float>();
+  args.temperature_stride = temperature.stride(0);
+  args.top_k = top_k.const_data_ptr<int64_t>();
+  args.top_k_stride = top_k.stride(0);
+  args.top_p = top_p.const_data_ptr<float>();
+  args.top_p_stride = top_p.stride(0);
+  args.seed = seed.const_data_ptr<int64_t>();
+  args.seed_stride = seed.stride(0);
+  args.batch = static_cast<int32_t>(batch);
+  args.num_nodes = static_cast<int32_t>(num_nodes);
+  args.vocab = static_cast<int32_t>(vocab);
+  args.accepted_nodes = accepted_nodes.mutable_data_ptr<int32_t>();
+  args.num_accepted = num_accepted.mutable_data_ptr<int32_t>();
+  args.output_tokens = output_tokens.mutable_data_ptr<int64_t>();
+
+  switch (target_logits.scalar_type()) {
+    case at::kFloat: run<float>(args, target_logits); break;
+    case at::kBFloat16: run<__nv_bfloat16>(args, target_logits); break;
+    default: run<__half>(args, target_logits); break;
+  }
+  return {accepted_nodes, num_accepted, output_tokens};
+}
+
+}  // namespace
+}  // namespace specdec
+
+TORCH_LIBRARY_IMPL(specdec, CUDA, m) { m.impl("verify", &specdec::verify_cuda); }
