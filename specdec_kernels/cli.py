@@ -1,8 +1,9 @@
-"""`specdec` command line: `demo`, `generate`, `info` (also `python -m specdec_kernels`).
+"""`specdec` command line: `demo`, `generate`, `info`, `bench` (also `python -m specdec_kernels`).
 
     specdec demo                      plain HF greedy decoding vs ours with n-gram drafts, same prompt
     specdec generate --prompt "..."   one generation with a chosen drafter, stats at the end
     specdec info                      versions, compiled extension, backends per op, device
+    specdec bench kernels|e2e|all     the benchmark suite (specdec_kernels.benchmarks), results in bench/results
 """
 
 import argparse
@@ -368,13 +369,64 @@ def cmd_info(args) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- bench
+
+
+def cmd_bench_kernels(args) -> int:
+    """The per-op kernel benchmarks (specdec_kernels.benchmarks.kernels)."""
+    from .benchmarks import kernels
+
+    return kernels.run(args)
+
+
+def cmd_bench_e2e(args) -> int:
+    """The end-to-end benchmark (specdec_kernels.benchmarks.e2e)."""
+    from .benchmarks import e2e
+
+    return e2e.run_args(args)
+
+
+def cmd_bench_all(args) -> int:
+    """Kernels, then end to end, same --full / --out-dir: every table and plot of the README."""
+    from .benchmarks import e2e, kernels
+
+    start = time.perf_counter()
+    status = kernels.run(argparse.Namespace(full=args.full, smoke=False, out_dir=args.out_dir, only=None))
+    print(flush=True)
+    status = e2e.run_args(args) or status
+    print(f"specdec bench all: {time.perf_counter() - start:.0f} s", flush=True)
+    return status
+
+
+def _add_bench_parser(sub) -> None:
+    from .benchmarks import e2e, kernels
+
+    bench = sub.add_parser("bench", help="benchmark suite: kernels, e2e, or all (results in bench/results)",
+                           description="Benchmarks with peers measured in the same run; JSON, Markdown and PNG "
+                                       "results under bench/results (or --out-dir).")
+    kinds = bench.add_subparsers(dest="bench", metavar="{kernels,e2e,all}")
+    kinds.required = True
+    k = kinds.add_parser("kernels", help="per-op benchmarks (n-gram drafting; verify and tree attention on a GPU)",
+                         description=kernels.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    kernels.add_arguments(k)
+    k.set_defaults(func=cmd_bench_kernels)
+    e = kinds.add_parser("e2e", help="end-to-end decoding vs HF generate on the four workloads",
+                         description=e2e.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    e2e.add_arguments(e)
+    e.set_defaults(func=cmd_bench_e2e)
+    a = kinds.add_parser("all", help="kernels then e2e (the e2e options apply to the e2e part)")
+    e2e.add_arguments(a)
+    a.set_defaults(func=cmd_bench_all)
+
+
 # ----------------------------------------------------------------------------- main
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `specdec` argument parser (subcommands demo, generate, info)."""
-    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding: demo, generate, info.")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,generate,info}")
+    """The `specdec` argument parser (subcommands demo, generate, info, bench)."""
+    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding: demo, generate, info, "
+                                                                 "bench.")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,generate,info,bench}")
     sub.required = True
 
     demo = sub.add_parser("demo", help="HF greedy decoding vs ours with n-gram drafts: speed and identical output",
@@ -410,13 +462,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="versions, compiled extension, backends per op, device")
     info.set_defaults(func=cmd_info)
+    _add_bench_parser(sub)
     return parser
 
 
 def main(argv=None) -> int:
     """Entry point of the `specdec` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
-    if getattr(args, "max_new_tokens", 1) < 1:
+    max_new_tokens = getattr(args, "max_new_tokens", None)
+    if max_new_tokens is not None and max_new_tokens < 1:
         raise _fail("--max-new-tokens must be >= 1")
     return args.func(args)
 

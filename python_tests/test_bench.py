@@ -1,0 +1,176 @@
+"""The benchmark suite (`specdec bench e2e` / `specdec bench kernels`) on tiny configurations:
+the code runs, the JSON follows DESIGN.md's schema, the plots are written. No timing is
+checked (timing belongs in benchmarks, not tests)."""
+
+import json
+import re
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+from specdec_kernels import cli, workloads  # noqa: E402
+from specdec_kernels.benchmarks import common, e2e, kernels  # noqa: E402
+
+VOCAB = 512
+HEADER_KEYS = {"benchmark", "device", "backend", "torch", "triton", "transformers", "commit", "date", "rows"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class WordTokenizer:
+    """A stand-in tokenizer for the tiny random model: words and punctuation hashed into the
+    model's small vocabulary (stable across runs), a trivial chat template."""
+
+    chat_template = "user: {content}\nassistant:"
+    pad_token_id = 0
+
+    def _ids(self, text):
+        return [1 + sum(map(ord, w)) * 31 % (VOCAB - 1) for w in re.findall(r"\w+|[^\w\s]", text)]
+
+    def __call__(self, text, return_tensors=None, add_special_tokens=True):
+        return {"input_ids": torch.tensor([self._ids(text)], dtype=torch.long)}
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return self.chat_template.format(content=messages[-1]["content"])
+
+
+def tiny_model(seed):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                      bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def short_requests():
+    """One request per workload: the real prompts (cut to ~80 words to keep the test fast) when
+    the shared files are present, else small ones of our own."""
+    if workloads.data_dir() is not None:
+        out = {}
+        for name in workloads.WORKLOADS:
+            r = workloads.load_workload(name, limit=2)
+            out[name] = [workloads.Request(name, x.id, " ".join(x.text.split()[:80]), x.chat) for x in r]
+        return out
+    text = "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n" * 3
+    return {name: [workloads.Request(name, f"{name}/{i}", text + str(i), chat=name != "code_completion")
+                   for i in range(2)] for name in workloads.WORKLOADS}
+
+
+def check_rows(rows):
+    for r in rows:
+        c = r["config"]
+        assert set(c) >= {"workload", "batch", "temperature", "method"}
+        if c["method"] in e2e.BATCH1_ONLY and c["batch"] > 1:
+            assert "skipped" in r
+            continue
+        assert r["tokens_per_s"] > 0 and r["new_tokens"] > 0 and r["speedup_vs_hf"] > 0
+        if c["method"].startswith("ours"):
+            assert r["tokens_per_step"] >= 1.0 and r["steps"] >= 1
+            assert all(0.0 <= a <= 1.0 for a in r["acceptance_by_depth"])
+        if c["temperature"] == 0 and c["method"] != "hf":
+            # Greedy outputs are checked against HF greedy generate, row by row.
+            assert r["greedy_compared_rows"] == c["batch"]
+            if c["method"].startswith("ours"):
+                assert r["greedy_identical"], r["mismatches"]
+
+
+@pytest.fixture(scope="module")
+def tiny_models():
+    return tiny_model(0), tiny_model(1)
+
+
+def test_e2e_every_method_batch_and_sampling(tiny_models):
+    model, draft = tiny_models
+    requests = {"code_edit": short_requests()["code_edit"]}
+    rows = e2e.run(model, WordTokenizer(), requests, draft=draft, methods=e2e.METHODS, batch_sizes=(1, 2),
+                   temperatures=(0.0, 0.7), max_new_tokens=4, prompts_per_workload=1, profile_kernels=False,
+                   progress=False)
+    assert len(rows) == 2 * 2 * len(e2e.METHODS)
+    check_rows(rows)
+
+
+def test_e2e_kernel_share(tiny_models):
+    model, _ = tiny_models
+    (input_ids, mask, _), = e2e.make_batches(short_requests()["code_edit"][:1], WordTokenizer(), 1, "cpu")
+    share = e2e.kernel_share("ours_ngram", model, None, input_ids, mask, max_new_tokens=4, temperature=0.0, eos=None,
+                             pad=0, seed=0)
+    assert share["basis"] == "cpu time" and "verify" in share and 0.0 < share["total"] <= 1.5
+
+
+def test_e2e_four_workloads_write_json_and_plots(tiny_models, tmp_path):
+    model, _ = tiny_models
+    rows = e2e.run(model, WordTokenizer(), short_requests(), methods=("hf", "ours_ngram"), batch_sizes=(1,),
+                   temperatures=(0.0,), max_new_tokens=4, prompts_per_workload=1, progress=False)
+    assert [r["config"]["workload"] for r in rows] == [w for w in workloads.WORKLOADS for _ in range(2)]
+    check_rows(rows)
+    settings = dict(max_new_tokens=4, prompts_per_workload=1)
+    paths = e2e.write_results(rows, tmp_path, device="cpu", model_label="tiny random llama", settings=settings,
+                              name="tiny")
+    result = json.loads(paths["json"].read_text())
+    assert HEADER_KEYS <= set(result) and result["benchmark"] == "e2e"
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", result["date"]) and result["torch"] == torch.__version__
+    for kind in ("speedup_png", "acceptance_png"):
+        assert paths[kind].stat().st_size > 1000 and paths[kind].read_bytes()[:4] == b"\x89PNG"
+    assert "| code_edit |" in paths["md"].read_text()
+
+
+def test_random_llama3_fails_clearly_without_a_gpu(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        cli.main(["bench", "e2e", "--model", "llama3-8b-random"])
+
+
+def test_random_llama3_has_llama3_8b_shapes():
+    with torch.device("meta"):
+        model = e2e.random_llama3_8b(layers=1, device="meta")
+    c = model.config
+    assert (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size, c.vocab_size) == (
+        4096, 32, 8, 14336, 128256)
+    assert model.dtype == torch.bfloat16
+
+
+def test_bench_kernels_smoke_writes_json_and_plot(tmp_path, capsys):
+    status = cli.main(["bench", "kernels", "--smoke", "--only", "ngram", "--out-dir", str(tmp_path)])
+    assert status == 0
+    result = json.loads((tmp_path / "ngram_cpu_smoke.json").read_text())
+    assert HEADER_KEYS <= set(result) and result["benchmark"] == "ngram"
+    for row in result["rows"]:
+        assert row["ours_us"] > 0 and row["floor_us"] > 0 and row["bytes"] > 0 and isinstance(row["peers_us"], dict)
+    assert (tmp_path / "ngram_cpu_smoke.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_kernels_runner_finds_or_explains_each_benchmark():
+    for name in kernels.BENCHMARKS:
+        if name == "verify":
+            continue  # bench/bench_verify.py may be mid-edit; its discovery is the same code path
+        module, source = kernels.load_benchmark(name)
+        assert callable(module.main) and name in source
+    if not torch.cuda.is_available():
+        assert kernels.cpu_skip_reason("ngram") is None
+        assert kernels.cpu_skip_reason("tree_attention")
+    assert common.slug("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
+
+
+def test_kernels_runner_loads_a_checkout_script_by_path(monkeypatch, tmp_path):
+    # A benchmark not (yet) in the package is loaded from the checkout's bench/bench_<op>.py.
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "bench_verify.py").write_text("def main(argv=None):\n    return 0 if '--smoke' in argv else 3\n")
+    monkeypatch.setattr(common, "repo_root", lambda: tmp_path)
+    monkeypatch.setattr(kernels.importlib, "import_module", _no_module)
+    module, source = kernels.load_benchmark("verify")
+    assert source == str(tmp_path / "bench" / "bench_verify.py") and module.main(["--smoke"]) == 0
+
+
+def _no_module(name):
+    error = ModuleNotFoundError(f"No module named {name!r}")
+    error.name = name
+    raise error

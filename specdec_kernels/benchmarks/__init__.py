@@ -1,0 +1,14 @@
+"""Benchmarks behind `specdec bench kernels` and `specdec bench e2e` (importable, so they run
+from an installed package as well as from a checkout).
+
+| module            | what it measures                                                          |
+| ----------------- | ------------------------------------------------------------------------- |
+| `common`          | shared pieces: run metadata for the JSON records, timers, tables, paths    |
+| `ngram`           | n-gram drafting on the CPU against numba / HF / reference peers            |
+| `tree_attention`  | tree attention on the GPU against SDPA with a dense mask, Flex, FlashInfer |
+| `kernels`         | runs each per-op benchmark's `main(argv)` (the `specdec bench kernels` command) |
+| `e2e`             | end-to-end decoding on the four workloads against HF `generate`            |
+
+Each per-op module exposes `main(argv=None) -> int`; `bench/bench_<op>.py` in a checkout is a
+thin wrapper around it. Results go to `bench/results/` (see `common.results_dir`).
+"""
