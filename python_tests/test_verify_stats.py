@@ -16,18 +16,44 @@ from the target: i.i.d. siblings (repeats allowed) when draft_probs are passed, 
 siblings (sampled without replacement, from a draft/target mix) for deterministic drafts. Some rows are ragged
 (trailing padding nodes holding valid tokens and garbage logits), so an accepted padding node
 would show up too.
+
+Backends: every test runs for `reference`, and on a CUDA machine also for "triton" (when
+triton imports) and "cuda" (when the extension has a CUDA verify kernel), on the same rows
+moved to the GPU. Without a GPU the Triton kernel runs only in the interpreter at ~50 ms per
+row, far too slow for 30k-row chi-square tests; there it gets one reduced case
+(test_triton_interpreted_subset: 150 rows of the star, first token only, a coarse check), and
+its exactness rests on test_verify_triton.py, which shows it returns the reference's tokens row
+for row on identical Philox draws.
 """
 
+import importlib.util
 import math
+import os
 
 import numpy as np
 import pytest
 import scipy.stats
 import torch
 
+import specdec_kernels as sk
 from specdec_kernels import verify
 
+from conftest import HAS_CUDA
 from test_verify import bf_argmax, bf_warp
+
+
+def _stat_backends():
+    """(backend, device) pairs the chi-square tests run for (see the module docstring)."""
+    found = [("reference", "cpu")]
+    if HAS_CUDA:
+        if importlib.util.find_spec("triton") is not None:
+            found.append(("triton", "cuda"))
+        if "cuda" in sk.available_backends("verify", "cuda"):
+            found.append(("cuda", "cuda"))
+    return found
+
+
+STAT_BACKENDS = _stat_backends()
 
 V = 8
 _g = torch.Generator().manual_seed(20240611)
@@ -63,7 +89,8 @@ NUM_ROWS = 30000
 # i.i.d. siblings (cheap: two steps), where sibling-level mistakes matter most.
 CASES = [(shape, with_probs, warp_id, NUM_ROWS) for shape in ("chain", "tree") for with_probs in (True, False) for warp_id in WARPS]
 CASES += [("star", True, "temp1.0", 40000), ("star", True, "topp0.8", 40000)]
-NUM_STAT_TESTS = len(CASES) + 2  # parametrized cases of this file, for the Bonferroni correction
+# parametrized cases of this file (every backend, plus the interpreter subset), for the Bonferroni correction
+NUM_STAT_TESTS = (len(CASES) + 2) * len(STAT_BACKENDS) + 1
 FAMILY_ALPHA = 1e-4
 
 
@@ -181,13 +208,25 @@ def _case_id(case):
     return f"{shape}-{'draft_probs' if with_probs else 'deterministic'}-{warp_id}-{num_rows // 1000}k"
 
 
+def run_verify(backend, device, logits, tokens, parents, draft_probs, **kwargs):
+    """verify on `device` with `backend`; outputs back on the CPU."""
+    move = lambda x: x if x is None or not isinstance(x, torch.Tensor) else x.to(device)  # noqa: E731
+    kwargs = {k: move(v) for k, v in kwargs.items()}
+    out = verify(move(logits), move(tokens), move(parents), draft_probs=move(draft_probs), backend=backend, **kwargs)
+    return type(out)(*(t.cpu() for t in out))
+
+
+BACKEND_IDS = [b for b, _ in STAT_BACKENDS]
+
+
+@pytest.mark.parametrize("backend,device", STAT_BACKENDS, ids=BACKEND_IDS)
 @pytest.mark.parametrize("shape,with_probs,warp_id,num_rows", CASES, ids=[_case_id(c) for c in CASES])
-def test_emitted_tokens_follow_target(shape, with_probs, warp_id, num_rows):
+def test_emitted_tokens_follow_target(shape, with_probs, warp_id, num_rows, backend, device):
     warp = WARPS[warp_id]
     case = f"{shape}-{with_probs}-{warp_id}"
     gen = torch.Generator().manual_seed(sum(map(ord, case)))
     logits, tokens, parents, draft_probs = build_rows(shape, with_probs, num_rows, gen)
-    out = verify(logits, tokens, parents, draft_probs=draft_probs, seed=1000 + sum(map(ord, case)), **warp)
+    out = run_verify(backend, device, logits, tokens, parents, draft_probs, seed=1000 + sum(map(ord, case)), **warp)
     check_paths(out, tokens, parents)
     results = emitted_distribution_pvalues(out, warp)
     # the first token and at least two conditional groups were tested (deterministic chains
@@ -196,8 +235,9 @@ def test_emitted_tokens_follow_target(shape, with_probs, warp_id, num_rows):
     assert_pvalues(results, num_tests_here=24)  # at most ~20 chi-square tests per case
 
 
+@pytest.mark.parametrize("backend,device", STAT_BACKENDS, ids=BACKEND_IDS)
 @pytest.mark.parametrize("with_probs", [True, False], ids=["draft_probs", "deterministic"])
-def test_greedy_rows_mixed_with_sampled_rows(with_probs):
+def test_greedy_rows_mixed_with_sampled_rows(with_probs, backend, device):
     """Even rows greedy (exactly the argmax chain, lowest id on ties), odd rows sampled."""
     gen = torch.Generator().manual_seed(77 + with_probs)
     num_rows = NUM_ROWS
@@ -206,7 +246,8 @@ def test_greedy_rows_mixed_with_sampled_rows(with_probs):
     temperature = torch.where(greedy, 0.0, 0.9)
     top_k = torch.where(greedy, 1, 0)  # top-k/top-p must not change greedy rows
     top_p = torch.where(greedy, 0.3, 1.0)
-    out = verify(logits, tokens, parents, draft_probs=draft_probs, temperature=temperature, top_k=top_k, top_p=top_p, seed=31337)
+    out = run_verify(backend, device, logits, tokens, parents, draft_probs, temperature=temperature, top_k=top_k,
+                     top_p=top_p, seed=31337)
     check_paths(out, tokens, parents)
 
     # Greedy rows: walk the argmax chain through the tree (first child holding it).
@@ -245,3 +286,27 @@ def test_greedy_rows_mixed_with_sampled_rows(with_probs):
     results = emitted_distribution_pvalues(out, dict(temperature=0.9), rows=sampled)
     assert len(results) >= 4, results
     assert_pvalues(results, num_tests_here=24)
+
+
+def test_triton_interpreted_subset():
+    """Reduced case for the Triton kernel in the interpreter (see the module docstring): 150 rows
+    of the star with i.i.d. siblings, the first emitted token against the target. Coarse (it
+    catches a wrong residual or race, not small biases); the full suite runs it on a GPU."""
+    from test_verify_triton import INTERPRETED
+
+    if INTERPRETED is None:
+        pytest.skip("the Triton interpreter is not available in this process (GPU runs use the full suite)")
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        gen = torch.Generator().manual_seed(4242)
+        logits, tokens, parents, draft_probs = build_rows("star", True, 150, gen)
+        out = verify(logits, tokens, parents, draft_probs=draft_probs, seed=4243, backend="triton")
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    check_paths(out, tokens, parents)
+    label = "first token (triton, interpreted)"
+    assert_pvalues([(label, chi_square_p(out.output_tokens[:, 0], warped(ROOT_LOGITS, {}), label))], num_tests_here=1)

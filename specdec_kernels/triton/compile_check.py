@@ -3,8 +3,10 @@
     python -m specdec_kernels.triton.compile_check          # prints one JSON line per config
 
 The interpreter cannot catch GPU code-generation problems (types, layouts, shared memory),
-so this lowers every configuration the tree_attention wrapper launches to a cubin and
-reports its shared memory against the per-block limit. Run it in a process without
+so this lowers every configuration the tree_attention and verify wrappers launch to a cubin
+and reports its shared memory against the per-block limit (and, for verify, the registers
+and spill bytes `ptxas -v` reports: reported, not failed on; at the shipped launch config only
+sm_80 with fp32/fp16 logits and no draft probabilities spills, 16 bytes). Run it in a process without
 TRITON_INTERPRET=1 (triton's own helpers are interpreted there and cannot be compiled).
 """
 
@@ -30,6 +32,14 @@ SPLIT_CASES = [
     (80, torch.float32, 256, 64, True, 2),
 ]
 COMBINE_CASES = [(90, torch.bfloat16, 128, 33), (80, torch.float32, 256, 2)]
+# verify: (arch, logits dtype, draft_probs dtype or None, vocab, nodes)
+VERIFY_CASES = [
+    (90, torch.bfloat16, None, 152064, 9),
+    (90, torch.bfloat16, torch.float32, 128256, 64),
+    (90, torch.float16, torch.float16, 32000, 16),
+    (80, torch.float32, None, 32003, 5),
+    (80, torch.bfloat16, torch.bfloat16, 152064, 64),
+]
 
 
 def _compile(kernel, pointer_types, constexprs, arch, **options):
@@ -78,15 +88,67 @@ def check_combine(arch, dtype, head_dim, num_splits):
                 shared=compiled.metadata.shared, shared_limit=SHARED_LIMIT[arch])
 
 
+def _ptxas_usage(compiled, arch):
+    """(registers, spill bytes) from `ptxas -v` on the kernel's PTX (triton fills n_regs/n_spills
+    only when it loads the cubin on a GPU); (None, None) where ptxas cannot be found."""
+    import re
+    import subprocess
+    import tempfile
+
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(arch).path
+    except Exception:
+        return None, None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(compiled.asm["ptx"])
+        sm = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+        result = subprocess.run([ptxas, "-v", f"-arch={sm}", path, "-o", os.path.join(tmp, "k.cubin")],
+                                capture_output=True, text=True)
+    text = result.stdout + result.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", text)]
+    return (int(regs.group(1)) if regs else None), (max(spills) if spills else None)
+
+
+def check_verify(arch, dtype, q_dtype, vocab, num_nodes):
+    import triton
+
+    from . import verify as vf
+
+    block_v, num_warps = vf.launch_config(vocab)
+    elt = ELEMENT[dtype]
+    pointers = {"logits_ptr": f"*{elt}", "tokens_ptr": "*i64", "parents_ptr": "*i64",
+                "q_ptr": f"*{ELEMENT[q_dtype or dtype]}", "temp_ptr": "*fp32", "top_k_ptr": "*i64",
+                "top_p_ptr": "*fp32", "seed_ptr": "*i64", "accepted_ptr": "*i32", "num_accepted_ptr": "*i32",
+                "out_tokens_ptr": "*i64"}
+    constexprs = dict(HAS_Q=q_dtype is not None, BLOCK_V=block_v, BLOCK_T=max(2, triton.next_power_of_2(num_nodes)),
+                      ACCURATE_LOG=True)
+    compiled = _compile(vf._verify_kernel, pointers, constexprs, arch, num_warps=num_warps)
+    n_regs, n_spills = _ptxas_usage(compiled, arch)
+    return dict(kernel="verify", arch=arch, dtype=elt, draft_probs=ELEMENT.get(q_dtype), vocab=vocab, nodes=num_nodes,
+                block_v=block_v, num_warps=num_warps, shared=compiled.metadata.shared,
+                shared_limit=SHARED_LIMIT[arch], n_regs=n_regs, n_spills=n_spills)
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("compile_check: unset TRITON_INTERPRET (the interpreter cannot compile kernels)", file=sys.stderr)
         return 2
     failed = 0
-    for case in [("split", c) for c in SPLIT_CASES] + [("combine", c) for c in COMBINE_CASES]:
+    checks = {"split": check_split, "combine": check_combine, "verify": check_verify}
+    cases = [("split", c) for c in SPLIT_CASES] + [("combine", c) for c in COMBINE_CASES]
+    cases += [("verify", c) for c in VERIFY_CASES]
+    only = sys.argv[1:]  # optional kernel names to check, e.g. `verify`
+    for case in cases:
         kind, args = case
+        if only and kind not in only:
+            continue
         try:
-            result = check_split(*args) if kind == "split" else check_combine(*args)
+            result = checks[kind](*args)
             result["ok"] = result["shared"] <= result["shared_limit"]
         except Exception as error:  # report every config, then fail
             result = dict(kernel=kind, case=[str(a) for a in args], ok=False, error=f"{type(error).__name__}: {error}"[:2000])

@@ -1,0 +1,367 @@
+"""The Triton verify kernel against the reference, on the same inputs and the same Philox draws.
+
+On a machine without CUDA the kernel runs in the Triton interpreter in this process, set up
+like test_tree_attention_triton.py (conftest.py imports triton with TRITON_INTERPRET=1; this
+module imports the kernel module the same way; the `interpreter` fixture sets the variable
+only while these tests run). Shapes stay small: the interpreter runs every program in numpy.
+Where that is impossible (a CUDA machine, or triton imported first) one test reruns them in a
+fresh CPU-only process. On a CUDA machine the GPU tests run bf16 logits at LLM vocabulary sizes.
+
+Tolerance. Greedy rows must match the reference exactly (argmax has no rounding). Sampled rows
+read the same uniforms, so they match too unless a decision (an acceptance test u * q < r, a
+race between two tokens, a top-p boundary) falls within fp32 rounding of its threshold: the
+kernel computes the same quantities with a different summation order, exp/log implementation
+and, for SpecInfer residuals, a closed form (p - c q)^+ / Z instead of repeated normalisation.
+That happens to about one decision in 10^5-10^6; every test compares at most a few hundred
+rows, so we allow max(1, 2%) mismatching sampled rows per call (in practice 0) and check every
+row's structural invariants (a real path, emitted ids in range) exactly.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specdec_kernels import verify, verify_chain
+from specdec_kernels.reference.verify import target_probs
+
+from conftest import HAS_CUDA, distinct_sibling_tokens, randint, random_parents, requires_cuda
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+KERNEL_MODULE = "specdec_kernels.triton.verify"
+
+
+def _import_interpreted_kernels():
+    """The kernel module built for the Triton interpreter, or None where this process cannot have it."""
+    if HAS_CUDA or not HAS_TRITON:
+        return None
+    if KERNEL_MODULE not in sys.modules:
+        old = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            importlib.import_module(KERNEL_MODULE)
+        finally:
+            if old is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = old
+    module = sys.modules.get(KERNEL_MODULE)
+    import triton.language as tl
+
+    helpers_interpreted = not isinstance(tl.sum, sys.modules["triton"].runtime.JITFunction)
+    return module if module is not None and module.interpreted() and helpers_interpreted else None
+
+
+INTERPRETED = _import_interpreted_kernels()
+IN_PROCESS_SKIP = (
+    "CUDA present: this process compiles the Triton kernels for the GPU" if HAS_CUDA
+    else "triton was imported without TRITON_INTERPRET=1 before conftest.py could"
+) + "; test_interpreter_tests_in_a_fresh_process runs these"
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    """The interpreted kernel module, with TRITON_INTERPRET=1 set for this module's tests."""
+    if INTERPRETED is None:
+        pytest.skip(IN_PROCESS_SKIP)
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # run() refuses CPU tensors for backend="triton" without it
+    try:
+        yield INTERPRETED
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+# ----------------------------------------------------------------------------- inputs and comparison
+
+
+def make_case(gen, batch, num_nodes, vocab, *, kind="random", with_probs=False, ragged=True, scale=2.0, bump=10.0,
+              dtype=torch.float32, device="cpu"):
+    """Random logits / tree / draft probs where drafts are likely enough that paths go deep.
+
+    Each drafted token gets `bump` added to its parent's logit for it, so acceptance is common;
+    draft probabilities are a softmax of other random logits, plus mass on the drafted tokens.
+    """
+    parents = random_parents(gen, batch, num_nodes, kind, ragged=ragged)
+    if with_probs:  # i.i.d. siblings: repeats allowed
+        tokens = randint(gen, 0, vocab, (batch, num_nodes))
+        tokens[parents < 0] = -1
+        tokens[:, 0] = randint(gen, 0, vocab, (batch,))
+    else:
+        tokens = distinct_sibling_tokens(gen, parents, min(vocab, 50))
+    logits = torch.randn(batch, num_nodes, vocab, generator=gen) * scale
+    q = torch.softmax(torch.randn(batch, num_nodes, vocab, generator=gen) * scale, -1) if with_probs else None
+    for b in range(batch):
+        for i in range(1, num_nodes):
+            p = int(parents[b, i])
+            if p >= 0:
+                logits[b, p, tokens[b, i]] += bump
+                if q is not None:
+                    q[b, p, tokens[b, i]] += 0.3
+    if q is not None:
+        q = q / q.sum(-1, keepdim=True)
+        q = q.to(device=device, dtype=dtype)
+    return logits.to(device=device, dtype=dtype), tokens.to(device), parents.to(device), q
+
+
+def check_invariants(out, tokens, parents, vocab):
+    batch, num_nodes = tokens.shape
+    acc, num, emitted = out.accepted_nodes.cpu(), out.num_accepted.cpu().long(), out.output_tokens.cpu()
+    tokens, parents = tokens.cpu(), parents.cpu()
+    assert out.accepted_nodes.dtype == torch.int32 and out.num_accepted.dtype == torch.int32
+    assert out.output_tokens.dtype == torch.int64
+    for b in range(batch):
+        n = int(num[b])
+        assert acc[b, 0] == 0 and (acc[b, n + 1:] == -1).all() and (emitted[b, n + 1:] == -1).all()
+        for d in range(1, n + 1):
+            node = int(acc[b, d])
+            assert parents[b, node] == acc[b, d - 1], f"row {b}: node {node} is not a child of {int(acc[b, d - 1])}"
+            assert emitted[b, d - 1] == tokens[b, node]
+        assert 0 <= int(emitted[b, n]) < vocab
+
+
+def compare(out, ref, greedy, tokens, parents, vocab, label=""):
+    """Greedy rows exactly; sampled rows: at most max(1, 2%) rows differ (see the module docstring)."""
+    check_invariants(out, tokens, parents, vocab)
+    same = ((out.output_tokens.cpu() == ref.output_tokens.cpu()).all(1)
+            & (out.num_accepted.cpu() == ref.num_accepted.cpu())
+            & (out.accepted_nodes.cpu() == ref.accepted_nodes.cpu()).all(1))
+    greedy = greedy.cpu()
+    bad_greedy = torch.nonzero(greedy & ~same).flatten().tolist()
+    assert not bad_greedy, f"{label}: greedy rows {bad_greedy} differ from the reference"
+    sampled = int((~greedy).sum())
+    mismatched = int((~greedy & ~same).sum())
+    assert mismatched <= max(1, sampled // 50), f"{label}: {mismatched} of {sampled} sampled rows differ"
+    return sampled - mismatched
+
+
+def run_both(logits, tokens, parents, **kw):
+    out = verify(logits, tokens, parents, backend="triton", **kw)
+    ref = verify(logits, tokens, parents, backend="reference", **kw)
+    return out, ref
+
+
+# ----------------------------------------------------------------------------- interpreter (CPU)
+
+
+@pytest.mark.parametrize("with_probs", (False, True), ids=("deterministic", "draft_probs"))
+@pytest.mark.parametrize("kind", ("chain", "star", "random"))
+def test_greedy_rows_exact(interpreter, gen, kind, with_probs):
+    logits, tokens, parents, q = make_case(gen, 6, 9, 1000, kind=kind, with_probs=with_probs)
+    logits[0, 0, :7] = logits[0, 0].max() + 1  # a tie: lowest id wins
+    out, ref = run_both(logits, tokens, parents, draft_probs=q, temperature=0.0)
+    compare(out, ref, torch.ones(6, dtype=torch.bool), tokens, parents, 1000, "greedy")
+    assert torch.equal(out.output_tokens, ref.output_tokens)
+
+
+@pytest.mark.parametrize("with_probs", (False, True), ids=("deterministic", "draft_probs"))
+@pytest.mark.parametrize("kind", ("chain", "bushy", "random"))
+def test_sampled_rows_match_reference(interpreter, gen, kind, with_probs):
+    logits, tokens, parents, q = make_case(gen, 12, 9, 1000, kind=kind, with_probs=with_probs)
+    out, ref = run_both(logits, tokens, parents, draft_probs=q, temperature=1.0, seed=int(randint(gen, 0, 2**62)))
+    compared = compare(out, ref, torch.zeros(12, dtype=torch.bool), tokens, parents, 1000, kind)
+    assert compared >= 11
+    assert int(ref.num_accepted.sum()) > 0  # the paths really went below the root
+
+
+@pytest.mark.parametrize("with_probs", (False, True), ids=("deterministic", "draft_probs"))
+def test_mixed_rows_per_row_warps(interpreter, gen, with_probs):
+    """Greedy and sampled rows in one batch, per-row temperature / top-k / top-p, ragged trees."""
+    batch = 12
+    logits, tokens, parents, q = make_case(gen, batch, 7, 1000, kind="bushy", with_probs=with_probs)
+    temperature = torch.tensor([0.0, 1.0, 0.7, 1.3] * 3)
+    top_k = torch.tensor([0, 0, 5, 1, 40, 0, 1000, 7, 0, 3, 999, 2])
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.5, 0.8, 1.0, 0.95, 0.3, 1.0, 0.2, 0.99, 1.0])
+    seed = randint(gen, -(2**62), 2**62, (batch,))
+    out, ref = run_both(logits, tokens, parents, draft_probs=q, temperature=temperature, top_k=top_k, top_p=top_p,
+                        seed=seed)
+    compare(out, ref, temperature == 0, tokens, parents, 1000, "mixed")
+    # a row's result does not depend on its batch
+    alone = verify(logits[3:4], tokens[3:4], parents[3:4], draft_probs=None if q is None else q[3:4],
+                   temperature=temperature[3:4], top_k=top_k[3:4], top_p=top_p[3:4], seed=seed[3:4], backend="triton")
+    assert torch.equal(alone.output_tokens[0], out.output_tokens[3])
+
+
+def test_top_k_top_p_boundary_ties(interpreter, gen):
+    """Tied logits at the top-k boundary and at the top-p boundary are kept, as in the reference."""
+    vocab = 300
+    logits = torch.full((4, 1, vocab), -3.0)
+    logits[:, 0, 10:16] = 2.0  # six tokens tied at the top
+    logits[:, 0, 20:24] = 1.0  # four tied next
+    tokens = torch.zeros(4, 1, dtype=torch.int64)
+    parents = torch.tensor([-1])
+    top_k = torch.tensor([3, 7, 8, 0])  # 3: keeps all 6 ties; 7 and 8: keeps the 4 next ties too
+    top_p = torch.tensor([1.0, 1.0, 1.0, 0.5])
+    for seed in range(6):
+        out, ref = run_both(logits, tokens, parents, temperature=1.0, top_k=top_k, top_p=top_p, seed=seed)
+        assert torch.equal(out.output_tokens, ref.output_tokens)
+        first = out.output_tokens[:, 0]
+        assert ((first[:1] >= 10) & (first[:1] < 16)).all()
+
+
+def test_odd_vocab_sizes(interpreter, gen):
+    """V = 32003 (not a multiple of the block) and V = 1: every kept set and sample in range."""
+    logits, tokens, parents, q = make_case(gen, 2, 3, 32003, kind="chain", with_probs=True, ragged=False)
+    temperature = torch.tensor([0.0, 0.9])
+    out, ref = run_both(logits, tokens, parents, draft_probs=q, temperature=temperature, top_k=torch.tensor([0, 100]),
+                        top_p=torch.tensor([1.0, 0.9]), seed=5)
+    compare(out, ref, temperature == 0, tokens, parents, 32003, "V=32003")
+    logits, tokens, parents, _ = make_case(gen, 3, 3, 1, kind="chain", ragged=False)
+    tokens = torch.zeros_like(tokens)
+    out, ref = run_both(logits, tokens, parents, temperature=torch.tensor([0.0, 1.0, 0.5]), seed=1)
+    assert torch.equal(out.output_tokens, ref.output_tokens)
+
+
+@pytest.mark.parametrize("with_probs", (False, True), ids=("deterministic", "draft_probs"))
+def test_non_finite_logits(interpreter, gen, with_probs):
+    """NaN is probability 0, +inf tokens share the mass, all -inf/NaN nodes emit token 0."""
+    batch, vocab = 8, 500
+    logits, tokens, parents, q = make_case(gen, batch, 5, vocab, kind="chain", with_probs=with_probs, ragged=False)
+    logits[0, 0] = float("-inf")  # nothing left at the root
+    logits[1, 0] = float("nan")
+    logits[2, 0, ::3] = float("nan")
+    logits[3, 0, 7] = float("inf")
+    logits[3, 0, 9] = float("inf")
+    logits[4, 0, 5] = float("inf")
+    logits[5, :, 100:] = float("-inf")
+    logits[6, 0] = float("-inf")
+    logits[6, 0, 77] = 0.0
+    if q is not None:
+        q[7, 0, 3] = float("nan")
+        q[7, 0, 4] = float("inf")
+    temperature = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.8, 1.0, 1.0])
+    for top_k, top_p in ((None, None), (10, 0.9)):
+        out, ref = run_both(logits, tokens, parents, draft_probs=q, temperature=temperature, top_k=top_k,
+                            top_p=top_p, seed=11)
+        compare(out, ref, temperature == 0, tokens, parents, vocab, "non-finite")
+        assert out.output_tokens[0, 0] == 0 and out.output_tokens[1, 0] == 0
+        assert int(out.output_tokens[3, 0]) in (7, 9) or out.num_accepted[3] > 0
+        assert out.output_tokens[6, 0] == 77 or out.num_accepted[6] > 0
+
+
+def test_residual_with_zero_mass(interpreter, gen):
+    """draft probs equal to the target: a child outside the top-k set is rejected and max(r - q, 0)
+    sums to zero, so the residual stays the target, and the correction is sampled from it."""
+    batch, vocab = 6, 200
+    logits = torch.randn(batch, 3, vocab, generator=gen)
+    temperature, top_k = torch.ones(batch), torch.full((batch,), 5)
+    p = target_probs(logits.reshape(-1, vocab), temperature.repeat_interleave(3), top_k.repeat_interleave(3),
+                     torch.ones(batch * 3)).reshape(batch, 3, vocab)
+    outside = p[:, 0].argsort(-1)[:, :2]  # two tokens with probability 0
+    tokens = torch.cat([torch.zeros(batch, 1, dtype=torch.int64), outside], 1)
+    parents = torch.tensor([-1, 0, 0])
+    for seed in range(3):
+        out, ref = run_both(logits, tokens, parents, draft_probs=p.clone(), temperature=temperature, top_k=top_k,
+                            seed=seed)
+        assert torch.equal(out.output_tokens, ref.output_tokens)
+        assert (out.num_accepted == 0).all()
+        assert (p[torch.arange(batch), 0, out.output_tokens[:, 0]] > 0).all()
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=str)
+def test_16_bit_logits_and_draft_probs(interpreter, gen, dtype):
+    logits, tokens, parents, q = make_case(gen, 8, 6, 1000, kind="random", with_probs=True, dtype=dtype)
+    temperature = torch.tensor([0.0, 1.0] * 4)
+    out, ref = run_both(logits, tokens, parents, draft_probs=q, temperature=temperature, seed=3)
+    compare(out, ref, temperature == 0, tokens, parents, 1000, str(dtype))
+
+
+def test_verify_chain_and_shared_parents(interpreter, gen):
+    """verify_chain (the [T] parents broadcast with stride 0, zero draft probs at the last node)."""
+    batch, k, vocab = 6, 4, 700
+    logits = torch.randn(batch, k + 1, vocab, generator=gen) * 2
+    drafts = randint(gen, 0, vocab, (batch, k))
+    for i in range(k):
+        logits[torch.arange(batch), i, drafts[:, i]] += 5
+    q = torch.softmax(torch.randn(batch, k, vocab, generator=gen), -1)
+    temperature = torch.tensor([0.0, 1.0, 0.6, 0.0, 1.0, 1.0])
+    for draft_probs in (None, q):
+        kw = dict(draft_probs=draft_probs, temperature=temperature, seed=9)
+        out = verify_chain(logits, drafts, backend="triton", **kw)
+        ref = verify_chain(logits, drafts, backend="reference", **kw)
+        tree_tokens = torch.cat([torch.zeros(batch, 1, dtype=torch.int64), drafts], 1)
+        compare(out, ref, temperature == 0, tree_tokens, torch.arange(-1, k).expand(batch, -1), vocab, "chain")
+
+
+def test_ragged_padding_never_accepted(interpreter, gen):
+    """Padding nodes (parent -1) hold tokens equal to the argmax: they must never be taken."""
+    batch, vocab = 4, 300
+    logits, tokens, parents, _ = make_case(gen, batch, 6, vocab, kind="chain", ragged=False)
+    parents[:, 3:] = -1
+    tokens[:, 3:] = logits[:, 0].argmax(-1, keepdim=True)  # a padding node holding the root's argmax
+    out, ref = run_both(logits, tokens, parents, temperature=torch.tensor([0.0, 0.0, 1.0, 1.0]), seed=2)
+    compare(out, ref, torch.tensor([True, True, False, False]), tokens, parents, vocab, "padding")
+    assert (out.num_accepted <= 2).all()
+
+
+def test_cpu_needs_interpreter(gen, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    logits, tokens, parents, _ = make_case(gen, 1, 2, 10)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        verify(logits, tokens, parents, backend="triton")
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("with_probs", (False, True), ids=("deterministic", "draft_probs"))
+@pytest.mark.parametrize("batch, num_nodes, vocab, kind", [(3, 5, 152064, "chain"), (16, 16, 32000, "random"),
+                                                           (64, 9, 128256, "chain"), (5, 64, 32003, "bushy")])
+def test_gpu_matches_reference(gen, batch, num_nodes, vocab, kind, with_probs):
+    logits, tokens, parents, q = make_case(gen, batch, num_nodes, vocab, kind=kind, with_probs=with_probs,
+                                           dtype=torch.bfloat16, device="cuda")
+    temperature = torch.tensor([0.0, 1.0, 0.7] * batch)[:batch].cuda()
+    top_k = torch.tensor([0, 0, 50, 0] * batch)[:batch].cuda()
+    top_p = torch.tensor([1.0, 0.9, 1.0, 1.0, 0.95] * batch)[:batch].cuda()
+    out, ref = run_both(logits, tokens, parents, draft_probs=q, temperature=temperature, top_k=top_k, top_p=top_p,
+                        seed=7)
+    compare(out, ref, temperature == 0, tokens, parents, vocab, "gpu")
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_cuda_graph_capture(gen):
+    import specdec_kernels as sk
+
+    logits, tokens, parents, q = make_case(gen, 4, 9, 32000, kind="chain", with_probs=True, dtype=torch.bfloat16,
+                                           device="cuda")
+    seed = torch.arange(4, dtype=torch.int64, device="cuda")
+    kw = dict(draft_probs=q, temperature=torch.tensor([0.0, 1.0, 1.0, 0.5], device="cuda"), seed=seed)
+    graph = torch.cuda.CUDAGraph()
+    old = sk.config.check_values
+    sk.config.check_values = False  # the value checks sync with the host
+    try:
+        verify(logits, tokens, parents, backend="triton", **kw)  # compile outside the capture
+        with torch.cuda.graph(graph):
+            captured = verify(logits, tokens, parents, backend="triton", **kw)
+    finally:
+        sk.config.check_values = old
+    seed.add_(100)
+    graph.replay()
+    ref = verify(logits, tokens, parents, backend="reference", **kw)
+    assert torch.equal(captured.output_tokens, ref.output_tokens)
+
+
+@pytest.mark.skipif(INTERPRETED is not None or os.environ.get("SPECDEC_TRITON_CHILD") == "1",
+                    reason="the interpreter tests ran in this process")
+def test_interpreter_tests_in_a_fresh_process():
+    """Where they could not run here (a GPU, or triton imported first), run them in a fresh CPU-only process."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", SPECDEC_TRITON_CHILD="1",
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__), "-m", "not gpu"],
+        cwd=os.path.dirname(os.path.abspath(__file__)), env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
