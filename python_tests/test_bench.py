@@ -150,27 +150,62 @@ def test_bench_kernels_smoke_writes_json_and_plot(tmp_path, capsys):
 
 def test_kernels_runner_finds_or_explains_each_benchmark():
     for name in kernels.BENCHMARKS:
-        if name == "verify":
-            continue  # bench/bench_verify.py may be mid-edit; its discovery is the same code path
-        module, source = kernels.load_benchmark(name)
-        assert callable(module.main) and name in source
+        module = kernels.load_benchmark(name)
+        assert callable(module.main) and module.__name__ == f"specdec_kernels.benchmarks.{name}"
+    with pytest.raises(ValueError, match="name must be one of"):
+        kernels.load_benchmark("nope")
     if not torch.cuda.is_available():
         assert kernels.cpu_skip_reason("ngram") is None
-        assert kernels.cpu_skip_reason("tree_attention")
+        assert kernels.cpu_skip_reason("verify") and kernels.cpu_skip_reason("tree_attention")
     assert common.slug("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
 
 
-def test_kernels_runner_loads_a_checkout_script_by_path(monkeypatch, tmp_path):
-    # A benchmark not (yet) in the package is loaded from the checkout's bench/bench_<op>.py.
-    (tmp_path / "bench").mkdir()
-    (tmp_path / "bench" / "bench_verify.py").write_text("def main(argv=None):\n    return 0 if '--smoke' in argv else 3\n")
-    monkeypatch.setattr(common, "repo_root", lambda: tmp_path)
-    monkeypatch.setattr(kernels.importlib, "import_module", _no_module)
-    module, source = kernels.load_benchmark("verify")
-    assert source == str(tmp_path / "bench" / "bench_verify.py") and module.main(["--smoke"]) == 0
+@pytest.mark.parametrize("mode", [dict(), dict(full=True), dict(smoke=True)], ids=["quick", "full", "smoke"])
+def test_gpu_benchmarks_accept_the_runners_command_line(mode, tmp_path):
+    # verify and tree_attention only run on a GPU: parse here what the runner passes them.
+    from specdec_kernels.benchmarks import tree_attention, verify
+
+    args = dict(full=False, smoke=False, out_dir=tmp_path, device="cpu") | mode
+    for module in (verify, tree_attention):
+        name = module.__name__.rsplit(".", 1)[1]
+        parsed = module.parse_args(kernels.argv_for(name, **args))
+        assert (parsed.full, parsed.smoke) == (args["full"], args["smoke"])
+        assert parsed.out == str(tmp_path / (f"{name}_cpu_smoke.json" if args["smoke"] else f"{name}_cpu.json"))
+        if module is verify:  # the runner's file name is the one verify picks itself for --out-dir
+            flags = [f"--{m}" for m in ("full", "smoke") if args[m]]
+            by_dir = verify.parse_args(flags + ["--out-dir", str(tmp_path)])
+            assert verify.output_path(by_dir, torch.device("cpu")) == parsed.out
 
 
-def _no_module(name):
-    error = ModuleNotFoundError(f"No module named {name!r}")
-    error.name = name
-    raise error
+def test_verify_output_path():
+    from specdec_kernels.benchmarks import verify
+
+    cpu = torch.device("cpu")
+    assert verify.output_path(verify.parse_args(["--out", "/x/v.json"]), cpu) == "/x/v.json"
+    assert verify.output_path(verify.parse_args(["--out-dir", "/x"]), cpu) == "/x/verify_cpu.json"
+    assert verify.output_path(verify.parse_args(["--smoke", "--out-dir", "/x"]), cpu) == "/x/verify_cpu_smoke.json"
+    assert verify.output_path(verify.parse_args(["--smoke"]), cpu) == "/tmp/bench_verify_smoke.json"
+    assert verify.output_path(verify.parse_args([]), cpu) == str(common.results_dir() / "verify_cpu.json")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU --smoke path (the GPU runs the real sweep)")
+def test_verify_smoke_writes_json_and_plot(monkeypatch, tmp_path):
+    import sys
+
+    from specdec_kernels import _extension
+    from specdec_kernels.benchmarks import verify
+
+    if not _extension.HAS_TRITON:
+        pytest.skip("triton not installed")
+    kernel = sys.modules.get("specdec_kernels.triton.verify")
+    if kernel is not None and not kernel.interpreted():
+        pytest.skip("the Triton verify kernels were imported for the compiler earlier in this process")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # main() sets it; restored after the test
+    assert verify.main(["--smoke", "--out-dir", str(tmp_path), "--reps", "1"]) == 0
+    result = json.loads((tmp_path / "verify_cpu_smoke.json").read_text())
+    assert HEADER_KEYS <= set(result) and result["benchmark"] == "verify" and result["mode"] == "smoke"
+    assert [r["config"]["tree"] for r in result["rows"]] == ["chain3", "tree6"]
+    for row in result["rows"]:
+        assert "errors" not in row and row["ours_backend"] == "triton" and row["ours_us"] > 0 and row["bytes"] > 0
+    assert [set(r["peers_us"]) for r in result["rows"]] == [{"torch_native"}, {"reference"}]
+    assert (tmp_path / "verify_cpu_smoke.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,411 @@
+"""Verification (rejection sampling from logits) on the GPU: our kernels against peers in the same run.
+
+    specdec bench kernels                     # runs this (short sweep) with the other kernel benchmarks
+    python bench/bench_verify.py              # a short sweep (GPU; --quick says the same)
+    python bench/bench_verify.py --full       # the whole sweep (GPU)
+    python bench/bench_verify.py --smoke      # CPU: tiny config under the Triton interpreter,
+                                              # only to show the code runs; nothing recorded
+
+Sweep (--full): B in {1, 8, 64, 256}; trees: chains of k in {1, 4, 8} drafts and random trees
+of 16 / 64 nodes; V in {32000, 128256, 151936}; bf16 logits; modes greedy (temperature 0),
+sampled (temperature 1; chains with draft probabilities, trees with deterministic drafts) and
+mixed (even rows greedy, odd rows sampled). Drafted tokens get a logit bump so that most are
+accepted, as with a good drafter (the accepted path length is printed).
+
+Methods:
+  triton        verify(backend="triton"): one program per row walking the tree over the vocab
+  cuda          verify(backend="cuda"), when the extension has a CUDA verify kernel
+  torch_native  what HF / gpt-fast do (written here): softmax over every node's logits, then
+                gather / compare / cumprod for the first rejection, the residual at the
+                rejected node and torch.multinomial; chains only
+  reference     verify(backend="reference") (torch ops, one tree depth per step): tree peer
+  flashinfer    flashinfer.sampling.chain_speculative_sampling on softmax(logits) (the softmax
+                counted), chains with draft probabilities, when flashinfer imports
+Ours is checked against the reference before timing (greedy rows exactly, sampled rows on
+the same Philox draws).
+
+Floor: bytes actually needed / bandwidth measured in this run (a large device copy), with
+bytes = the logits of the nodes on the accepted path (plus the node the last token is sampled
+at) + the draft probabilities read at those nodes + the outputs. Times: median of CUDA-event
+timed calls after warm-up (benchmarks.common.time_cuda), inputs rotated over copies so L2
+(50 MB) does not hold them.
+Writes bench/results/verify_<device>.json and .png (not in --smoke mode).
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import common
+
+BATCHES = (1, 8, 64, 256)
+VOCABS = (32000, 128256, 151936)
+TREES = (("chain", 1), ("chain", 4), ("chain", 8), ("tree", 16), ("tree", 64))
+MODES = ("greedy", "sampled", "mixed")
+ROTATE_BYTES = 256 * 1024**2  # rotate input copies until this much: several times L2
+WARMUP = 3  # untimed calls before the timed ones (compilation, autotuning, allocator)
+
+
+def parse_args(argv=None):
+    """The command line: the `specdec bench kernels` runner's flags (--quick / --full / --smoke,
+    --out, --out-dir) plus this benchmark's own (--reps, --no-peers)."""
+    parser = argparse.ArgumentParser(prog="bench_verify", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="a short sweep (the default)")
+    mode.add_argument("--full", action="store_true", help="the whole sweep")
+    mode.add_argument("--smoke", action="store_true",
+                      help="CPU: tiny interpreted run of the table code, nothing recorded")
+    parser.add_argument("--out", default=None, help="JSON path (default bench/results/verify_<device>.json; "
+                                                    "the plot goes beside it)")
+    parser.add_argument("--out-dir", default=None, help="results folder for verify_<device>.json when --out is not "
+                                                        "given (default bench/results of the checkout)")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--no-peers", action="store_true")
+    return parser.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def make_inputs(batch, kind, size, vocab, mode, device, gen):
+    """(logits bf16 [B, T, V], tree_tokens [B, T], parents [B, T], draft_probs or None, temperature [B])."""
+    if kind == "chain":
+        num_nodes = size + 1
+        parents = torch.arange(-1, size).expand(batch, -1).clone()
+    else:
+        num_nodes = size
+        parents = torch.full((batch, num_nodes), -1, dtype=torch.int64)
+        for i in range(1, num_nodes):  # random tree, siblings made distinct below
+            parents[:, i] = torch.randint(0, i, (batch,), generator=gen)
+    tokens = torch.randint(0, vocab, (batch, num_nodes), generator=gen)
+    if kind == "tree":  # distinct siblings: token = parent-dependent offset + node index
+        tokens = (tokens[:, :1] + torch.arange(num_nodes) * 7919) % vocab
+    logits = torch.randn(batch, num_nodes, vocab, generator=gen) * 2.0
+    rows = torch.arange(batch)
+    for i in range(1, num_nodes):
+        logits[rows, parents[:, i], tokens[:, i]] += 12.0  # a likely draft (siblings compete)
+    with_probs = mode != "greedy" and kind == "chain"
+    draft_probs = None
+    if with_probs:
+        draft_probs = torch.softmax(torch.randn(batch, num_nodes, vocab, generator=gen), -1) * 0.5
+        for i in range(1, num_nodes):
+            draft_probs[rows, parents[:, i], tokens[:, i]] += 0.5
+    if mode == "greedy":
+        temperature = torch.zeros(batch)
+    elif mode == "sampled":
+        temperature = torch.ones(batch)
+    else:
+        temperature = torch.where(torch.arange(batch) % 2 == 0, 0.0, 1.0)
+    to = lambda x: None if x is None else x.to(device)  # noqa: E731
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return (logits.to(device, dtype), to(tokens), to(parents), None if draft_probs is None else draft_probs.to(device),
+            to(temperature))
+
+
+# ----------------------------------------------------------------------------- peers
+
+
+def torch_native_chain(logits, tokens, draft_probs, temperature):
+    """HF / gpt-fast style chain verification: softmax over every node, then vectorised accept.
+
+    Sampled rows: accept draft i iff rand < p_i(x_i) / q_i(x_i); the first rejection's residual
+    max(p - q, 0) is sampled with torch.multinomial, or the bonus token from the last node.
+    Greedy rows: argmax of every node compared with the drafts.
+    """
+    batch, num_nodes, vocab = logits.shape
+    k = num_nodes - 1
+    drafts = tokens[:, 1:]
+    temp = torch.where(temperature > 0, temperature, 1.0)
+    probs = torch.softmax(logits.float() / temp[:, None, None], dim=-1)  # every node's logits
+    greedy_tok = logits.argmax(-1)
+    rows = torch.arange(batch, device=logits.device)
+    if draft_probs is not None:
+        p_x = probs[:, :k].gather(-1, drafts[..., None])[..., 0]
+        q_x = draft_probs[:, :k].gather(-1, drafts[..., None])[..., 0]
+        accept = torch.rand(batch, k, device=logits.device) < p_x / q_x
+    else:  # deterministic drafts: sample from p at each node and compare
+        sampled = torch.multinomial(probs.reshape(-1, vocab), 1).view(batch, num_nodes)
+        accept = sampled[:, :k] == drafts
+    accept = torch.where((temperature == 0)[:, None], greedy_tok[:, :k] == drafts, accept)
+    num_accepted = accept.int().cumprod(-1).sum(-1)
+    at = num_accepted.long()
+    p_at = probs[rows, at]
+    if draft_probs is not None:
+        q_at = torch.where((at < k)[:, None], draft_probs[rows, at.clamp(max=k - 1)], 0.0)
+        residual = (p_at - q_at).clamp(min=0)
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
+    else:
+        residual = p_at
+    last = torch.multinomial(residual, 1)[:, 0]
+    last = torch.where(temperature == 0, greedy_tok[rows, at], last)
+    out = torch.full((batch, num_nodes), -1, dtype=torch.int64, device=logits.device)
+    keep = torch.arange(k, device=logits.device)[None, :] < num_accepted[:, None]
+    out[:, :k] = torch.where(keep, drafts, -1)
+    out[rows, at] = last
+    return num_accepted, out
+
+
+def flashinfer_chain(logits, tokens, draft_probs, temperature):
+    """flashinfer's chain speculative sampling on softmax(logits / T) (the softmax is part of the call)."""
+    import flashinfer
+
+    temp = torch.where(temperature > 0, temperature, 1.0)
+    target_probs = torch.softmax(logits.float() / temp[:, None, None], dim=-1)
+    k = logits.shape[1] - 1
+    return flashinfer.sampling.chain_speculative_sampling(draft_probs[:, :k].contiguous(), tokens[:, 1:].int(),
+                                                          target_probs)
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def timer(fn, reps, device, n_sets=1):
+    """Median microseconds of `fn(i)` (i = input copy): CUDA events after warm-up calls
+    (common.time_cuda); on the CPU (--smoke only) plain wall-clock, never recorded."""
+    if device.type != "cuda":
+        times = []
+        for i in range(max(1, reps)):
+            start = time.perf_counter()
+            fn(i)
+            times.append((time.perf_counter() - start) * 1e6)
+        return sorted(times)[len(times) // 2]
+    return common.time_cuda(fn, n_sets=n_sets, reps=reps, warmup=WARMUP, device=device).median_us
+
+
+def measure_bandwidth(device):
+    """Bytes/s of a large device-to-device copy (read + write), None off the GPU."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_us = timer(lambda i: dst.copy_(src), 20, device)
+    del src, dst
+    return 2 * 2 * 1024**3 / (copy_us * 1e-6)
+
+
+# ----------------------------------------------------------------------------- sweep
+
+
+def configs(args):
+    """The configs of the chosen mode (--smoke, --full, or the short default)."""
+    if args.smoke:
+        return [dict(B=2, kind="chain", size=3, V=1000, mode="mixed"),
+                dict(B=2, kind="tree", size=6, V=1000, mode="sampled")]
+    if args.full:
+        return [dict(B=b, kind=kind, size=size, V=v, mode=m)
+                for v in VOCABS for kind, size in TREES for b in BATCHES for m in MODES]
+    return [dict(B=b, kind=kind, size=size, V=128256, mode=m)
+            for kind, size in (("chain", 4), ("tree", 16)) for b in BATCHES for m in ("greedy", "sampled")]
+
+
+def run_config(sk, cfg, ours, args, bandwidth, device, gen):
+    """One row of the results: ours checked against the reference, then every method timed."""
+    logits, tokens, parents, draft_probs, temperature = make_inputs(
+        cfg["B"], cfg["kind"], cfg["size"], cfg["V"], cfg["mode"], device, gen)
+    seed = torch.arange(cfg["B"], dtype=torch.int64, device=device)
+    per_copy = logits.numel() * logits.element_size() + (0 if draft_probs is None else draft_probs.numel() * 4)
+    copies = 1 if device.type != "cuda" else max(1, min(8, -(-ROTATE_BYTES // per_copy)))
+    inputs = [(logits, draft_probs)] + [(logits.clone(), None if draft_probs is None else draft_probs.clone())
+                                        for _ in range(copies - 1)]
+    ref = sk.verify(logits, tokens, parents, draft_probs=draft_probs, temperature=temperature, seed=seed,
+                    backend="reference")
+    row = {"config": {"B": cfg["B"], "tree": f"{cfg['kind']}{cfg['size']}", "T": logits.shape[1], "V": cfg["V"],
+                      "mode": cfg["mode"], "dtype": str(logits.dtype).replace("torch.", ""),
+                      "draft_probs": draft_probs is not None},
+           "ours_us": None, "ours_backend": None, "peers_us": {}, "errors": {},
+           "mean_accepted": float(ref.num_accepted.float().mean())}
+    reps = 2 if args.smoke else args.reps
+    times = {}
+
+    def ours_fn(backend):
+        return lambda i: sk.verify(inputs[i % copies][0], tokens, parents, draft_probs=inputs[i % copies][1],
+                                   temperature=temperature, seed=seed, backend=backend)
+
+    methods = [(name, ours_fn(name)) for name in ours]
+    if not args.no_peers:
+        if cfg["kind"] == "chain":
+            methods.append(("torch_native", lambda i: torch_native_chain(inputs[i % copies][0], tokens,
+                                                                         inputs[i % copies][1], temperature)))
+            if draft_probs is not None and device.type == "cuda" and cfg["mode"] == "sampled":
+                try:
+                    import flashinfer  # noqa: F401
+
+                    methods.append(("flashinfer", lambda i: flashinfer_chain(inputs[i % copies][0], tokens,
+                                                                             inputs[i % copies][1], temperature)))
+                except ImportError:
+                    pass
+        else:
+            methods.append(("reference", ours_fn("reference")))
+    for name, fn in methods:
+        try:
+            if name in ours:
+                out = fn(0)
+                greedy = (temperature == 0).cpu()
+                same = (out.output_tokens.cpu() == ref.output_tokens.cpu()).all(1)
+                if not same[greedy].all():
+                    raise AssertionError("greedy rows differ from the reference")
+                if (~same[~greedy]).float().mean() > 0.05:
+                    raise AssertionError(f"{int((~same[~greedy]).sum())} sampled rows differ from the reference")
+            else:
+                fn(0)
+            times[name] = timer(fn, reps, device, n_sets=copies)
+        except Exception as error:  # a method that cannot run this config is reported, not fatal
+            row["errors"][name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+    for name in ours:
+        if name in times and row["ours_backend"] is None:
+            row["ours_us"], row["ours_backend"] = times[name], name
+        elif name in times:
+            row["peers_us"][f"ours_{name}"] = times[name]
+    for name, _ in methods:
+        if name not in ours and name in times:
+            row["peers_us"][name] = times[name]
+    # Bytes needed: logits of the visited nodes, draft probs read there (sampled rows), outputs.
+    visited = (ref.num_accepted.long() + 1).cpu()
+    elt = logits.element_size()
+    bytes_needed = int(visited.sum()) * cfg["V"] * elt
+    if draft_probs is not None:
+        bytes_needed += int(visited[(temperature > 0).cpu()].sum()) * cfg["V"] * draft_probs.element_size()
+    bytes_needed += cfg["B"] * logits.shape[1] * (4 + 8) + cfg["B"] * 4
+    row["bytes"] = bytes_needed
+    row["floor_us"] = bytes_needed / bandwidth * 1e6 if bandwidth else None
+    if not row["errors"]:
+        del row["errors"]
+    return row
+
+
+# ----------------------------------------------------------------------------- output
+
+
+TABLE_HEADERS = ["B", "tree", "V", "mode", "acc", "ours", "us", "%floor"]
+
+
+def table_cells(row, peer_names):
+    """One table row: config, mean accepted, our backend and time, % of the floor, then each
+    peer as "us (peer / ours x)"."""
+    c, us = row["config"], row["ours_us"]
+    pct = 100 * row["floor_us"] / us if us and row["floor_us"] else None
+    cells = [c["B"], c["tree"], c["V"], c["mode"], common.fmt(row["mean_accepted"], 2), row["ours_backend"] or "-",
+             common.fmt(us), common.fmt(pct, 0)]
+    for p in peer_names:
+        t = row["peers_us"].get(p)
+        cells.append("-" if t is None else (f"{t:.1f} ({t / us:.2f}x)" if us else f"{t:.1f}"))
+    return cells
+
+
+def print_progress(index, total, row):
+    """A line per finished config while the sweep runs (the table comes at the end), with its errors."""
+    c = row["config"]
+    print(f"  [{index}/{total}] B={c['B']} {c['tree']} V={c['V']} {c['mode']}: "
+          f"{row['ours_backend'] or 'ours'} {common.fmt(row['ours_us'])} us", flush=True)
+    for name, error in row.get("errors", {}).items():
+        print(f"    {name}: {error}", flush=True)
+
+
+def plot(rows, path):
+    """us per call against batch, one panel per (tree, mode) at the largest vocab: ours, floor, peers."""
+    plt = common.pyplot()
+    if plt is None:
+        return
+    groups = sorted({(r["config"]["tree"], r["config"]["mode"]) for r in rows})
+    vocab = max(r["config"]["V"] for r in rows)
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.6 * len(groups), 3.4), squeeze=False)
+    for ax, (tree, mode) in zip(axes[0], groups):
+        sub = sorted((r for r in rows if r["config"]["tree"] == tree and r["config"]["mode"] == mode
+                      and r["config"]["V"] == vocab), key=lambda r: r["config"]["B"])
+        xs = [r["config"]["B"] for r in sub]
+        series = {"ours": [r["ours_us"] for r in sub], "floor": [r["floor_us"] for r in sub]}
+        for name in sorted({n for r in sub for n in r["peers_us"]}):
+            series[name] = [r["peers_us"].get(name) for r in sub]
+        for name, ys in series.items():
+            pts = [(x, y) for x, y in zip(xs, ys) if y]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", linestyle="--" if name == "floor" else "-", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{tree} {mode} V={vocab}", fontsize=9)
+        ax.set_xlabel("batch")
+    axes[0][0].set_ylabel("us per call")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def output_path(args, device) -> str:
+    """--out; else verify_<device>.json in --out-dir (verify_<device>_smoke.json with --smoke);
+    else bench/results/verify_<device>.json, or /tmp/bench_verify_smoke.json with --smoke (a smoke
+    run is never a recorded result)."""
+    if args.out:
+        return args.out
+    name = f"verify_{common.device_slug(device)}" + ("_smoke" if args.smoke else "") + ".json"
+    if args.out_dir:
+        return str(Path(args.out_dir) / name)
+    if args.smoke:
+        return os.path.join("/tmp", "bench_verify_smoke.json")
+    return str(common.results_dir() / name)
+
+
+def main(argv=None) -> int:
+    """Run the sweep on the GPU (or the --smoke config on the CPU); returns the exit status."""
+    args = parse_args(argv)
+    has_cuda = torch.cuda.is_available()
+    if args.smoke and not has_cuda:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported (lazily, on first use)
+    elif not has_cuda:
+        print("bench_verify measures GPU kernels and needs a CUDA GPU; none is visible here. "
+              "Use --smoke to run a tiny config under the Triton interpreter (numbers not recorded).", file=sys.stderr)
+        return 2
+    import specdec_kernels as sk
+    from specdec_kernels import _extension
+
+    device = torch.device("cuda" if has_cuda else "cpu")
+    ours = [b for b in ("cuda", "triton") if b in sk.available_backends("verify", device.type)]
+    if device.type == "cpu" and _extension.HAS_TRITON:
+        module = _extension.triton_kernel("verify").__module__
+        if sys.modules[module].interpreted():
+            ours = ["triton"]  # --smoke only
+    if not ours:
+        print("no kernel of ours can run here (need the CUDA extension or triton)", file=sys.stderr)
+        return 1
+    gen = torch.Generator().manual_seed(0)
+    device_name = common.device_name(device) if has_cuda else "CPU (Triton interpreter smoke run)"
+    bandwidth = measure_bandwidth(device)
+    if bandwidth:
+        print(f"{device_name}: copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    peers = [] if args.no_peers else ["torch_native", "flashinfer", "reference"]
+    peer_names = [f"ours_{n}" for n in ours[1:]] + peers
+    todo = configs(args)
+    rows = []
+    for i, cfg in enumerate(todo, 1):
+        row = run_config(sk, cfg, ours, args, bandwidth, device, gen)
+        rows.append(row)
+        print_progress(i, len(todo), row)
+        if has_cuda:
+            torch.cuda.empty_cache()
+    print()
+    print("times in us; peer columns: us (peer / ours, > 1 means ours is faster); %floor: floor / ours; "
+          "acc: mean accepted drafts per row")
+    common.print_table(TABLE_HEADERS + peer_names, [table_cells(r, peer_names) for r in rows])
+    result = common.metadata(
+        "verify", device, ours[0],
+        mode="smoke" if args.smoke else ("full" if args.full else "quick"),
+        copy_bandwidth_Bps=bandwidth,
+        stat=f"median of CUDA-event-timed calls after {WARMUP} warm-up calls, inputs rotated over copies (> L2); "
+             "ours_us = best available of ours (cuda, then triton); floor_us = bytes needed / copy bandwidth",
+    )
+    result["device"] = device_name
+    result["rows"] = rows
+    out = output_path(args, device)
+    common.write_json(result, out)
+    plot(rows, os.path.splitext(out)[0] + ".png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
