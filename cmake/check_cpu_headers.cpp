@@ -4,6 +4,7 @@
 #include "specdec/ngram.h"
 #include "specdec/ngram_index.h"
 #include "specdec/tree.h"
+#include "specdec/tree_attention.h"
 
 template int64_t specdec::cpu::tree_mask<int64_t>(const int64_t*, int64_t, int64_t, bool*);
 template int64_t specdec::cpu::tree_mask<int32_t>(const int32_t*, int64_t, int64_t, bool*);
@@ -18,3 +19,18 @@ template void specdec::cpu::ngram_propose_tree_row<int32_t>(const int32_t*, int6
                                                             int64_t, bool, int32_t*, int64_t*,
                                                             specdec::cpu::TreeScratch&);
 template int64_t specdec::cpu::NgramHistoryIndex::propose<int64_t>(int64_t, int64_t, int64_t, bool, int64_t*) const;
+
+namespace specdec::cpu {
+#define SPECDEC_INSTANTIATE_TREE_ATTENTION(Scalar)                                                                   \
+  template void attend_keys<Scalar>(const TreeAttentionProblem<Scalar>&, int64_t, int64_t, int64_t, int64_t,         \
+                                    TreeAttentionScratch&);                                                           \
+  template void write_output<Scalar>(const TreeAttentionProblem<Scalar>&, int64_t, int64_t,                          \
+                                     const TreeAttentionScratch&);                                                    \
+  template void save_partial<Scalar>(const TreeAttentionProblem<Scalar>&, const TreeAttentionScratch&, float*);      \
+  template void combine_partials<Scalar>(const TreeAttentionProblem<Scalar>&, int64_t, int64_t, const float*, int64_t, \
+                                         TreeAttentionScratch&);
+SPECDEC_INSTANTIATE_TREE_ATTENTION(float)
+SPECDEC_INSTANTIATE_TREE_ATTENTION(BFloat16Bits)
+SPECDEC_INSTANTIATE_TREE_ATTENTION(HalfBits)
+#undef SPECDEC_INSTANTIATE_TREE_ATTENTION
+}  // namespace specdec::cpu

@@ -158,7 +158,7 @@ def test_tree_shapes(gen, kind, num_nodes):
     check_all(q, k, v, tree_mask(parents), parents, prefix, gen=gen)
 
 
-@pytest.mark.parametrize("head_dim", (16, 64, 128))
+@pytest.mark.parametrize("head_dim", (16, 40, 64, 128))  # 40: not a multiple of the CPU kernel's 16 lanes
 @pytest.mark.parametrize("q_heads, kv_heads", [(4, 4), (4, 1), (8, 2), (8, 1), (16, 2)])
 def test_gqa_and_head_dims(gen, q_heads, kv_heads, head_dim):
     num_nodes = int(randint(gen, 1, 12))
@@ -294,14 +294,55 @@ def test_check_values_off_same_result(gen):
 def test_garbage_nan_outside_visible_region(gen):
     q, k, v, parents, prefix = make_case(gen, batch=2, num_nodes=5, q_heads=2, kv_heads=1, head_dim=16)
     k, v = _grow_cache(gen, k, v, k.shape[1] + 3)
-    clean = tree_attention(q, k, v, tree_mask(parents), prefix)
+    backends = BACKENDS + ["reference"]
+    # Each backend against itself on the clean cache: backends may round differently.
+    clean = [tree_attention(q, k, v, tree_mask(parents), prefix, backend=backend) for backend in backends]
     for b in range(2):
         end = int(prefix[b]) + 5
         k[b, end:] = float("nan")
         v[b, end:] = float("nan")
-    for backend in BACKENDS + ["reference"]:
+    for backend, want in zip(backends, clean):
         out = tree_attention(q, k, v, tree_mask(parents), prefix, backend=backend)
-        torch.testing.assert_close(out, clean, atol=0, rtol=0)
+        torch.testing.assert_close(out, want, atol=0, rtol=0, msg=lambda m: f"backend={backend}: {m}")
+
+
+
+def test_nan_in_tree_slot_nobody_sees(gen):
+    """A tree key hidden from every query (not even itself) may hold NaN: it must not leak."""
+    q, k, v, _, _ = make_case(gen, batch=2, num_nodes=6, q_heads=4, kv_heads=2, head_dim=16)
+    prefix = torch.tensor([0, int(randint(gen, 1, 30))], dtype=torch.int32)
+    k, v = _grow_cache(gen, k, v, int(prefix.max()) + 6)
+    mask = tree_mask(torch.tensor([-1, 0, 1, 2, 3, 4]).expand(2, -1)).clone()
+    mask[:, :, 4] = False  # every query still sees something: node 0 at least
+    backends = BACKENDS + ["reference"]
+    clean = [tree_attention(q, k, v, mask, prefix, backend=backend) for backend in backends]
+    for b in range(2):
+        k[b, int(prefix[b]) + 4] = float("nan")
+        v[b, int(prefix[b]) + 4] = float("nan")
+    for backend, want in zip(backends, clean):
+        out = tree_attention(q, k, v, mask, prefix, backend=backend)
+        torch.testing.assert_close(out, want, atol=0, rtol=0, msg=lambda m: f"backend={backend}: {m}")
+        torch.testing.assert_close(out, clean[-1], **TOL_BACKEND[torch.float32])
+
+
+@pytest.mark.parametrize("threads", (1, 3))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=str)
+def test_long_prefix_many_nodes(gen, dtype, threads):
+    """Prefixes over a thousand keys and up to 128 nodes (packed masks of two words), HF
+    views. With 3 threads and 2 (row, KV head) units, the CPU kernel splits each row's keys
+    into ranges on different threads and merges them by log-sum-exp; the short row leaves
+    its last ranges empty."""
+    prefix = torch.tensor([int(randint(gen, 1100, 1600)), int(randint(gen, 0, 40))])
+    q, k, v, parents, prefix = make_case(
+        gen, batch=2, num_nodes=int(randint(gen, 65, 129)), q_heads=3, kv_heads=1, head_dim=32, dtype=dtype,
+        prefix=prefix, hf_layout=True,
+    )
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_all(q, k, v, pack_tree_mask(tree_mask(parents)), parents, prefix, gen=gen)
+    finally:
+        torch.set_num_threads(old)
 
 
 # ----------------------------------------------------------------------------- bad input

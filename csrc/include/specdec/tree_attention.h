@@ -1,0 +1,584 @@
+// Tree attention on the CPU: plain C++ over raw pointers and strides, no torch.
+//
+// Query i of row b (of T tree nodes) attends to the row's prefix keys 0 .. L_b-1 and to
+// tree key L_b + j iff mask bit (i, j). The work unit is one (row, KV head, key range):
+// the `group = Hq / Hkv` query heads of all T nodes that share the KV head form one block
+// of M = T * group query rows, so each key and value row is read once for all of them.
+// Keys are processed in tiles of kTileKeys with an online (running max) softmax in fp32;
+// a key range's result is either normalised straight into the output or kept as a partial
+// (unnormalised sum, max, denominator) that combine_partials merges with the other ranges
+// of the same (row, KV head) by log-sum-exp, so long prefixes can be split across threads.
+//
+// Speed: the inner loops use GCC/Clang vector extensions (16 floats) and, with GCC on
+// x86-64 Linux, are compiled for AVX-512, AVX2+FMA and baseline x86-64, picked at load
+// time (target_clones), since the extension is built without -march. The blocking is
+// tuned for AVX-512 (32 vector registers); the AVX2 clone is correct but spills.
+// Layouts are chosen so that no loop needs a horizontal reduction: queries are
+// transposed once per unit to [D][M] (scaled), so scores come out as [key][query] with
+// the queries along the vector lanes (max, exp and sums over keys are then plain
+// lane-wise operations), and P @ V runs along D. fp32 keys and values are read in place.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+// 64-byte vector arguments of always-inline helpers would change the ABI without AVX-512;
+// they never cross a real call, so the warning is noise. (GCC reports it at the end of
+// the translation unit, so it cannot be pushed and popped around this header.)
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define SPECDEC_CPU_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define SPECDEC_CPU_MULTIVERSION
+#endif
+#define SPECDEC_CPU_INLINE inline __attribute__((always_inline))
+
+namespace specdec {
+namespace cpu {
+
+// 16-bit storage types as bit patterns, so this header needs no torch type (the glue
+// reinterprets at::BFloat16 / at::Half, which have the same layout).
+struct BFloat16Bits {
+  uint16_t bits;
+};
+struct HalfBits {
+  uint16_t bits;
+};
+
+namespace attention_detail {
+
+constexpr int64_t kLanes = 16;     // floats per vector
+constexpr int64_t kTileKeys = 64;  // keys per softmax tile: scores [64][M] stay in L1/L2
+
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+// Half a vector: query lanes are processed in multiples of 8, so a block of M = 18 or 24
+// queries computes 24 lanes, not 32.
+typedef float HalfVec __attribute__((vector_size(kLanes / 2 * sizeof(float))));
+
+// The helpers work on either vector type V; a comparison of two V gives the matching
+// vector of int32 lane masks (all ones or all zeros).
+template <typename V>
+SPECDEC_CPU_INLINE V splat(float x) {
+  return V{} + x;
+}
+template <typename V = Vec>
+SPECDEC_CPU_INLINE V load(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+template <typename V>
+SPECDEC_CPU_INLINE void store(float* p, const V& v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+template <typename V, typename Mask>
+SPECDEC_CPU_INLINE V select(const Mask& mask, const V& a, const V& b) {
+  return (V)((mask & (Mask)a) | (~mask & (Mask)b));
+}
+template <typename V>
+SPECDEC_CPU_INLINE V vmax(const V& a, const V& b) {
+  return select(a > b, a, b);
+}
+
+// e^x for x <= 0 (all callers pass differences to a running max), exactly 0 below -87
+// (where e^x would be subnormal) and for -inf; relative error a few ulp. e^x = 2^n e^r
+// with n = rint(x / ln 2), |r| <= ln 2 / 2, and a degree-6 polynomial for e^r.
+template <typename V>
+SPECDEC_CPU_INLINE V exp_nonpositive(const V& input) {
+  using Bits = decltype(input < input);
+  const Bits underflow = input < splat<V>(-87.0f);
+  const V x = vmax(input, splat<V>(-87.0f));
+  // Adding 1.5 * 2^23 rounds x / ln 2 to an integer held in the low mantissa bits.
+  const V shifter = splat<V>(12582912.0f);
+  const V shifted = x * splat<V>(1.44269504088896341f) + shifter;
+  const V n = shifted - shifter;
+  V r = x - n * splat<V>(0.693359375f);  // ln 2 in two parts, so r is exact enough
+  r = r - n * splat<V>(-2.12194440e-4f);
+  V p = splat<V>(1.9875691500e-4f);
+  p = p * r + splat<V>(1.3981999507e-3f);
+  p = p * r + splat<V>(8.3334519073e-3f);
+  p = p * r + splat<V>(4.1665795894e-2f);
+  p = p * r + splat<V>(1.6666665459e-1f);
+  p = p * r + splat<V>(5.0000001201e-1f);
+  p = p * (r * r) + r + splat<V>(1.0f);
+  // 2^n: n + 127 in the exponent field (n >= -126 after the clamp, so a normal number).
+  const Bits two_n = ((Bits)shifted - (Bits)shifter + 127) << 23;
+  return select(underflow, splat<V>(0.0f), p * (V)two_n);
+}
+
+// ----------------------------------------------------------------------------- tile kernels
+
+// For kKeys keys r and the query lanes of kVecs full vectors plus, if kHalf, a half vector:
+// scores[r][lane] = sum_d keys[r][d] * queries_t[d][lane].
+template <int kKeys, int kVecs, bool kHalf>
+SPECDEC_CPU_INLINE void score_block(const float* queries_t, int64_t stride, const float* keys, int64_t key_stride,
+                                    int64_t head_dim, float* scores) {
+  Vec acc[kKeys][kVecs > 0 ? kVecs : 1] = {};
+  HalfVec acc_half[kKeys] = {};
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float* q_row = queries_t + d * stride;
+    Vec q[kVecs > 0 ? kVecs : 1];
+#pragma GCC unroll 4
+    for (int c = 0; c < kVecs; ++c) q[c] = load(q_row + c * kLanes);
+    const HalfVec q_half = kHalf ? load<HalfVec>(q_row + kVecs * kLanes) : HalfVec{};
+#pragma GCC unroll 8
+    for (int r = 0; r < kKeys; ++r) {
+      const float k = keys[r * key_stride + d];
+#pragma GCC unroll 4
+      for (int c = 0; c < kVecs; ++c) acc[r][c] += q[c] * k;
+      if (kHalf) acc_half[r] += q_half * k;
+    }
+  }
+  for (int r = 0; r < kKeys; ++r) {
+    for (int c = 0; c < kVecs; ++c) store(scores + r * stride + c * kLanes, acc[r][c]);
+    if (kHalf) store(scores + r * stride + kVecs * kLanes, acc_half[r]);
+  }
+}
+
+// All keys against one group of lanes; blocks of more keys when the group is narrow, so
+// each loaded query vector feeds enough multiply-adds.
+template <int kVecs, bool kHalf>
+SPECDEC_CPU_INLINE void score_lanes(const float* queries_t, int64_t stride, const float* keys, int64_t key_stride,
+                                    int64_t num_keys, int64_t head_dim, float* scores) {
+  constexpr int kKeys = kVecs + kHalf <= 2 ? 8 : 4;
+  int64_t n = 0;
+  for (; n + kKeys <= num_keys; n += kKeys) {
+    score_block<kKeys, kVecs, kHalf>(queries_t, stride, keys + n * key_stride, key_stride, head_dim,
+                                     scores + n * stride);
+  }
+  for (; n < num_keys; ++n) {
+    score_block<1, kVecs, kHalf>(queries_t, stride, keys + n * key_stride, key_stride, head_dim, scores + n * stride);
+  }
+}
+
+// scores [num_keys][stride] = keys [num_keys][head_dim] (rows key_stride apart) @
+// queries_t [head_dim][stride], for the first `lanes` query lanes (a multiple of 8).
+SPECDEC_CPU_MULTIVERSION
+inline void tile_scores(const float* queries_t, int64_t stride, int64_t lanes, const float* keys, int64_t key_stride,
+                        int64_t num_keys, int64_t head_dim, float* scores) {
+  for (int64_t c = 0; c < lanes; c += 4 * kLanes) {
+    const float* q = queries_t + c;
+    float* s = scores + c;
+    const int64_t left = lanes - c;
+    const bool half = left < 4 * kLanes && left % kLanes != 0;
+    switch (std::min<int64_t>(4, left / kLanes) * 2 + half) {
+      case 1: score_lanes<0, true>(q, stride, keys, key_stride, num_keys, head_dim, s); break;
+      case 2: score_lanes<1, false>(q, stride, keys, key_stride, num_keys, head_dim, s); break;
+      case 3: score_lanes<1, true>(q, stride, keys, key_stride, num_keys, head_dim, s); break;
+      case 4: score_lanes<2, false>(q, stride, keys, key_stride, num_keys, head_dim, s); break;
+      case 5: score_lanes<2, true>(q, stride, keys, key_stride, num_keys, head_dim, s); break;
+      case 6: score_lanes<3, false>(q, stride, keys, key_stride, num_keys, head_dim, s); break;
+      case 7: score_lanes<3, true>(q, stride, keys, key_stride, num_keys, head_dim, s); break;
+      default: score_lanes<4, false>(q, stride, keys, key_stride, num_keys, head_dim, s); break;
+    }
+  }
+}
+
+// acc[r][c*16 + lane] += sum_n probs[n][r] * values[n][c*16 + lane], r < kRows, c < kVecs.
+template <int kRows, int kVecs>
+SPECDEC_CPU_INLINE void pv_block(const float* probs, int64_t p_stride, const float* values, int64_t v_stride,
+                                 int64_t num_keys, float* acc, int64_t acc_stride) {
+  Vec o[kRows][kVecs] = {};
+  for (int64_t n = 0; n < num_keys; ++n) {
+    Vec v[kVecs];
+#pragma GCC unroll 4
+    for (int c = 0; c < kVecs; ++c) v[c] = load(values + n * v_stride + c * kLanes);
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      const float p = probs[n * p_stride + r];
+#pragma GCC unroll 4
+      for (int c = 0; c < kVecs; ++c) o[r][c] += v[c] * p;
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int c = 0; c < kVecs; ++c) {
+      float* out = acc + r * acc_stride + c * kLanes;
+      store(out, load(out) + o[r][c]);
+    }
+  }
+}
+
+template <int kRows>
+SPECDEC_CPU_INLINE void pv_rows(const float* probs, int64_t p_stride, const float* values, int64_t v_stride,
+                                int64_t padded_dim, int64_t num_keys, float* acc) {
+  const int64_t total_vecs = padded_dim / kLanes;
+  for (int64_t c = 0; c < total_vecs; c += 4) {
+    const float* v = values + c * kLanes;
+    float* o = acc + c * kLanes;
+    switch (std::min<int64_t>(4, total_vecs - c)) {
+      case 1: pv_block<kRows, 1>(probs, p_stride, v, v_stride, num_keys, o, padded_dim); break;
+      case 2: pv_block<kRows, 2>(probs, p_stride, v, v_stride, num_keys, o, padded_dim); break;
+      case 3: pv_block<kRows, 3>(probs, p_stride, v, v_stride, num_keys, o, padded_dim); break;
+      default: pv_block<kRows, 4>(probs, p_stride, v, v_stride, num_keys, o, padded_dim); break;
+    }
+  }
+}
+
+// The online-softmax update of one group of query lanes (V: a full or half vector) for a
+// tile of scores: running max and denominator, the factor alpha that rescales what was
+// accumulated before, and the scores replaced by the probabilities.
+template <typename V>
+SPECDEC_CPU_INLINE void softmax_lanes(float* scores, int64_t num_keys, int64_t stride, float* row_max, float* row_sum,
+                                      float* alpha) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  V tile_max = splat<V>(neg_inf);
+  for (int64_t n = 0; n < num_keys; ++n) tile_max = vmax(tile_max, load<V>(scores + n * stride));
+  const V old_max = load<V>(row_max);
+  const V new_max = vmax(old_max, tile_max);
+  // A query that has seen no visible key yet keeps max -inf; subtracting 0 instead keeps
+  // its probabilities at exactly 0 rather than NaN (-inf - -inf).
+  const V shift = select(new_max == splat<V>(neg_inf), splat<V>(0.0f), new_max);
+  const V scale = exp_nonpositive(old_max - shift);
+  V sum = load<V>(row_sum) * scale;
+  for (int64_t n = 0; n < num_keys; ++n) {
+    float* s = scores + n * stride;
+    const V p = exp_nonpositive(load<V>(s) - shift);
+    store(s, p);
+    sum += p;
+  }
+  store(row_max, new_max);
+  store(row_sum, sum);
+  store(alpha, scale);
+}
+
+// One online-softmax step over a tile of scores [num_keys][stride] (masked entries -inf)
+// for the first `lanes` query lanes: updates the running max and denominator of each,
+// rescales the first `rows` accumulator rows [rows][padded_dim], overwrites scores with
+// the probabilities and adds probs^T @ values [num_keys][padded_dim] (rows value_stride
+// apart) into the accumulators.
+SPECDEC_CPU_MULTIVERSION
+inline void tile_softmax_pv(float* scores, int64_t num_keys, int64_t stride, int64_t lanes, int64_t rows,
+                            const float* values, int64_t value_stride, int64_t padded_dim, float* row_max,
+                            float* row_sum, float* alpha, float* acc) {
+  int64_t c = 0;
+  for (; c + kLanes <= lanes; c += kLanes) {
+    softmax_lanes<Vec>(scores + c, num_keys, stride, row_max + c, row_sum + c, alpha + c);
+  }
+  if (c < lanes) softmax_lanes<HalfVec>(scores + c, num_keys, stride, row_max + c, row_sum + c, alpha + c);
+  for (int64_t m = 0; m < rows; ++m) {
+    if (alpha[m] == 1.0f) continue;  // max unchanged: the common case after the first tiles
+    const Vec a = splat<Vec>(alpha[m]);
+    float* out = acc + m * padded_dim;
+    for (int64_t d = 0; d < padded_dim; d += kLanes) store(out + d, load(out + d) * a);
+  }
+  int64_t m = 0;
+  for (; m + 4 <= rows; m += 4) {
+    pv_rows<4>(scores + m, stride, values, value_stride, padded_dim, num_keys, acc + m * padded_dim);
+  }
+  float* last = acc + m * padded_dim;
+  switch (rows - m) {  // the last 1..3 rows in one pass over the values
+    case 3: pv_rows<3>(scores + m, stride, values, value_stride, padded_dim, num_keys, last); break;
+    case 2: pv_rows<2>(scores + m, stride, values, value_stride, padded_dim, num_keys, last); break;
+    case 1: pv_rows<1>(scores + m, stride, values, value_stride, padded_dim, num_keys, last); break;
+    default: break;
+  }
+}
+
+// ----------------------------------------------------------------------------- conversions
+
+SPECDEC_CPU_INLINE float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+SPECDEC_CPU_INLINE uint32_t float_to_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return bits;
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(BFloat16Bits x) { return bits_to_float(static_cast<uint32_t>(x.bits) << 16); }
+// Branch-free (so the row loops vectorise): moving the 15 exponent+mantissa bits into
+// place and scaling by 2^(127-15) is exact for normal and subnormal halves alike;
+// inf/NaN keep an all-ones exponent.
+inline float to_float(HalfBits x) {
+  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000u) << 16;
+  const uint32_t magnitude = static_cast<uint32_t>(x.bits & 0x7fffu) << 13;
+  const uint32_t finite = float_to_bits(bits_to_float(magnitude) * 0x1p112f);
+  const uint32_t special = magnitude | 0x7f800000u;
+  return bits_to_float(sign | (magnitude >= (0x7c00u << 13) ? special : finite));
+}
+
+inline void from_float(float x, float* out) { *out = x; }
+// Round to nearest even; NaN stays a (quiet) NaN.
+inline void from_float(float x, BFloat16Bits* out) {
+  const uint32_t bits = float_to_bits(x);
+  if (std::isnan(x)) {
+    out->bits = static_cast<uint16_t>((bits >> 16) | 0x40u);
+    return;
+  }
+  out->bits = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+inline void from_float(float x, HalfBits* out) {
+  const uint32_t bits = float_to_bits(x);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const uint32_t magnitude = bits & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) {
+    out->bits = sign | 0x7e00u;  // NaN
+  } else if (magnitude >= 0x477ff000u) {
+    out->bits = sign | 0x7c00u;  // >= 65520 rounds to inf
+  } else if (magnitude < 0x38800000u) {
+    // Below 2^-14: a subnormal half, |x| / 2^-24 rounded to an integer (1024 = the
+    // smallest normal, whose encoding is also 1024).
+    out->bits = sign | static_cast<uint16_t>(std::nearbyint(std::fabs(x) * 16777216.0f));
+  } else {
+    // Rebias the exponent (127 -> 15) and round the mantissa from 23 to 10 bits, to even;
+    // a carry out of the mantissa correctly bumps the exponent.
+    const uint32_t rounded = magnitude + 0xfffu + ((magnitude >> 13) & 1u);
+    out->bits = sign | static_cast<uint16_t>((rounded - (112u << 23)) >> 13);
+  }
+}
+
+// One row to fp32 (the 16-bit conversions vectorise in the AVX2 / AVX-512 clones).
+inline void load_row(const float* src, int64_t count, float* dst) { std::memcpy(dst, src, count * sizeof(float)); }
+SPECDEC_CPU_MULTIVERSION
+inline void load_row(const BFloat16Bits* src, int64_t count, float* dst) {
+  for (int64_t i = 0; i < count; ++i) dst[i] = to_float(src[i]);
+}
+SPECDEC_CPU_MULTIVERSION
+inline void load_row(const HalfBits* src, int64_t count, float* dst) {
+  for (int64_t i = 0; i < count; ++i) dst[i] = to_float(src[i]);
+}
+
+inline int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / multiple * multiple; }
+
+}  // namespace attention_detail
+
+// ----------------------------------------------------------------------------- problem
+
+// Which tree keys each query sees: bool [B, T, T] (element strides) or packed int64
+// [B, T, ceil(T/64)] words (word strides; bit j % 64 of word j / 64). Strides may be 0
+// (a mask shared by all rows).
+struct TreeMaskView {
+  const bool* dense = nullptr;
+  const int64_t* packed = nullptr;
+  int64_t stride_b = 0, stride_t = 0, stride_col = 0;
+
+  bool visible(int64_t b, int64_t query, int64_t key) const {
+    const int64_t base = b * stride_b + query * stride_t;
+    if (dense != nullptr) return dense[base + key * stride_col];
+    const uint64_t word = static_cast<uint64_t>(packed[base + (key >> 6) * stride_col]);
+    return (word >> (key & 63)) & 1u;
+  }
+};
+
+// One call's inputs. Strides are in elements; the last dim of q, k and v is contiguous.
+// q [B, T, Hq, D], k/v [B, S, Hkv, D], cache_seqlens [B] with L_b + T <= S (checked by
+// the caller), output [B, T, Hq, D] contiguous.
+template <typename Scalar>
+struct TreeAttentionProblem {
+  const Scalar* q;
+  int64_t q_stride_b, q_stride_t, q_stride_h;
+  const Scalar* k;
+  int64_t k_stride_b, k_stride_s, k_stride_h;
+  const Scalar* v;
+  int64_t v_stride_b, v_stride_s, v_stride_h;
+  TreeMaskView mask;
+  const int32_t* cache_seqlens;
+  int64_t num_nodes, num_q_heads, num_kv_heads, head_dim;
+  float scale;
+  Scalar* out;
+
+  int64_t group() const { return num_q_heads / num_kv_heads; }
+  int64_t rows() const { return num_nodes * group(); }               // M: queries per (row, KV head)
+  int64_t num_keys(int64_t b) const { return cache_seqlens[b] + num_nodes; }  // keys row b may read
+  int64_t partial_size() const { return rows() * (head_dim + 2); }  // floats per partial result
+};
+
+// Per-thread buffers, reused across units and calls (sized on first use).
+class TreeAttentionScratch {
+ public:
+  float* queries_t = nullptr;  // [D][Mp], scaled
+  float* keys = nullptr;       // [kTileKeys][D]
+  float* values = nullptr;     // [kTileKeys][Dp], zero padded
+  float* scores = nullptr;     // [kTileKeys][Mp]
+  float* row_max = nullptr;    // [Mp]
+  float* row_sum = nullptr;    // [Mp]
+  float* alpha = nullptr;      // [Mp]
+  float* acc = nullptr;        // [Mp][Dp]
+  int64_t padded_rows = 0, padded_dim = 0;
+
+  void prepare(int64_t rows, int64_t head_dim) {
+    using namespace attention_detail;
+    padded_rows = round_up(rows, kLanes);
+    padded_dim = round_up(head_dim, kLanes);
+    const int64_t sizes[] = {head_dim * padded_rows, kTileKeys * head_dim, kTileKeys * padded_dim,
+                             kTileKeys * padded_rows, padded_rows, padded_rows, padded_rows,
+                             padded_rows * padded_dim};
+    int64_t total = 0;
+    for (int64_t size : sizes) total += round_up(size, kLanes);
+    if (static_cast<int64_t>(storage_.size()) < total + kLanes) storage_.assign(total + kLanes, 0.0f);
+    // 64-byte aligned regions (vector loads never split a cache line).
+    const uintptr_t base = reinterpret_cast<uintptr_t>(storage_.data());
+    float* p = storage_.data() + ((64 - base % 64) % 64) / sizeof(float);
+    float** regions[] = {&queries_t, &keys, &values, &scores, &row_max, &row_sum, &alpha, &acc};
+    for (int i = 0; i < 8; ++i) {
+      *regions[i] = p;
+      p += round_up(sizes[i], kLanes);
+    }
+  }
+
+ private:
+  std::vector<float> storage_;
+};
+
+// Attention of the M = T * group queries of (row b, KV head kv_head) over the keys
+// [key_begin, key_end) (within 0 .. L_b + T), unnormalised: leaves in scratch the
+// accumulators acc [M][Dp], running max row_max [M] and denominator row_sum [M].
+template <typename Scalar>
+void attend_keys(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_head, int64_t key_begin,
+                 int64_t key_end, TreeAttentionScratch& s) {
+  using namespace attention_detail;
+  const int64_t group = p.group();
+  const int64_t rows = p.rows();
+  const int64_t head_dim = p.head_dim;
+  s.prepare(rows, head_dim);
+  const int64_t mp = s.padded_rows;
+  const int64_t lanes = round_up(rows, kLanes / 2);  // query lanes computed (<= mp)
+  const int64_t dp = s.padded_dim;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  // Queries, scaled and transposed to [D][Mp]; padding lanes are 0 (finite scores, ignored).
+  std::fill(s.queries_t, s.queries_t + head_dim * mp, 0.0f);
+  float* row = s.keys;  // one query row in fp32 (the key tile is free until the loop below)
+  for (int64_t t = 0; t < p.num_nodes; ++t) {
+    for (int64_t g = 0; g < group; ++g) {
+      const Scalar* src = p.q + b * p.q_stride_b + t * p.q_stride_t + (kv_head * group + g) * p.q_stride_h;
+      load_row(src, head_dim, row);
+      const int64_t m = t * group + g;
+      for (int64_t d = 0; d < head_dim; ++d) s.queries_t[d * mp + m] = row[d] * p.scale;
+    }
+  }
+  std::fill(s.row_max, s.row_max + mp, neg_inf);
+  std::fill(s.row_sum, s.row_sum + mp, 0.0f);
+  std::fill(s.acc, s.acc + rows * dp, 0.0f);
+  std::fill(s.values, s.values + kTileKeys * dp, 0.0f);  // the padding columns stay 0
+
+  const int64_t prefix_len = p.cache_seqlens[b];
+  const Scalar* k_rows = p.k + b * p.k_stride_b + kv_head * p.k_stride_h;
+  const Scalar* v_rows = p.v + b * p.v_stride_b + kv_head * p.v_stride_h;
+  // fp32 rows as wide as the vectors are used in place; others are converted (and padded)
+  // into the scratch tiles.
+  constexpr bool kFloat = std::is_same<Scalar, float>::value;
+  const bool in_place = kFloat && dp == head_dim;
+  bool hidden[kTileKeys];
+  for (int64_t first = key_begin; first < key_end; first += kTileKeys) {
+    const int64_t count = std::min(kTileKeys, key_end - first);
+    const float* keys = s.keys;
+    int64_t key_stride = head_dim;
+    if constexpr (kFloat) {
+      keys = k_rows + first * p.k_stride_s;
+      key_stride = p.k_stride_s;
+    } else {
+      for (int64_t n = 0; n < count; ++n) {
+        load_row(k_rows + (first + n) * p.k_stride_s, head_dim, s.keys + n * head_dim);
+      }
+    }
+    tile_scores(s.queries_t, mp, lanes, keys, key_stride, count, head_dim, s.scores);
+
+    // Tree keys: mask per query (overwriting, so NaN keys cannot leak through), and note
+    // the keys no query sees, whose values must be zeroed (0 * NaN would still be NaN).
+    bool any_hidden = false;
+    for (int64_t n = 0; n < count; ++n) {
+      const int64_t node = first + n - prefix_len;
+      hidden[n] = false;
+      if (node < 0) continue;
+      bool seen = false;
+      for (int64_t t = 0; t < p.num_nodes; ++t) {
+        if (p.mask.visible(b, t, node)) {
+          seen = true;
+        } else {
+          std::fill_n(s.scores + n * mp + t * group, group, neg_inf);
+        }
+      }
+      hidden[n] = !seen;
+      any_hidden |= !seen;
+    }
+
+    const float* values = s.values;
+    int64_t value_stride = dp;
+    if constexpr (kFloat) {
+      if (in_place && !any_hidden) {
+        values = v_rows + first * p.v_stride_s;
+        value_stride = p.v_stride_s;
+      }
+    }
+    if (values == s.values) {
+      for (int64_t n = 0; n < count; ++n) {
+        if (hidden[n]) {
+          std::fill_n(s.values + n * dp, head_dim, 0.0f);
+        } else {
+          load_row(v_rows + (first + n) * p.v_stride_s, head_dim, s.values + n * dp);
+        }
+      }
+    }
+    tile_softmax_pv(s.scores, count, mp, lanes, rows, values, value_stride, dp, s.row_max, s.row_sum, s.alpha, s.acc);
+  }
+}
+
+// Writes the normalised result of attend_keys over all of row b's keys to the output.
+// A query that saw no key at all gets NaN (0 / 0), like a softmax over nothing.
+template <typename Scalar>
+void write_output(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_head, const TreeAttentionScratch& s) {
+  const int64_t group = p.group();
+  for (int64_t m = 0; m < p.rows(); ++m) {
+    const int64_t t = m / group;
+    Scalar* out = p.out + ((b * p.num_nodes + t) * p.num_q_heads + kv_head * group + m % group) * p.head_dim;
+    const float inv = 1.0f / s.row_sum[m];
+    const float* acc = s.acc + m * s.padded_dim;
+    for (int64_t d = 0; d < p.head_dim; ++d) attention_detail::from_float(acc[d] * inv, out + d);
+  }
+}
+
+// Saves attend_keys' result for one key range as a partial: [M][D] sums, [M] max, [M] denominator.
+template <typename Scalar>
+void save_partial(const TreeAttentionProblem<Scalar>& p, const TreeAttentionScratch& s, float* partial) {
+  const int64_t rows = p.rows();
+  for (int64_t m = 0; m < rows; ++m) std::copy_n(s.acc + m * s.padded_dim, p.head_dim, partial + m * p.head_dim);
+  std::copy_n(s.row_max, rows, partial + rows * p.head_dim);
+  std::copy_n(s.row_sum, rows, partial + rows * (p.head_dim + 1));
+}
+
+// Merges the partials of (row b, KV head) over num_parts key ranges (each
+// p.partial_size() floats, consecutive) by log-sum-exp and writes the normalised output.
+template <typename Scalar>
+void combine_partials(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_head, const float* partials,
+                      int64_t num_parts, TreeAttentionScratch& s) {
+  const int64_t rows = p.rows();
+  s.prepare(rows, p.head_dim);
+  float* row = s.acc;
+  const int64_t head_dim = p.head_dim;
+  const int64_t size = p.partial_size();
+  const int64_t group = p.group();
+  for (int64_t m = 0; m < rows; ++m) {
+    float best = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < num_parts; ++c) best = std::max(best, partials[c * size + rows * head_dim + m]);
+    std::fill_n(row, head_dim, 0.0f);
+    float sum = 0.0f;
+    for (int64_t c = 0; c < num_parts; ++c) {
+      const float* part = partials + c * size;
+      const float part_max = part[rows * head_dim + m];
+      if (part_max == -std::numeric_limits<float>::infinity()) continue;  // saw no key
+      const float weight = std::exp(part_max - best);
+      sum += weight * part[rows * (head_dim + 1) + m];
+      for (int64_t d = 0; d < head_dim; ++d) row[d] += weight * part[m * head_dim + d];
+    }
+    const int64_t t = m / group;
+    Scalar* out = p.out + ((b * p.num_nodes + t) * p.num_q_heads + kv_head * group + m % group) * head_dim;
+    const float inv = 1.0f / sum;
+    for (int64_t d = 0; d < head_dim; ++d) attention_detail::from_float(row[d] * inv, out + d);
+  }
+}
+
+}  // namespace cpu
+}  // namespace specdec
+
+#undef SPECDEC_CPU_INLINE
+#undef SPECDEC_CPU_MULTIVERSION
