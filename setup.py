@@ -67,11 +67,18 @@ def extension():
     include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc", "include")]
     # -O3 for speed; -g0 overrides the -g that Python's own CFLAGS add (faster build, smaller .so).
     extra_compile_args = {"cxx": ["-O3", "-g0"]}
+    extra_link_args = []
+    if "OpenMP" in torch.__config__.parallel_info() and sys.platform.startswith("linux"):
+        # at::parallel_for is an inline `#pragma omp parallel` loop in torch's headers: without
+        # -fopenmp it silently runs on one thread. Linking resolves to the libgomp torch loads.
+        extra_compile_args["cxx"].append("-fopenmp")
+        extra_link_args.append("-fopenmp")
     reason = why_no_cuda()
     if reason is not None:
         print(f"specdec-kernels: building CPU kernels only: {reason}.")
         return cpp_extension.CppExtension(
-            "specdec_kernels._C", sources, include_dirs=include_dirs, extra_compile_args=extra_compile_args
+            "specdec_kernels._C", sources, include_dirs=include_dirs, extra_compile_args=extra_compile_args,
+            extra_link_args=extra_link_args,
         )
     print(f"specdec-kernels: building CPU and CUDA kernels (nvcc: {find_nvcc()}, torch CUDA {torch.version.cuda}).")
     extra_compile_args["nvcc"] = ["-O3"]
@@ -80,6 +87,7 @@ def extension():
         sources + sorted(glob.glob("csrc/cuda/*.cu")),
         include_dirs=include_dirs,
         extra_compile_args=extra_compile_args,
+        extra_link_args=extra_link_args,
     )
 
 
