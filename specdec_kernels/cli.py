@@ -437,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompt-file", default=None, help="file with the user request (chat template applied); "
                                                           "default: a code-edit request")
     demo.add_argument("--prompt-index", type=int, default=0, help="which shared code-edit prompt (default 0)")
-    demo.add_argument("--num-tokens", type=int, default=5, help="n-gram draft length (default 5)")
+    demo.add_argument("--num-tokens", type=int, default=10, help="n-gram draft length (default 10, the k HF prompt lookup is compared at)")
     demo.add_argument("--hf-prompt-lookup", type=int, nargs="?", const=10, default=0, metavar="K",
                       help="also time HF's own prompt lookup decoding (prompt_lookup_num_tokens=K, default 10)")
     demo.set_defaults(func=cmd_demo)

@@ -18,8 +18,8 @@ Methods:
   hf_prompt_lookup  HF `generate(prompt_lookup_num_tokens=10)` (transformers: batch size 1 only)
   hf_assisted       HF `generate(assistant_model=draft)` (with --draft-model; batch size 1 only)
   ours_plain        ours without drafts (the loop's own overhead; not in the default set)
-  ours_ngram        NgramDrafter(num_tokens=5), a chain
-  ours_ngram_tree   NgramDrafter(num_tokens=5, tree_width=3), a tree of continuations
+  ours_ngram        NgramDrafter(num_tokens=10), a chain (the same k as hf_prompt_lookup)
+  ours_ngram_tree   NgramDrafter(num_tokens=10, tree_width=3), a tree of up to 3 continuations
   ours_draft        DraftModelDrafter(draft, num_tokens=4), a chain (with --draft-model)
   ours_draft_tree   DraftModelDrafter(draft, tree_widths=(2, 2, 1)) (with --draft-model)
 
@@ -48,7 +48,7 @@ NEEDS_DRAFT = frozenset({"hf_assisted", "ours_draft", "ours_draft_tree"})
 BATCH1_ONLY = frozenset({"hf_prompt_lookup", "hf_assisted"})  # transformers' assisted decoding: batch size 1
 TEMPERATURES = (0.0, 0.7)
 HF_PROMPT_LOOKUP_TOKENS = 10  # HF's documented example value (also `specdec demo --hf-prompt-lookup`)
-NGRAM_TOKENS, NGRAM_TREE_WIDTH = 5, 3
+NGRAM_TOKENS, NGRAM_TREE_WIDTH = 10, 3  # chain: the same k as HF prompt lookup
 DRAFT_TOKENS, DRAFT_TREE_WIDTHS = 4, (2, 2, 1)
 RANDOM_LLAMA = "llama3-8b-random"
 SHORT = dict(prompts_per_workload=2, max_new_tokens=64, batch_sizes=(1, 8))
