@@ -4,6 +4,8 @@ Inputs are random on every run (a new seed each time, printed on failure); set
 SPECDEC_TEST_SEED=<int> to replay a failing run. Statistical tests use their own fixed seeds.
 """
 
+import contextlib
+import importlib
 import importlib.util
 import os
 import random
@@ -17,27 +19,57 @@ import specdec_kernels
 HAS_CUDA = torch.cuda.is_available()
 
 
-def _import_triton_for_the_interpreter() -> None:
-    """Without a GPU, Triton kernels run only in the interpreter, and triton picks interpreter or
-    compiler when each @triton.jit function is defined, its own helpers (tl.sum, ...) at import.
-    Import it first, with TRITON_INTERPRET=1 set just for the import, so that
-    test_tree_attention_triton.py can run the kernels in this process even though other test
-    modules import triton at collection (transformers -> torch._dynamo). The variable is
-    restored: `backend="triton"` on CPU tensors stays refused unless a test sets it.
-    """
-    if HAS_CUDA or "triton" in sys.modules or importlib.util.find_spec("triton") is None:
-        return
+@contextlib.contextmanager
+def triton_interpret_env():
+    """TRITON_INTERPRET=1 inside the block, the old value (or none) restored after it."""
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        import triton.language  # noqa: F401
-    except Exception:  # a broken triton: its tests report it
-        pass
+        yield
     finally:
         if old is None:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = old
+
+
+def _import_triton_for_the_interpreter() -> None:
+    """Without a GPU, Triton kernels run only in the interpreter, and triton picks interpreter or
+    compiler when each @triton.jit function is defined, its own helpers (tl.sum, ...) at import.
+    Import it first, with TRITON_INTERPRET=1 set just for the import, so that the
+    test_*_triton.py modules can run the kernels in this process even though other test
+    modules import triton at collection (transformers -> torch._dynamo). The variable is
+    restored: `backend="triton"` on CPU tensors stays refused unless a test sets it.
+    """
+    if HAS_CUDA or "triton" in sys.modules or importlib.util.find_spec("triton") is None:
+        return
+    with triton_interpret_env():
+        try:
+            import triton.language  # noqa: F401
+        except Exception:  # a broken triton: its tests report it
+            pass
+
+
+def import_interpreted_kernels(module_name: str):
+    """The Triton kernel module `module_name` built for the interpreter, or None where this
+    process cannot have it (a CUDA machine, no triton, or triton imported without the variable
+    before this conftest could). The module is imported with TRITON_INTERPRET=1 set."""
+    if HAS_CUDA or importlib.util.find_spec("triton") is None:
+        return None
+    if module_name not in sys.modules:
+        with triton_interpret_env():
+            importlib.import_module(module_name)
+    module = sys.modules.get(module_name)
+    import triton.language as tl
+
+    helpers_interpreted = not isinstance(tl.sum, sys.modules["triton"].runtime.JITFunction)
+    return module if module is not None and module.interpreted() and helpers_interpreted else None
+
+
+INTERPRETER_SKIP = (
+    "CUDA present: this process compiles the Triton kernels for the GPU" if HAS_CUDA
+    else "triton was imported without TRITON_INTERPRET=1 before conftest.py could"
+) + "; test_interpreter_tests_in_a_fresh_process runs these"
 
 
 _import_triton_for_the_interpreter()

@@ -23,7 +23,7 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels import _extension, pack_tree_mask, reference, tree_attention, tree_mask
 
-from conftest import HAS_CUDA, randint, random_parents, requires_cuda
+from conftest import HAS_CUDA, INTERPRETER_SKIP, import_interpreted_kernels, triton_interpret_env, randint, random_parents, requires_cuda
 from test_tree_attention import TOL, brute_attention, branch_oracle, make_case
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -40,55 +40,17 @@ TOL_VS_REFERENCE = {
 }
 
 
-def _import_interpreted_kernels():
-    """The kernel module built for the Triton interpreter, or None where this process cannot have it.
-
-    Triton decides interpreter or compiler when each @triton.jit function is defined, its own
-    helpers (tl.sum, tl.cdiv, ...) included, so TRITON_INTERPRET=1 must be set before triton
-    is first imported: conftest.py imports triton that way on machines without CUDA. We set
-    it again while importing the kernel module, and restore it, so it does not leak to
-    other modules.
-    """
-    if HAS_CUDA or not HAS_TRITON:
-        return None
-    if KERNEL_MODULE not in sys.modules:
-        old = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        try:
-            importlib.import_module(KERNEL_MODULE)
-        finally:
-            if old is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = old
-    module = sys.modules.get(KERNEL_MODULE)
-    import triton.language as tl
-
-    helpers_interpreted = not isinstance(tl.sum, sys.modules["triton"].runtime.JITFunction)
-    return module if module is not None and module.interpreted() and helpers_interpreted else None
-
-
-INTERPRETED = _import_interpreted_kernels()
-IN_PROCESS_SKIP = (
-    "CUDA present: this process compiles the Triton kernels for the GPU" if HAS_CUDA
-    else "triton was imported without TRITON_INTERPRET=1 before conftest.py could"
-) + "; test_interpreter_tests_in_a_fresh_process runs these"
+INTERPRETED = import_interpreted_kernels(KERNEL_MODULE)
 
 
 @pytest.fixture(scope="module")
 def interpreter():
-    """The interpreted kernel module, with TRITON_INTERPRET=1 set for this module's tests."""
+    """The interpreted kernel module, with TRITON_INTERPRET=1 set for this module's tests
+    (run() refuses CPU tensors for backend="triton" without it)."""
     if INTERPRETED is None:
-        pytest.skip(IN_PROCESS_SKIP)
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # run() refuses CPU tensors for backend="triton" without it
-    try:
+        pytest.skip(INTERPRETER_SKIP)
+    with triton_interpret_env():
         yield INTERPRETED
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
 
 
 def check(module, q, k, v, mask, prefix, *, scale=None, num_splits=None, parents=None, gen=None):

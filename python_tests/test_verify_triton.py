@@ -28,55 +28,24 @@ import torch
 from specdec_kernels import verify, verify_chain
 from specdec_kernels.reference.verify import target_probs
 
-from conftest import HAS_CUDA, distinct_sibling_tokens, randint, random_parents, requires_cuda
+from conftest import INTERPRETER_SKIP, import_interpreted_kernels, triton_interpret_env, distinct_sibling_tokens, randint, random_parents, requires_cuda
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 KERNEL_MODULE = "specdec_kernels.triton.verify"
 
 
-def _import_interpreted_kernels():
-    """The kernel module built for the Triton interpreter, or None where this process cannot have it."""
-    if HAS_CUDA or not HAS_TRITON:
-        return None
-    if KERNEL_MODULE not in sys.modules:
-        old = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        try:
-            importlib.import_module(KERNEL_MODULE)
-        finally:
-            if old is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = old
-    module = sys.modules.get(KERNEL_MODULE)
-    import triton.language as tl
-
-    helpers_interpreted = not isinstance(tl.sum, sys.modules["triton"].runtime.JITFunction)
-    return module if module is not None and module.interpreted() and helpers_interpreted else None
-
-
-INTERPRETED = _import_interpreted_kernels()
-IN_PROCESS_SKIP = (
-    "CUDA present: this process compiles the Triton kernels for the GPU" if HAS_CUDA
-    else "triton was imported without TRITON_INTERPRET=1 before conftest.py could"
-) + "; test_interpreter_tests_in_a_fresh_process runs these"
+INTERPRETED = import_interpreted_kernels(KERNEL_MODULE)
 
 
 @pytest.fixture(scope="module")
 def interpreter():
-    """The interpreted kernel module, with TRITON_INTERPRET=1 set for this module's tests."""
+    """The interpreted kernel module, with TRITON_INTERPRET=1 set for this module's tests
+    (run() refuses CPU tensors for backend="triton" without it)."""
     if INTERPRETED is None:
-        pytest.skip(IN_PROCESS_SKIP)
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # run() refuses CPU tensors for backend="triton" without it
-    try:
+        pytest.skip(INTERPRETER_SKIP)
+    with triton_interpret_env():
         yield INTERPRETED
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
 
 
 # ----------------------------------------------------------------------------- inputs and comparison
