@@ -34,6 +34,30 @@ __device__ __forceinline__ uint64_t ngram_key(int64_t len, int64_t e, bool lates
   return (static_cast<uint64_t>(len) << kNgramPositionBits) | rank;
 }
 
+// Block-wide max of a 64-bit key over kThreads threads (all call it; every thread gets the
+// result): warps by shuffles, then the first warp over the warp results. Two __syncthreads.
+template <int kThreads>
+__device__ __forceinline__ uint64_t block_max_u64(uint64_t v, uint64_t* warp_max, uint64_t* result) {
+#pragma unroll
+  for (int delta = 16; delta > 0; delta /= 2) {
+    const uint64_t other = __shfl_xor_sync(0xffffffffu, v, delta);
+    v = other > v ? other : v;
+  }
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    v = threadIdx.x < kThreads / 32 ? warp_max[threadIdx.x] : 0;
+#pragma unroll
+    for (int delta = 16; delta > 0; delta /= 2) {
+      const uint64_t other = __shfl_xor_sync(0xffffffffu, v, delta);
+      v = other > v ? other : v;
+    }
+    if (threadIdx.x == 0) *result = v;
+  }
+  __syncthreads();
+  return *result;
+}
+
 template <typename Index>
 __global__ void __launch_bounds__(kNgramThreads)
     ngram_propose_kernel(const Index* __restrict__ tokens, int64_t stride_b, int64_t stride_t,
@@ -72,25 +96,7 @@ __global__ void __launch_bounds__(kNgramThreads)
     }
   }
 
-  // Block max of the keys: warps by shuffles, then the first warp over the warp results.
-#pragma unroll
-  for (int delta = 16; delta > 0; delta /= 2) {
-    const uint64_t other = __shfl_xor_sync(0xffffffffu, best, delta);
-    best = other > best ? other : best;
-  }
-  if (threadIdx.x % 32 == 0) warp_best[threadIdx.x / 32] = best;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    best = threadIdx.x < kNgramThreads / 32 ? warp_best[threadIdx.x] : 0;
-#pragma unroll
-    for (int delta = 16; delta > 0; delta /= 2) {
-      const uint64_t other = __shfl_xor_sync(0xffffffffu, best, delta);
-      best = other > best ? other : best;
-    }
-    if (threadIdx.x == 0) row_best = best;
-  }
-  __syncthreads();
-  best = row_best;
+  best = block_max_u64<kNgramThreads>(best, warp_best, &row_best);
 
   const int64_t len = static_cast<int64_t>(best >> kNgramPositionBits);
   int64_t start = 0, produced = 0;
@@ -199,27 +205,6 @@ __device__ __forceinline__ uint32_t ngram_tree_hash(const Index* s, int64_t stri
   return static_cast<uint32_t>(h >> 32);
 }
 
-// Block-wide max (all threads call it; every thread gets the result). Two __syncthreads.
-__device__ __forceinline__ uint64_t ngram_tree_block_max(uint64_t v, uint64_t* warp_max, uint64_t* result) {
-#pragma unroll
-  for (int delta = 16; delta > 0; delta /= 2) {
-    const uint64_t other = __shfl_xor_sync(0xffffffffu, v, delta);
-    v = other > v ? other : v;
-  }
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = v;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    v = threadIdx.x < kNgramTreeThreads / 32 ? warp_max[threadIdx.x] : 0;
-#pragma unroll
-    for (int delta = 16; delta > 0; delta /= 2) {
-      const uint64_t other = __shfl_xor_sync(0xffffffffu, v, delta);
-      v = other > v ? other : v;
-    }
-    if (threadIdx.x == 0) *result = v;
-  }
-  __syncthreads();
-  return *result;
-}
 
 // Adds continuation start c to its group in the table; false if it must wait for a later
 // round (every slot of its window holds another continuation).
@@ -323,7 +308,7 @@ __global__ void __launch_bounds__(kNgramTreeThreads, 3)
       }
       if (__syncthreads_or(best >= cap)) break;
     }
-    best = static_cast<int64_t>(ngram_tree_block_max(static_cast<uint64_t>(best), warp_max, &block_result));
+    best = static_cast<int64_t>(block_max_u64<kNgramTreeThreads>(static_cast<uint64_t>(best), warp_max, &block_result));
     if (best < min_n) return;  // uniform
     n = best;
   }
@@ -384,7 +369,7 @@ __global__ void __launch_bounds__(kNgramTreeThreads, 3)
         const uint64_t key = static_cast<uint64_t>(keys[k]);
         if (key < below && key > best) best = key;
       }
-      best = ngram_tree_block_max(best, warp_max, &block_result);
+      best = block_max_u64<kNgramTreeThreads>(best, warp_max, &block_result);
       if (best == 0) break;  // uniform
       if (tid == 0) next_keys[merged] = static_cast<int64_t>(best);
       below = best;
