@@ -5,6 +5,7 @@
 #include "specdec/ngram_index.h"
 #include "specdec/tree.h"
 #include "specdec/tree_attention.h"
+#include "specdec/verify.h"
 
 template int64_t specdec::cpu::tree_mask<int64_t>(const int64_t*, int64_t, int64_t, bool*);
 template int64_t specdec::cpu::tree_mask<int32_t>(const int32_t*, int64_t, int64_t, bool*);
@@ -21,6 +22,18 @@ template void specdec::cpu::ngram_propose_tree_row<int32_t>(const int32_t*, int6
 template int64_t specdec::cpu::NgramHistoryIndex::propose<int64_t>(int64_t, int64_t, int64_t, bool, int64_t*) const;
 
 namespace specdec::cpu {
+#define SPECDEC_INSTANTIATE_VERIFY(Logit, Prob) \
+  template int64_t verify_row<Logit, Prob>(const VerifyRow<Logit, Prob>&, VerifyScratch&, int32_t*, int64_t*);
+#define SPECDEC_INSTANTIATE_VERIFY_ALL(Logit) \
+  SPECDEC_INSTANTIATE_VERIFY(Logit, float)    \
+  SPECDEC_INSTANTIATE_VERIFY(Logit, BFloat16Bits) \
+  SPECDEC_INSTANTIATE_VERIFY(Logit, HalfBits)
+SPECDEC_INSTANTIATE_VERIFY_ALL(float)
+SPECDEC_INSTANTIATE_VERIFY_ALL(BFloat16Bits)
+SPECDEC_INSTANTIATE_VERIFY_ALL(HalfBits)
+#undef SPECDEC_INSTANTIATE_VERIFY_ALL
+#undef SPECDEC_INSTANTIATE_VERIFY
+
 #define SPECDEC_INSTANTIATE_TREE_ATTENTION(Scalar)                                                                   \
   template void attend_keys<Scalar>(const TreeAttentionProblem<Scalar>&, int64_t, int64_t, int64_t, int64_t,         \
                                     TreeAttentionScratch&);                                                           \

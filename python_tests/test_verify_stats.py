@@ -17,7 +17,8 @@ siblings (sampled without replacement, from a draft/target mix) for deterministi
 (trailing padding nodes holding valid tokens and garbage logits), so an accepted padding node
 would show up too.
 
-Backends: every test runs for `reference`, and on a CUDA machine also for "triton" (when
+Backends: every test runs for `reference` and, when the extension has the compiled CPU
+kernel, for "cpu" on the same rows; on a CUDA machine also for "triton" (when
 triton imports) and "cuda" (when the extension has a CUDA verify kernel), on the same rows
 moved to the GPU. Without a GPU the Triton kernel runs only in the interpreter at ~50 ms per
 row, far too slow for 30k-row chi-square tests; there it gets one reduced case
@@ -45,6 +46,8 @@ from test_verify import bf_argmax, bf_warp
 def _stat_backends():
     """(backend, device) pairs the chi-square tests run for (see the module docstring)."""
     found = [("reference", "cpu")]
+    if "cpu" in sk.available_backends("verify", "cpu"):
+        found.append(("cpu", "cpu"))
     if HAS_CUDA:
         if importlib.util.find_spec("triton") is not None:
             found.append(("triton", "cuda"))

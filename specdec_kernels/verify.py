@@ -70,7 +70,7 @@ def verify(
         top_p: None, float or [B] in (0, 1] (1 = off), applied after top-k.
         seed: None, int (each row its own stream) or int64 [B]. Same seed and inputs give
             the same result; a row's result depends only on its own seed and inputs.
-        backend: force an implementation ("reference", "cuda", "triton"); None picks the best.
+        backend: force an implementation ("reference", "cpu", "cuda", "triton"); None picks the best.
 
     Returns:
         VerifyOutput(accepted_nodes, num_accepted, output_tokens). Sampled rows emit tokens
