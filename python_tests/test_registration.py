@@ -146,6 +146,9 @@ def test_opcheck(gen, op):
         torch.library.opcheck(getattr(torch.ops.specdec, op).default, clone_args(args))
 
 
+OUTPUT_ROUNDING = {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
 @requires_c
 @pytest.mark.parametrize("op", OPS)
 def test_op_matches_reference(gen, op):
@@ -158,7 +161,9 @@ def test_op_matches_reference(gen, op):
         want = want if isinstance(want, tuple) else (want,)
         for x, y in zip(got, want):
             assert x.dtype == y.dtype and x.shape == y.shape
-            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+            # 16-bit outputs may differ by one output rounding (another summation order).
+            tol = OUTPUT_ROUNDING.get(x.dtype, dict(atol=1e-5, rtol=1e-5))
+            torch.testing.assert_close(x, y, **tol)
         if op == "compact_kv_cache_":
             for x, y in zip(a[0], b[0]):
                 assert torch.equal(x, y)
