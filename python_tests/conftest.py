@@ -9,6 +9,7 @@ import importlib
 import importlib.util
 import os
 import random
+import subprocess
 import sys
 
 import pytest
@@ -150,3 +151,87 @@ def distinct_sibling_tokens(gen, parents: torch.Tensor, vocab: int) -> torch.Ten
             taken.add(tok)
             tokens[b, i] = tok
     return tokens
+
+
+# ----------------------------------------------------------------------------- verify backends vs reference
+
+
+def drafted_tree_case(gen, batch, num_nodes, vocab, *, kind="random", with_probs=False, ragged=True, scale=2.0,
+                      bump=10.0, sampled_token_range=None, nan_padding=False):
+    """fp32 CPU (logits [B, T, V], tokens [B, T], parents [B, T], draft probs or None) where
+    drafts are likely enough that paths go deep: each drafted token gets `bump` added to its
+    parent's logit for it (and mass in q). With draft probs, siblings are i.i.d. from
+    [0, sampled_token_range or V) (repeats allowed); without, siblings are distinct. With
+    `nan_padding`, padding nodes hold NaN logits, so reading one as a path node shows."""
+    parents = random_parents(gen, batch, num_nodes, kind, ragged=ragged)
+    if with_probs:
+        tokens = randint(gen, 0, sampled_token_range or vocab, (batch, num_nodes))
+        tokens[parents < 0] = -1
+        tokens[:, 0] = randint(gen, 0, vocab, (batch,))
+    else:
+        tokens = distinct_sibling_tokens(gen, parents, min(vocab, 50))
+    logits = torch.randn(batch, num_nodes, vocab, generator=gen) * scale
+    q = torch.softmax(torch.randn(batch, num_nodes, vocab, generator=gen) * scale, -1) if with_probs else None
+    for b in range(batch):
+        for i in range(1, num_nodes):
+            p = int(parents[b, i])
+            if p >= 0:
+                logits[b, p, tokens[b, i]] += bump
+                if q is not None:
+                    q[b, p, tokens[b, i]] += 0.3
+    if q is not None:
+        q = q / q.sum(-1, keepdim=True)
+    if nan_padding:
+        padding = parents < 0
+        padding[:, 0] = False
+        logits[padding] = float("nan")
+    return logits, tokens, parents, q
+
+
+def check_verify_invariants(out, tokens, parents, vocab):
+    """A real path from the root, outputs padded with -1, emitted ids in [0, V), output dtypes."""
+    acc, num, emitted = out.accepted_nodes.cpu(), out.num_accepted.cpu().long(), out.output_tokens.cpu()
+    tokens, parents = tokens.cpu(), parents.cpu()
+    assert out.accepted_nodes.dtype == torch.int32 and out.num_accepted.dtype == torch.int32
+    assert out.output_tokens.dtype == torch.int64
+    for b in range(tokens.shape[0]):
+        n = int(num[b])
+        assert acc[b, 0] == 0 and (acc[b, n + 1 :] == -1).all() and (emitted[b, n + 1 :] == -1).all()
+        for d in range(1, n + 1):
+            node = int(acc[b, d])
+            assert parents[b, node] == acc[b, d - 1], f"row {b}: node {node} is not a child of {int(acc[b, d - 1])}"
+            assert emitted[b, d - 1] == tokens[b, node]
+        assert 0 <= int(emitted[b, n]) < vocab
+
+
+def compare_verify(out, ref, greedy, tokens, parents, vocab, label="", sampled_rows_per_mismatch=None):
+    """`out` against the reference output `ref`: invariants, greedy rows exactly, and at most
+    max(1, sampled // sampled_rows_per_mismatch) sampled rows differing (1 when None).
+    Returns the number of sampled rows that matched."""
+    check_verify_invariants(out, tokens, parents, vocab)
+    same = ((out.output_tokens.cpu() == ref.output_tokens.cpu()).all(1)
+            & (out.num_accepted.cpu() == ref.num_accepted.cpu())
+            & (out.accepted_nodes.cpu() == ref.accepted_nodes.cpu()).all(1))
+    greedy = greedy.cpu()
+    bad_greedy = torch.nonzero(greedy & ~same).flatten().tolist()
+    assert not bad_greedy, f"{label}: greedy rows {bad_greedy} differ from the reference"
+    sampled = int((~greedy).sum())
+    mismatched = torch.nonzero(~greedy & ~same).flatten().tolist()
+    allowed = 1 if sampled_rows_per_mismatch is None else max(1, sampled // sampled_rows_per_mismatch)
+    assert len(mismatched) <= allowed, f"{label}: sampled rows {mismatched} of {sampled} differ from the reference"
+    return sampled - len(mismatched)
+
+
+def run_in_fresh_cpu_process(test_file: str, *pytest_args) -> None:
+    """Run `test_file`'s tests in a fresh CPU-only pytest process (TRITON_INTERPRET unset, so
+    conftest sets it up before anything imports triton) and assert they passed."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", SPECDEC_TRITON_CHILD="1",
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(test_file), *pytest_args],
+        cwd=os.path.dirname(os.path.abspath(__file__)), env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout

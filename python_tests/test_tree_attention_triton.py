@@ -23,7 +23,7 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels import _extension, pack_tree_mask, reference, tree_attention, tree_mask
 
-from conftest import HAS_CUDA, INTERPRETER_SKIP, import_interpreted_kernels, triton_interpret_env, randint, random_parents, requires_cuda
+from conftest import HAS_CUDA, INTERPRETER_SKIP, import_interpreted_kernels, run_in_fresh_cpu_process, triton_interpret_env, randint, random_parents, requires_cuda
 from test_tree_attention import TOL, brute_attention, branch_oracle, make_case
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -329,13 +329,4 @@ def test_gpu_default_dispatch_and_cuda_graph(gen):
                     reason="the interpreter tests ran in this process")
 def test_interpreter_tests_in_a_fresh_process():
     """Where they could not run here (a GPU, or triton imported first), run them in a fresh CPU-only process."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", SPECDEC_TRITON_CHILD="1",
-               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__), "-k", "not compile"],
-        cwd=os.path.dirname(os.path.abspath(__file__)), env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    run_in_fresh_cpu_process(__file__, "-k", "not compile")

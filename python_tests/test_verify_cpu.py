@@ -20,7 +20,7 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels import verify, verify_chain
 
-from conftest import distinct_sibling_tokens, randint, random_parents
+from conftest import compare_verify, drafted_tree_case, randint
 
 pytestmark = pytest.mark.skipif(
     "cpu" not in sk.available_backends("verify", "cpu"), reason="specdec_kernels._C has no CPU verify kernel"
@@ -30,47 +30,12 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DTYPE_IDS = ("fp32", "bf16", "fp16")
 
 
-def make_case(gen, batch, num_nodes, vocab, *, kind="random", with_probs=False, ragged=True, scale=2.0, bump=10.0,
-              dtype=torch.float32, probs_dtype=None):
-    """Random logits / tree / draft probs where drafts are likely enough that paths go deep:
-    each drafted token gets `bump` added to its parent's logit for it (and mass in q)."""
-    parents = random_parents(gen, batch, num_nodes, kind, ragged=ragged)
-    if with_probs:  # i.i.d. siblings: repeats allowed
-        tokens = randint(gen, 0, min(vocab, 50), (batch, num_nodes))
-        tokens[parents < 0] = -1
-        tokens[:, 0] = randint(gen, 0, vocab, (batch,))
-    else:
-        tokens = distinct_sibling_tokens(gen, parents, min(vocab, 50))
-    logits = torch.randn(batch, num_nodes, vocab, generator=gen) * scale
-    q = torch.softmax(torch.randn(batch, num_nodes, vocab, generator=gen) * scale, -1) if with_probs else None
-    for b in range(batch):
-        for i in range(1, num_nodes):
-            p = int(parents[b, i])
-            if p >= 0:
-                logits[b, p, tokens[b, i]] += bump
-                if q is not None:
-                    q[b, p, tokens[b, i]] += 0.3
-    if q is not None:
-        q = (q / q.sum(-1, keepdim=True)).to(probs_dtype or dtype)
-    # Padding nodes hold garbage logits: they must never be read as a path node.
-    padding = parents < 0
-    padding[:, 0] = False
-    logits[padding] = float("nan")
-    return logits.to(dtype), tokens, parents, q
-
-
-def check_invariants(out, tokens, parents, vocab):
-    """A real path from the root, outputs padded with -1, emitted ids in [0, V)."""
-    acc, num, emitted = out.accepted_nodes, out.num_accepted.long(), out.output_tokens
-    assert acc.dtype == torch.int32 and out.num_accepted.dtype == torch.int32 and emitted.dtype == torch.int64
-    for b in range(tokens.shape[0]):
-        n = int(num[b])
-        assert acc[b, 0] == 0 and (acc[b, n + 1 :] == -1).all() and (emitted[b, n + 1 :] == -1).all()
-        for d in range(1, n + 1):
-            node = int(acc[b, d])
-            assert parents[b, node] == acc[b, d - 1], f"row {b}: node {node} is not a child of {int(acc[b, d - 1])}"
-            assert emitted[b, d - 1] == tokens[b, node]
-        assert 0 <= int(emitted[b, n]) < vocab
+def make_case(gen, batch, num_nodes, vocab, *, dtype=torch.float32, probs_dtype=None, **kwargs):
+    """`drafted_tree_case` (conftest) with NaN logits on padding nodes, sampled drafts from the
+    first 50 ids, logits in `dtype` and draft probs in `probs_dtype` (default `dtype`)."""
+    logits, tokens, parents, q = drafted_tree_case(gen, batch, num_nodes, vocab, sampled_token_range=min(vocab, 50),
+                                                   nan_padding=True, **kwargs)
+    return logits.to(dtype), tokens, parents, None if q is None else q.to(probs_dtype or dtype)
 
 
 def run_both(logits, tokens, parents, **kw):
@@ -80,17 +45,7 @@ def run_both(logits, tokens, parents, **kw):
 def compare(out, ref, greedy, tokens, parents, vocab, label=""):
     """Greedy rows exactly; at most one sampled row may differ (see the module docstring).
     Returns the number of sampled rows that matched."""
-    check_invariants(out, tokens, parents, vocab)
-    same = (
-        (out.output_tokens == ref.output_tokens).all(1)
-        & (out.num_accepted == ref.num_accepted)
-        & (out.accepted_nodes == ref.accepted_nodes).all(1)
-    )
-    bad_greedy = torch.nonzero(greedy & ~same).flatten().tolist()
-    assert not bad_greedy, f"{label}: greedy rows {bad_greedy} differ from the reference"
-    mismatched = torch.nonzero(~greedy & ~same).flatten().tolist()
-    assert len(mismatched) <= 1, f"{label}: sampled rows {mismatched} differ from the reference"
-    return int((~greedy).sum()) - len(mismatched)
+    return compare_verify(out, ref, greedy, tokens, parents, vocab, label)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)

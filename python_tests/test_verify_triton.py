@@ -19,8 +19,6 @@ row's structural invariants (a real path, emitted ids in range) exactly.
 
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -28,7 +26,8 @@ import torch
 from specdec_kernels import verify, verify_chain
 from specdec_kernels.reference.verify import target_probs
 
-from conftest import INTERPRETER_SKIP, import_interpreted_kernels, triton_interpret_env, distinct_sibling_tokens, randint, random_parents, requires_cuda
+from conftest import (INTERPRETER_SKIP, compare_verify, drafted_tree_case, import_interpreted_kernels, randint,
+                      requires_cuda, run_in_fresh_cpu_process, triton_interpret_env)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -51,64 +50,17 @@ def interpreter():
 # ----------------------------------------------------------------------------- inputs and comparison
 
 
-def make_case(gen, batch, num_nodes, vocab, *, kind="random", with_probs=False, ragged=True, scale=2.0, bump=10.0,
-              dtype=torch.float32, device="cpu"):
-    """Random logits / tree / draft probs where drafts are likely enough that paths go deep.
-
-    Each drafted token gets `bump` added to its parent's logit for it, so acceptance is common;
-    draft probabilities are a softmax of other random logits, plus mass on the drafted tokens.
-    """
-    parents = random_parents(gen, batch, num_nodes, kind, ragged=ragged)
-    if with_probs:  # i.i.d. siblings: repeats allowed
-        tokens = randint(gen, 0, vocab, (batch, num_nodes))
-        tokens[parents < 0] = -1
-        tokens[:, 0] = randint(gen, 0, vocab, (batch,))
-    else:
-        tokens = distinct_sibling_tokens(gen, parents, min(vocab, 50))
-    logits = torch.randn(batch, num_nodes, vocab, generator=gen) * scale
-    q = torch.softmax(torch.randn(batch, num_nodes, vocab, generator=gen) * scale, -1) if with_probs else None
-    for b in range(batch):
-        for i in range(1, num_nodes):
-            p = int(parents[b, i])
-            if p >= 0:
-                logits[b, p, tokens[b, i]] += bump
-                if q is not None:
-                    q[b, p, tokens[b, i]] += 0.3
-    if q is not None:
-        q = q / q.sum(-1, keepdim=True)
-        q = q.to(device=device, dtype=dtype)
+def make_case(gen, batch, num_nodes, vocab, *, dtype=torch.float32, device="cpu", **kwargs):
+    """`drafted_tree_case` (conftest): drafts likely enough that paths go deep, logits and draft
+    probs in `dtype` on `device`."""
+    logits, tokens, parents, q = drafted_tree_case(gen, batch, num_nodes, vocab, **kwargs)
+    q = None if q is None else q.to(device=device, dtype=dtype)
     return logits.to(device=device, dtype=dtype), tokens.to(device), parents.to(device), q
-
-
-def check_invariants(out, tokens, parents, vocab):
-    batch, num_nodes = tokens.shape
-    acc, num, emitted = out.accepted_nodes.cpu(), out.num_accepted.cpu().long(), out.output_tokens.cpu()
-    tokens, parents = tokens.cpu(), parents.cpu()
-    assert out.accepted_nodes.dtype == torch.int32 and out.num_accepted.dtype == torch.int32
-    assert out.output_tokens.dtype == torch.int64
-    for b in range(batch):
-        n = int(num[b])
-        assert acc[b, 0] == 0 and (acc[b, n + 1:] == -1).all() and (emitted[b, n + 1:] == -1).all()
-        for d in range(1, n + 1):
-            node = int(acc[b, d])
-            assert parents[b, node] == acc[b, d - 1], f"row {b}: node {node} is not a child of {int(acc[b, d - 1])}"
-            assert emitted[b, d - 1] == tokens[b, node]
-        assert 0 <= int(emitted[b, n]) < vocab
 
 
 def compare(out, ref, greedy, tokens, parents, vocab, label=""):
     """Greedy rows exactly; sampled rows: at most max(1, 2%) rows differ (see the module docstring)."""
-    check_invariants(out, tokens, parents, vocab)
-    same = ((out.output_tokens.cpu() == ref.output_tokens.cpu()).all(1)
-            & (out.num_accepted.cpu() == ref.num_accepted.cpu())
-            & (out.accepted_nodes.cpu() == ref.accepted_nodes.cpu()).all(1))
-    greedy = greedy.cpu()
-    bad_greedy = torch.nonzero(greedy & ~same).flatten().tolist()
-    assert not bad_greedy, f"{label}: greedy rows {bad_greedy} differ from the reference"
-    sampled = int((~greedy).sum())
-    mismatched = int((~greedy & ~same).sum())
-    assert mismatched <= max(1, sampled // 50), f"{label}: {mismatched} of {sampled} sampled rows differ"
-    return sampled - mismatched
+    return compare_verify(out, ref, greedy, tokens, parents, vocab, label, sampled_rows_per_mismatch=50)
 
 
 def run_both(logits, tokens, parents, **kw):
@@ -324,13 +276,4 @@ def test_gpu_cuda_graph_capture(gen):
                     reason="the interpreter tests ran in this process")
 def test_interpreter_tests_in_a_fresh_process():
     """Where they could not run here (a GPU, or triton imported first), run them in a fresh CPU-only process."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", SPECDEC_TRITON_CHILD="1",
-               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__), "-m", "not gpu"],
-        cwd=os.path.dirname(os.path.abspath(__file__)), env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    run_in_fresh_cpu_process(__file__, "-m", "not gpu")
