@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from specdec_kernels import verify, verify_chain
-from specdec_kernels.reference.verify import target_probs
+from specdec_kernels.sampling import target_probs
 
 from conftest import (INTERPRETER_SKIP, compare_verify, drafted_tree_case, import_interpreted_kernels, randint,
                       requires_cuda, run_in_fresh_cpu_process, triton_interpret_env)

@@ -3,7 +3,7 @@
 Two kinds of checks:
 * metadata (shapes, dtypes, devices, scalar arguments): always, free.
 * values (token ids in range, parents in topological order, lengths in range, ...): need the
-  data, hence a device->host sync on GPU. They run unless `config.check_values` is False,
+  data, hence a device->host sync on GPU. They run unless `config.values_checked()` is False,
   and never while tracing with torch.compile or capturing a CUDA graph.
 """
 
@@ -17,7 +17,7 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def checking_values() -> bool:
     """Whether value checks (which may sync with the GPU) should run now."""
-    if not config.check_values or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not config.values_checked():
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 

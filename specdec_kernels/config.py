@@ -1,9 +1,35 @@
-"""Process-wide settings.
+"""Settings that change what the ops do at run time.
 
-check_values: run the input checks that read tensor values (token ids in range, parents in
-    topological order, ...). On GPU they cost a device->host sync per call; a serving loop
-    that builds its own inputs can turn them off. They are skipped automatically under
-    torch.compile and during CUDA-graph capture.
+check_values: the process-wide default for the input checks that read tensor values (token
+    ids in range, parents in topological order, ...). On GPU they cost a device->host sync
+    per call; a serving loop that builds its own inputs can turn them off. They are skipped
+    automatically under torch.compile and during CUDA-graph capture.
+
+`value_checks(False)` turns them off inside a `with` block for the current thread (or asyncio
+task) only, without touching the process-wide default: `generate` uses it, since it builds
+every op input itself.
 """
 
+import contextlib
+import contextvars
+from typing import Optional
+
 check_values: bool = True
+
+_check_values_here: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("specdec_check_values", default=None)
+
+
+def values_checked() -> bool:
+    """Whether value checks are on here: the innermost `value_checks` block, else `check_values`."""
+    here = _check_values_here.get()
+    return check_values if here is None else here
+
+
+@contextlib.contextmanager
+def value_checks(enabled: bool):
+    """Turn value checks on or off inside the block, for this thread / task only."""
+    token = _check_values_here.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _check_values_here.reset(token)

@@ -200,7 +200,7 @@ class DraftModelDrafter(Drafter):
         batch, num_parents, vocab = logits.shape
         if sampling is None:
             return logits.topk(width, dim=-1).indices.reshape(batch, -1), None
-        from .reference.verify import target_probs
+        from .sampling import target_probs
 
         flat = logits.reshape(-1, vocab)
         n = flat.shape[0]

@@ -9,7 +9,6 @@ Caches (target and draft models) are left-aligned per row and always hold every 
 the row but the last one, which is the next tree's root; see `specdec_kernels.hf`.
 """
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Union
@@ -18,7 +17,7 @@ import torch
 
 from . import config
 from .drafters import Drafter, Sampling
-from .reference.philox import seeds_from_int
+from .philox import seeds_from_int
 from .verify import verify
 
 _GOLDEN = 0x9E3779B97F4A7C15  # step -> seed offset (odd 64-bit constant)
@@ -130,19 +129,6 @@ def _append(history, lengths, tokens, count) -> None:
     history[rows[keep], (lengths[:, None] + j)[keep]] = tokens.long()[keep]
 
 
-@contextlib.contextmanager
-def _value_checks_off():
-    """Turn `config.check_values` off inside the block. The loop builds every op input itself, so
-    re-reading them costs time for nothing: a host sync per op call on GPU (one per layer per
-    step), and about 0.2 ms per tree-attention call on CPU."""
-    old = config.check_values
-    config.check_values = False
-    try:
-        yield
-    finally:
-        config.check_values = old
-
-
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -229,7 +215,9 @@ def generate(
     out_history, out_lengths, out_generated = history.clone(), lengths.clone(), generated.clone()
     accepted_hist = torch.zeros(1 + drafter.max_nodes, dtype=torch.int64)
     max_depth = 0
-    with hf.use_tree_attention(target, *drafter.models), _value_checks_off():
+    # The loop builds every op input itself: re-reading them would cost a host sync per op call
+    # on GPU (one per layer per step) and about 0.2 ms per tree-attention call on CPU.
+    with hf.use_tree_attention(target, *drafter.models), config.value_checks(False):
         cache = hf.TreeKVCache.for_model(target, batch, capacity)
         hf.prefill(target, cache, history, lengths)
         drafter.start(history, lengths, capacity)

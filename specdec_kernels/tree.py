@@ -13,6 +13,7 @@ import torch
 from . import _checks
 from . import reference
 from ._extension import run
+from .trie import merge_sequences
 
 
 def tree_mask(parents: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
@@ -139,5 +140,5 @@ class TokenTree:
             A TokenTree with T = 1 + max_nodes (tokens and parents -1 padded). Siblings are
             distinct, as deterministic verification requires.
         """
-        tokens, parents = reference.merge_sequences(root_tokens, sequences, max_nodes)
+        tokens, parents = merge_sequences(root_tokens, sequences, max_nodes)
         return cls(tokens, parents)

@@ -11,7 +11,7 @@ import torch
 
 from . import _checks
 from ._extension import run
-from .reference.philox import seeds_from_int
+from .philox import seeds_from_int
 
 Scalar = Union[int, float]
 

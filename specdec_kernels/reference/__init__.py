@@ -7,14 +7,13 @@ Each function takes already-validated, already-normalised inputs (the public API
 
 from .kv_cache import compact_kv_cache_
 from .ngram import ngram_propose, ngram_propose_tree
-from .tree import merge_sequences, pack_tree_mask, tree_mask, unpack_tree_mask
+from .tree import pack_tree_mask, tree_mask, unpack_tree_mask
 from .tree_attention import tree_attention
 from .verify import verify
 
 __all__ = [
     "compact_kv_cache_",
     "ngram_propose",
-    "merge_sequences",
     "ngram_propose_tree",
     "pack_tree_mask",
     "tree_attention",

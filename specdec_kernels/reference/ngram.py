@@ -2,7 +2,7 @@
 
 import torch
 
-from .tree import merge_sequences
+from ..trie import merge_sequences
 
 
 def _matches(s: torch.Tensor, min_n: int, max_n: int):

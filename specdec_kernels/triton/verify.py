@@ -4,7 +4,7 @@ Same rules and the same random numbers as `specdec_kernels.reference.verify` (it
 docstring is the contract): greedy rows take the argmax (lowest id on ties); deterministic
 drafts sample y ~ p with the exponential race and move to the child holding y; drafts with
 probabilities run SpecInfer multi-step speculative sampling over the children in index order;
-the uniforms are Philox4x32-10 draws keyed exactly like `reference.philox.uniform`, so on the
+the uniforms are Philox4x32-10 draws keyed exactly like `specdec_kernels.philox.uniform`, so on the
 same inputs this kernel emits the same tokens as the reference, up to floating-point rounding
 of the probabilities (a decision that sits within a few ulps of its threshold may go the other
 way; the tests measure how rarely).
@@ -88,7 +88,7 @@ def interpreted() -> bool:
 
 @triton.jit
 def _philox_word0(k0, k1, c0, c1, c2, c3):
-    """Word 0 of Philox4x32-10 (uint32 counters and key), as `reference.philox.philox4x32_10`."""
+    """Word 0 of Philox4x32-10 (uint32 counters and key), as `specdec_kernels.philox.philox4x32_10`."""
     M0: tl.constexpr = 0xD2511F53
     M1: tl.constexpr = 0xCD9E8D57
     W0: tl.constexpr = 0x9E3779B9
@@ -106,7 +106,7 @@ def _philox_word0(k0, k1, c0, c1, c2, c3):
 
 @triton.jit
 def _uniform(k0, k1, node, PURPOSE: tl.constexpr, index):
-    """fp32 uniforms in (0, 1) of (seed, node, purpose, index): `reference.philox.uniform`."""
+    """fp32 uniforms in (0, 1) of (seed, node, purpose, index): `specdec_kernels.philox.uniform`."""
     zero = k0 * 0  # uint32 scalar
     word = _philox_word0(k0, k1, zero + index, zero + node, zero + PURPOSE, zero)
     return ((word >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
