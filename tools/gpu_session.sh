@@ -10,34 +10,40 @@
 # ============================================================================ RUNBOOK
 # Device budget: 30 min per session, 10 min per command, the machine given back 30 s after a
 # call (a later call then starts a bare one: 1-2 min, and only what is carried travels). Calls
-# are made from the lead checkout (/work/main), which must hold these ignored folders
-# (.git/info/exclude): .whl/ (the gguf wheel), .model_a/ and .model_b/ (the default model's
-# GGUF in two parts, ~47 MiB each: one part per call, as a call carries at most 64 MiB),
-# .gpu_build/ (the built extension returned by an earlier call, optional).
+# are made from the lead checkout (/work/main: the device tool sends the session's own
+# checkout, never a helper's worktree), whose .git/info/exclude ignores these folders:
+#   .whl/      gguf 0.19.0 (pure Python; its deps numpy/pyyaml/requests/tqdm are on the machine)
+#   .data/     a copy of ../shared/data/prompts (the n-gram and e2e benchmarks, the demo prompts)
+#   .model_a/  .model_b/  the default model's GGUF in two halves (46.9 MiB each, SHA256SUM_GGUF
+#              beside each): one half per call, since a call carries at most 64 MiB in all
+#   .gpu_build/gpu_build.tgz  the built _C*.so + source stamp, returned by a call that built it
+# What travels: the tree (~1.3 MiB) + the carried folders; keep each call under ~60 MiB
+# (check `du -sm .gpu_build` before carrying it beside a model half: it must stay below ~12).
 #
 #  0. `status`: can_start_another must be true; budget_left_s ~1800.
 #  1. run  command: tools/gpu_session.sh all
-#          carry:   [".whl", ".model_a"]        (plus ".gpu_build" if it holds a build of this commit)
+#          carry:   [".whl", ".data", ".model_a"]   (+ ".gpu_build" if it holds a build of this commit)
 #          timeout_s: 600
-#     ~9 min: build (from scratch ~2 min), tests (~3 min), 4 sanitizers, graph/compile checks;
-#     the kernel benchmarks if time is left. Part a of the model is stashed on the machine.
+#     ~9 min: build (from scratch ~2 min), whole test suite (~3 min), 4 sanitizers, graph and
+#     compile checks; the kernel benchmarks only if time is left. Part a is stashed on the machine.
 #     Files back (files_at): summary.txt, junit.xml, logs.tgz, results.tgz, gpu_build.tgz.
-#  2. AT ONCE (the machine stays warm only 30 s; read nothing first), in /work/main:
+#  2. AT ONCE (the machine stays warm only 30 s: read nothing first), in /work/main:
 #        mkdir -p .gpu_build && cp <files_at>/gpu_build.tgz .gpu_build/
 #     then run  command: tools/gpu_session.sh bench e2e
-#               carry:   [".whl", ".model_b", ".gpu_build"]
+#               carry:   [".whl", ".data", ".model_b", ".gpu_build"]
 #               timeout_s: 600
-#     Warm machine: part a is still there, the GGUF is reassembled (sha256 checked) and e2e
-#     runs on the default model and the random Llama-3-8B; the build is reused. Cold machine:
-#     the build comes from .gpu_build (seconds), bench runs, e2e says which part is missing.
-#  3. Read summary.txt (per stage PASS/FAIL/SKIPPED), junit.xml / logs.tgz (tests.log ends with
-#     pytest's -ra summary: every failure of the suite in one list), fix, then one call per
-#     fix round with only the stages needed, e.g.
-#        tools/gpu_session.sh test          carry [".gpu_build"]   (stale build: rebuilt, incremental when warm)
-#        tools/gpu_session.sh sanitize      carry [".gpu_build"]
+#     Warm machine: part a is still there, the GGUF is reassembled (sha256 checked) and e2e runs
+#     on the default model (bf16) and the random Llama-3-8B; the build is reused. Cold machine:
+#     the build comes from .gpu_build (seconds), bench runs, e2e says which part is missing and
+#     runs the random Llama-3-8B only.
+#  3. Read summary.txt (per stage PASS / FAILED / SKIPPED with the reason), junit.xml and
+#     logs.tgz (tests.log ends with pytest's -ra list: every failure of the suite in one call;
+#     sanitize_<tool>.log + .verdict), fix, then one call per fix round with only the stages
+#     needed, e.g. (~8-10 min of the ~10 left):
+#        tools/gpu_session.sh test sanitize   carry [".data", ".gpu_build"]   (stale build: rebuilt)
 #     A cold e2e retry is a pair of calls like 1-2: `tools/gpu_session.sh e2e` with .model_a,
 #     then at once `tools/gpu_session.sh e2e` with .model_b.
-#  Record: commit summary.txt and the bench JSON/PNG from results.tgz (bench/results/), and
+#  Record: commit summary.txt and the bench JSON/PNG from results.tgz into bench/results/, and
 #  keep .gpu_build/gpu_build.tgz only while it matches the sources (the stamp inside says).
 # ============================================================================
 #

@@ -165,9 +165,13 @@ def check_log(tool: str, log: str, app_rc: int, expected: set = None) -> tuple:
         if not summary:
             reasons.append("no ERROR SUMMARY line: the sanitizer did not finish")
         elif int(summary[-1]) != 0:
-            errors = [_strip(x) for x in log.splitlines() if re.match(r"=+\s+(Invalid|Uninitialized|Barrier|Program hit|"
-                                                                     r"Race|Error|Warning|Misaligned|Out-of-range)", x)]
-            reasons.append(f"{summary[-1]} errors; first: " + " | ".join(errors[:5])[:600])
+            # Each error line with the next one, which names the kernel ("at kernel+0x.. in file:line").
+            lines = log.splitlines()
+            errors = [_strip(x) + " " + (_strip(lines[i + 1]) if i + 1 < len(lines) else "")
+                      for i, x in enumerate(lines)
+                      if re.match(r"=+\s+(Invalid|Uninitialized|Barrier|Program hit|Race|Error|Warning|Misaligned|"
+                                  r"Out-of-range)", x)]
+            reasons.append(f"{summary[-1]} errors; first: " + " | ".join(errors[:5])[:900])
     return not reasons, reasons
 
 
