@@ -159,11 +159,13 @@ def test_graph_checks_compile_cases_trace_on_cpu(capsys):
 # ----------------------------------------------------------------------------- gpu_session.sh
 
 
-def test_gpu_session_script_syntax_and_usage():
+def test_gpu_session_script_syntax_and_usage(tmp_path):
     script = os.path.join(TOOLS, "gpu_session.sh")
     subprocess.run(["bash", "-n", script], check=True)
-    bad = subprocess.run(["bash", script, "nonsense"], capture_output=True, text=True, env=dict(os.environ, OUT="/nonexistent/x"))
+    out = tmp_path / "out"
+    bad = subprocess.run(["bash", script, "nonsense"], capture_output=True, text=True, env=dict(os.environ, OUT=str(out)))
     assert bad.returncode == 2 and "unknown stage" in bad.stderr
+    assert not out.exists()  # arguments are checked before anything is written
     if shutil.which("shellcheck"):
         lint = subprocess.run(["shellcheck", script], capture_output=True, text=True)
         assert lint.returncode == 0, lint.stdout
