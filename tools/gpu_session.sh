@@ -24,25 +24,27 @@
 #  1. run  command: tools/gpu_session.sh all
 #          carry:   [".whl", ".data", ".model_a"]   (+ ".gpu_build" if it holds a build of this commit)
 #          timeout_s: 600
-#     ~9 min: build (from scratch ~2 min), whole test suite (~3 min), 4 sanitizers, graph and
-#     compile checks; the kernel benchmarks only if time is left. Part a is stashed on the machine.
+#     ~9.5 min: build (from scratch ~2 min), the whole test suite (~3-4 min), then the
+#     sanitizers, graph/compile checks and kernel benchmarks as far as the deadline allows
+#     (the rest is SKIPPED, said so in summary.txt). Part a of the model is stashed.
 #     Files back (files_at): summary.txt, junit.xml, logs.tgz, results.tgz, gpu_build.tgz.
 #  2. AT ONCE (the machine stays warm only 30 s: read nothing first), in /work/main:
 #        mkdir -p .gpu_build && cp <files_at>/gpu_build.tgz .gpu_build/
-#     then run  command: tools/gpu_session.sh bench e2e
+#     then run  command: tools/gpu_session.sh all e2e
 #               carry:   [".whl", ".data", ".model_b", ".gpu_build"]
 #               timeout_s: 600
-#     Warm machine: part a is still there, the GGUF is reassembled (sha256 checked) and e2e runs
-#     on the default model (bf16) and the random Llama-3-8B; the build is reused. Cold machine:
-#     the build comes from .gpu_build (seconds), bench runs, e2e says which part is missing and
-#     runs the random Llama-3-8B only.
-#  3. Read summary.txt (per stage PASS / FAILED / SKIPPED with the reason), junit.xml and
-#     logs.tgz (tests.log ends with pytest's -ra list: every failure of the suite in one call;
-#     sanitize_<tool>.log + .verdict), fix, then one call per fix round with only the stages
-#     needed, e.g. (~8-10 min of the ~10 left):
-#        tools/gpu_session.sh test sanitize   carry [".data", ".gpu_build"]   (stale build: rebuilt)
-#     A cold e2e retry is a pair of calls like 1-2: `tools/gpu_session.sh e2e` with .model_a,
-#     then at once `tools/gpu_session.sh e2e` with .model_b.
+#     Warm machine: stages that passed in call 1 are skipped (same sources), the build is
+#     reused, the remaining stages run, part a is still there so the GGUF is reassembled
+#     (sha256 checked) and e2e runs on the default model (bf16) and the random Llama-3-8B.
+#     Cold machine: the build comes from .gpu_build (seconds), every stage runs again as far as
+#     the deadline allows, e2e runs the random Llama-3-8B only and says which part is missing.
+#  3. If budget is left, AT ONCE again: `tools/gpu_session.sh all e2e` carry [".whl", ".data",
+#     ".gpu_build"]: on a warm machine the model is already assembled and only what has not
+#     passed runs. Otherwise read summary.txt (per stage PASS / FAILED / SKIPPED with the
+#     reason), junit.xml and logs.tgz (tests.log ends with pytest's -ra list: every failure of
+#     the suite in one call; sanitize_<tool>.log + .verdict), fix, and spend what is left on
+#     the stages that failed, e.g. `tools/gpu_session.sh test sanitize` carry [".data", ".gpu_build"]
+#     (a stale build is rebuilt). A cold e2e retry is a pair of calls like 1-2.
 #  Record: commit summary.txt and the bench JSON/PNG from results.tgz into bench/results/, and
 #  keep .gpu_build/gpu_build.tgz only while it matches the sources (the stamp inside says).
 # ============================================================================
@@ -102,9 +104,21 @@ left() { echo $((DEADLINE_S - (SECONDS - START))); }
 pack_logs() { tar -C "$WORK" -czf "$OUT/logs.tgz" logs 2>/dev/null; }
 pack_results() { [ -n "$(ls -A "$RESULTS")" ] && tar -C "$WORK" -czf "$OUT/results.tgz" results; }
 
+# Content stamp of what the stages run (sources, tests, tools): a stage that passed on this
+# machine (a warm one) for the same stamp is not run again unless FORCE=1.
+tree_stamp() {
+  find csrc specdec_kernels python_tests tools bench setup.py -type f \( -name '*.py' -o -name '*.cu' -o -name '*.cuh' \
+    -o -name '*.h' -o -name '*.cpp' -o -name '*.sh' \) -not -path '*/__pycache__/*' 2>/dev/null | sort | xargs sha256sum \
+    | sha256sum | cut -c1-16
+}
+
 # run_stage NAME MIN MAX FUNCTION: run FUNCTION with a time limit, or skip it; record the outcome.
 run_stage() {
   local name=$1 need=$2 max=$3 fn=$4 remaining limit t0 rc
+  if [ "$name" != build ] && [ "${FORCE:-0}" != 1 ] && grep -qx "$name $TREE_STAMP" "$WORK/passed" 2>/dev/null; then
+    note "$(printf '%-18s SKIPPED  passed in an earlier call on this machine (same sources; FORCE=1 reruns)' "$name")"
+    return
+  fi
   remaining=$(left)
   if [ "$remaining" -lt "$need" ]; then
     note "$(printf '%-18s SKIPPED  needs ~%ss, %ss left before the deadline' "$name" "$need" "$remaining")"
@@ -117,6 +131,7 @@ run_stage() {
   rc=$?
   if [ "$rc" -eq 0 ]; then
     note "$(printf '%-18s PASS     %4ss  %s' "$name" $((SECONDS - t0)) "${STAGE_NOTE:-}")"
+    echo "$name $TREE_STAMP" >> "$WORK/passed"
   elif [ "$rc" -eq 75 ]; then  # the stage found nothing it could run here
     note "$(printf '%-18s SKIPPED  %4ss  %s' "$name" $((SECONDS - t0)) "${STAGE_NOTE:-}")"
   elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
@@ -287,11 +302,12 @@ stage_e2e() {
 # ---------------------------------------------------------------------------- main
 { echo "gpu_session: stages ${stages[*]}; deadline ${DEADLINE_S}s; $(date -u +%FT%TZ)"; } > "$SUMMARY"
 setup
+TREE_STAMP=$(tree_stamp)
 note "setup: $MODEL_STATUS"
 # Seconds a stage needs at least / may take at most (estimates for an H100 with 16 cores;
-# a build from scratch ~2 min, the suite ~2-3 min with 8 workers, one sanitizer run ~1 min).
-declare -A NEED=([build]=60 [test]=120 [sanitize]=45 [graphs]=60 [bench]=120 [e2e]=150)
-declare -A MAX=([build]=330 [test]=240 [sanitize]=150 [graphs]=150 [bench]=330 [e2e]=480)
+# a build from scratch ~2 min, the suite ~3 min with 8 workers, one sanitizer run ~1-2 min).
+declare -A NEED=([build]=60 [test]=150 [sanitize]=60 [graphs]=60 [bench]=120 [e2e]=150)
+declare -A MAX=([build]=330 [test]=300 [sanitize]=180 [graphs]=150 [bench]=330 [e2e]=480)
 for stage in "${stages[@]}"; do
   if [ "$stage" != build ] && grep -q "^build .*FAILED" "$SUMMARY"; then
     note "$(printf '%-18s SKIPPED  the build failed' "$stage")"
