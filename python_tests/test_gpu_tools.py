@@ -156,6 +156,27 @@ def test_graph_checks_compile_cases_trace_on_cpu(capsys):
         capsys.readouterr().out
 
 
+@requires_c
+def test_graph_checks_verify_step_runs_eagerly_on_cpu():
+    """The step the CUDA-graph check captures is valid input for every op (value checks on):
+    run eagerly on the CPU kernels, twice from the same cache state, with the same results."""
+    pytest.importorskip("transformers")
+    import torch
+
+    step, load, random_inputs, cache, stack = graph_checks.verify_step("cpu", "float32", max_prefix=40, vocab=2048)
+    with stack:
+        x = random_inputs()
+        load(x)
+        first = [t.clone() for t in step(x)]
+        assert (first[4] == x["prefix"] + first[2] + 1).all()  # new lengths: prefix + accepted + root
+        caches = [buf.clone() for buf in cache.buffers()]
+        load(x)
+        again = step(x)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+        assert all(torch.equal(a, b) for a, b in zip(caches, cache.buffers()))
+
+
 # ----------------------------------------------------------------------------- gpu_session.sh
 
 

@@ -29,30 +29,35 @@ import time
 import traceback
 
 
-def _llama(device, dtype):
+def _llama(device, dtype, vocab=32000):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
     torch.manual_seed(0)
     return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
 
 
-def check_graph(device: str) -> None:
-    """Capture one verify step into a CUDA graph and replay it on new inputs (see the docstring)."""
+def verify_step(device: str, dtype_name: str = "bfloat16", max_prefix: int = 700, vocab: int = 32000):
+    """A prefilled random Llama with tree attention and its verify step (see the docstring):
+    returns (step, load, random_inputs, cache, exit_stack). step(x) runs the whole step on the
+    inputs x (a dict of tensors); load(x, static=None) restores the cache to its prefilled state
+    with x's prefix lengths (and copies x into the tensors of `static`); random_inputs() draws
+    new inputs. Close exit_stack when done (it leaves tree attention and no_grad)."""
+    import contextlib
+
     import torch
 
     import specdec_kernels as sk
     from specdec_kernels.hf.attention import forward, prefill, use_tree_attention
     from specdec_kernels.hf.cache import TreeKVCache
 
-    batch, num_nodes, capacity, max_prefix = 4, 24, 1024, 700
-    model = _llama(device, torch.bfloat16)
+    batch, num_nodes, capacity = 4, 24, 1024
+    model = _llama(device, getattr(torch, dtype_name), vocab)
     gen = torch.Generator().manual_seed(1)
-    vocab = model.config.vocab_size
 
-    def random_tree():
+    def random_inputs():
         parents = torch.full((batch, num_nodes), -1, dtype=torch.int64)
         for b in range(batch):
             real = int(torch.randint(1, num_nodes + 1, (), generator=gen))
@@ -60,42 +65,51 @@ def check_graph(device: str) -> None:
                 parents[b, i] = int(torch.randint(0, i, (), generator=gen))
         tokens = torch.stack([torch.randperm(vocab, generator=gen)[:num_nodes] for _ in range(batch)])
         tokens = torch.where((parents >= 0) | (torch.arange(num_nodes) == 0), tokens, -1)
-        return tokens.to(device), parents.to(device)
-
-    def random_inputs():
-        tokens, parents = random_tree()
         prefix = torch.randint(1, max_prefix + 1, (batch,), generator=gen).to(torch.int32)
-        return dict(tokens=tokens, parents=parents, prefix=prefix.to(device),
+        return dict(tokens=tokens.to(device), parents=parents.to(device), prefix=prefix.to(device),
                     temperature=torch.tensor([0.0, 0.7, 1.0, 0.0], device=device),
                     top_k=torch.tensor([0, 50, 0, 0], device=device), top_p=torch.tensor([1.0, 0.9, 1.0, 1.0], device=device),
                     seed=torch.randint(0, 2**62, (batch,), generator=gen).to(device))
 
-    with use_tree_attention(model), torch.no_grad():
-        cache = TreeKVCache.for_model(model, batch, capacity)
-        history = torch.randint(0, vocab, (batch, max_prefix + 1), generator=gen).to(device)
-        prefill(model, cache, history, torch.full((batch,), max_prefix + 1, device=device))
-        snapshot = [buf.clone() for buf in cache.buffers()]
-        # The views handed to attention are max_len + T long (a host int): fixed for the graph,
-        # every row's own length comes from cache.seqlens, a tensor updated in place.
-        cache.max_len = max_prefix
+    stack = contextlib.ExitStack()
+    stack.enter_context(use_tree_attention(model))
+    stack.enter_context(torch.no_grad())
+    cache = TreeKVCache.for_model(model, batch, capacity)
+    history = torch.randint(0, vocab, (batch, max_prefix + 1), generator=gen).to(device)
+    prefill(model, cache, history, torch.full((batch,), max_prefix + 1, device=device))
+    snapshot = [buf.clone() for buf in cache.buffers()]
+    # The views handed to attention are max_len + T long (a host int): fixed for the graph;
+    # every row's own length comes from cache.seqlens, a tensor only ever updated in place.
+    cache.max_len = max_prefix
 
-        def step(x):
-            mask = sk.pack_tree_mask(sk.tree_mask(x["parents"]))
-            positions = sk.TokenTree(x["tokens"], x["parents"]).position_ids(cache.seqlens)
-            logits = forward(model, cache, x["tokens"], positions, tree_mask=mask)
-            out = sk.verify(logits, x["tokens"], x["parents"], temperature=x["temperature"], top_k=x["top_k"],
-                            top_p=x["top_p"], seed=x["seed"])
-            new_lens = sk.compact_kv_cache_(cache.buffers(), cache.seqlens, out.accepted_nodes, out.num_accepted)
-            return logits, out.accepted_nodes, out.num_accepted, out.output_tokens, new_lens
+    def step(x):
+        mask = sk.pack_tree_mask(sk.tree_mask(x["parents"]))
+        positions = sk.TokenTree(x["tokens"], x["parents"]).position_ids(cache.seqlens)
+        logits = forward(model, cache, x["tokens"], positions, tree_mask=mask)
+        out = sk.verify(logits, x["tokens"], x["parents"], temperature=x["temperature"], top_k=x["top_k"],
+                        top_p=x["top_p"], seed=x["seed"])
+        new_lens = sk.compact_kv_cache_(cache.buffers(), cache.seqlens, out.accepted_nodes, out.num_accepted)
+        return logits, out.accepted_nodes, out.num_accepted, out.output_tokens, new_lens
 
-        def load(x, static=None):
-            for buf, saved in zip(cache.buffers(), snapshot):
-                buf.copy_(saved)
-            cache.seqlens.copy_(x["prefix"])
-            if static is not None:
-                for name, value in x.items():
-                    static[name].copy_(value)
+    def load(x, static=None):
+        for buf, saved in zip(cache.buffers(), snapshot):
+            buf.copy_(saved)
+        cache.seqlens.copy_(x["prefix"])
+        if static is not None:
+            for name, value in x.items():
+                static[name].copy_(value)
 
+    return step, load, random_inputs, cache, stack
+
+
+def check_graph(device: str) -> None:
+    """Capture one verify step into a CUDA graph and replay it on new inputs (see the docstring)."""
+    import torch
+
+    import specdec_kernels as sk
+
+    step, load, random_inputs, cache, stack = verify_step(device)
+    with stack:
         static = random_inputs()
         load(static)
         side = torch.cuda.Stream()
@@ -118,8 +132,7 @@ def check_graph(device: str) -> None:
             names = ("logits", "accepted_nodes", "num_accepted", "output_tokens", "new_lens")
             for name, got, want in zip(names, captured, expected):
                 if name == "logits":
-                    diff = float((got - want).abs().max())
-                    print(f"  graph replay {replay}: logits max |diff| {diff:.2e}")
+                    print(f"  graph replay {replay}: logits max |diff| {float((got - want).abs().max()):.2e}")
                     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
                 else:
                     assert torch.equal(got, want), f"replay {replay}: {name} differs: {got.tolist()} vs {want.tolist()}"
