@@ -27,7 +27,8 @@
 #     ~9.5 min: build (from scratch ~2 min), the whole test suite (~3-4 min), then the
 #     sanitizers, graph/compile checks and kernel benchmarks as far as the deadline allows
 #     (the rest is SKIPPED, said so in summary.txt). Part a of the model is stashed.
-#     Files back (files_at): summary.txt, junit.xml, logs.tgz, results.tgz, gpu_build.tgz.
+#     Files back (files_at): summary.txt, tests_summary.txt (pytest -ra), junit.xml, logs.tgz,
+#     results.tgz (bench JSON/MD/PNG), gpu_build.tgz.
 #  2. AT ONCE (the machine stays warm only 30 s: read nothing first), in /work/main:
 #        mkdir -p .gpu_build && cp <files_at>/gpu_build.tgz .gpu_build/
 #     then run  command: tools/gpu_session.sh all e2e
@@ -239,6 +240,8 @@ stage_test() {
   # 8 workers x 2 threads on 16 cores (torch would start 16 threads in each worker).
   OMP_NUM_THREADS=2 limited tests.log "$PY" "${args[@]}"
   local rc=$?
+  # pytest's -ra list (every failure, error and skip reason of the run), readable without untarring.
+  sed -n '/short test summary info/,$p' "$LOGS/tests.log" > "$OUT/tests_summary.txt"
   STAGE_NOTE=$(grep -E "^(=+ )?[0-9]+ (passed|failed)|^=+ .*(passed|failed|error).* in " "$LOGS/tests.log" | tail -1)
   return "$rc"
 }
