@@ -208,15 +208,15 @@ stage_build() {
   local stamp so
   stamp=$(source_stamp)
   so=$(find specdec_kernels -maxdepth 1 -name '_C*.so' | head -1)
-  if [ -n "$so" ] && [ "$(cat specdec_kernels/.gpu_build_stamp 2>/dev/null)" = "$stamp" ]; then
+  if [ -n "$so" ] && [ "$(cat build/gpu_build_stamp 2>/dev/null)" = "$stamp" ]; then
     STAGE_NOTE="up to date (stamp $stamp)"
-  elif [ -f .gpu_build/gpu_build.tgz ] && [ "$(tar -xzOf .gpu_build/gpu_build.tgz specdec_kernels/.gpu_build_stamp 2>/dev/null)" = "$stamp" ]; then
+  elif [ -f .gpu_build/gpu_build.tgz ] && [ "$(tar -xzOf .gpu_build/gpu_build.tgz build/gpu_build_stamp 2>/dev/null)" = "$stamp" ]; then
     tar -xzf .gpu_build/gpu_build.tgz && STAGE_NOTE="restored from .gpu_build (stamp $stamp)"
   else
     # build_ext --inplace keeps build/ for ninja: on a warm machine only changed files compile.
     SPECDEC_ENABLE_UNVERIFIED_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} limited build.log "$PY" setup.py build_ext --inplace \
       || return $?
-    echo "$stamp" > specdec_kernels/.gpu_build_stamp
+    mkdir -p build && echo "$stamp" > build/gpu_build_stamp  # build/ is git-ignored
     STAGE_NOTE="built (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, stamp $stamp)"
   fi
   "$PY" -m specdec_kernels info 2>&1 | tee "$LOGS/info.txt"
@@ -229,7 +229,7 @@ why = sk.LOAD_ERROR or "the extension was built without them"
 raise SystemExit(f"build: no compiled CUDA kernel for {missing} ({why})" if missing else 0)
 EOF
   # What a later call carries back in .gpu_build/ when the machine went cold.
-  tar -czf "$OUT/gpu_build.tgz" specdec_kernels/_C*.so specdec_kernels/.gpu_build_stamp
+  tar -czf "$OUT/gpu_build.tgz" specdec_kernels/_C*.so build/gpu_build_stamp
   STAGE_NOTE+="; gpu_build.tgz $(du -h "$OUT/gpu_build.tgz" | cut -f1)"
 }
 
