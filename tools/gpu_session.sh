@@ -193,7 +193,7 @@ setup() {
     export PYTHONPATH=$PYTHONPATH:$WORK/model
     MODEL_STATUS="default model: $gguf"
   else
-    MODEL_STATUS="default model: missing (parts here: $(cd "$WORK/model_parts" && printf '%s ' part_*)); carry .model_a and .model_b in two calls less than 30 s apart"
+    MODEL_STATUS="default model: missing (parts here: $(shopt -s nullglob; cd "$WORK/model_parts" && parts=(part_*) && echo "${parts[*]:-none}")); carry .model_a and .model_b in two calls less than 30 s apart"
   fi
   echo "$MODEL_STATUS"
 }
