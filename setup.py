@@ -13,6 +13,13 @@ What gets compiled:
   so they stay opt-in until GPU tests pass; without them, CUDA tensors use the Triton or
   reference implementations.
 SPECDEC_FORCE_CPU=1 builds the CPU kernels only, whatever else holds.
+
+GPU targets: sm_80, sm_86, sm_89 and sm_90a (TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0a"),
+chosen here rather than left to torch, whose default without a visible GPU includes sm_75
+(and, with a GPU, builds for that GPU only). The kernels need sm_80 for their fast paths
+(cp.async, bf16 mma.sync, warp reductions). TORCH_CUDA_ARCH_LIST overrides the list, e.g.
+TORCH_CUDA_ARCH_LIST=9.0a for a quick Hopper-only build; an older GPU in it (7.5) builds, and
+runs the fallback paths (tree attention's SIMT kernel, verify's per-lane histogram atomics).
 """
 
 import glob
@@ -34,6 +41,7 @@ except ImportError as error:
     )
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CUDA_ARCH_LIST = "8.0;8.6;8.9;9.0a"
 
 
 def find_nvcc():
@@ -80,8 +88,14 @@ def extension():
             "specdec_kernels._C", sources, include_dirs=include_dirs, extra_compile_args=extra_compile_args,
             extra_link_args=extra_link_args,
         )
-    print(f"specdec-kernels: building CPU and CUDA kernels (nvcc: {find_nvcc()}, torch CUDA {torch.version.cuda}).")
-    extra_compile_args["nvcc"] = ["-O3"]
+    # torch's BuildExtension reads the list from the environment when it compiles.
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCH_LIST)
+    print(f"specdec-kernels: building CPU and CUDA kernels (nvcc: {find_nvcc()}, torch CUDA {torch.version.cuda}, "
+          f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}).")
+    # -lineinfo maps SASS to source lines for compute-sanitizer and ncu reports (no effect
+    # on the generated code); tools/sanitize_ops.py matches the one expected racecheck
+    # report by file:line.
+    extra_compile_args["nvcc"] = ["-O3", "-lineinfo"]
     return cpp_extension.CUDAExtension(
         "specdec_kernels._C",
         sources + sorted(glob.glob("csrc/cuda/*.cu")),

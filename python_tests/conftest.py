@@ -81,6 +81,19 @@ requires_c = pytest.mark.skipif(not HAS_C, reason=f"specdec_kernels._C unavailab
 TREE_KINDS = ("chain", "star", "bushy", "deep", "random")
 
 
+def cuda_kernel_marks(*ops: str) -> list:
+    """`pytestmark` of a CUDA-kernel test module (python_tests/test_<op>_cuda.py): the `gpu`
+    marker and a skip, saying why, unless a GPU is present and specdec_kernels._C has the
+    compiled CUDA kernel of every op in `ops`."""
+    if not HAS_CUDA:
+        reason = "needs a CUDA GPU"
+    else:
+        missing = [op for op in ops if "cuda" not in specdec_kernels.available_backends(op, "cuda")]
+        reason = (f"specdec_kernels._C has no CUDA kernel for {', '.join(missing)} (build it with "
+                  "SPECDEC_ENABLE_UNVERIFIED_CUDA=1: tools/gpu_session.sh build)") if missing else None
+    return [pytest.mark.gpu, pytest.mark.skipif(reason is not None, reason=reason or "")]
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
 

@@ -13,14 +13,10 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels import pack_tree_mask, tree_attention, tree_mask
 
-from conftest import HAS_CUDA, TREE_KINDS, randint, random_parents
+from conftest import TREE_KINDS, cuda_kernel_marks, randint, random_parents
 from test_tree_attention import TOL, brute_attention, branch_oracle
 
-HAS_CUDA_KERNEL = HAS_CUDA and "cuda" in sk.available_backends("tree_attention", "cuda")
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not HAS_CUDA_KERNEL, reason="needs a GPU and specdec_kernels._C built with its CUDA kernels"),
-]
+pytestmark = cuda_kernel_marks("tree_attention", "tree_mask", "pack_tree_mask")
 
 # Against the reference (fp32 math on the same rounded inputs, output rounded once): the
 # tensor-core kernel also rounds P to the input dtype before P @ V, like flash attention.

@@ -11,16 +11,11 @@ without a compiled CUDA verify kernel (SPECDEC_ENABLE_UNVERIFIED_CUDA=1 builds i
 import pytest
 import torch
 
-import specdec_kernels
 from specdec_kernels import verify, verify_chain
 
-from conftest import HAS_CUDA, distinct_sibling_tokens, random_parents, randint
+from conftest import cuda_kernel_marks, distinct_sibling_tokens, random_parents, randint
 
-HAS_CUDA_VERIFY = HAS_CUDA and "cuda" in specdec_kernels.available_backends("verify", "cuda")
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not HAS_CUDA_VERIFY, reason="needs a CUDA GPU and the compiled CUDA verify kernel"),
-]
+pytestmark = cuda_kernel_marks("verify")
 
 # Sampled rows whose tokens may differ from the reference (fp32 near-ties only).
 MIN_SAMPLED_AGREEMENT = 0.97

