@@ -1,6 +1,6 @@
 // CPU kernels for ngram_propose and ngram_propose_tree, and the incremental index class
-// torch.classes.specdec.NgramIndex: checks and threading here, loops in
-// include/specdec/ngram.h and include/specdec/ngram_index.h.
+// torch.classes.specdec.NgramIndex: threading here, argument rules in ngram_checks.h, loops
+// in include/specdec/ngram.h and include/specdec/ngram_index.h.
 //
 // The GIL: calls through torch.ops.specdec.* and through torch.classes methods release
 // the GIL before running the kernel (torch's Python bindings for operators and script
@@ -19,7 +19,7 @@
 #include <tuple>
 #include <vector>
 
-#include "checks.h"
+#include "ngram_checks.h"
 #include "specdec/ngram.h"
 #include "specdec/ngram_index.h"
 
@@ -28,26 +28,6 @@ namespace {
 
 // Roughly how many history tokens a thread should get before threading pays off.
 constexpr int64_t kGrainTokens = 65536;
-
-bool parse_policy(const char* op, const std::string& policy) {
-  TORCH_CHECK(policy == "earliest" || policy == "latest", op, ": policy must be \"earliest\" or \"latest\", got \"",
-              policy, "\"");
-  return policy == "latest";
-}
-
-void check_ngram_args(const char* op, const at::Tensor& tokens, const at::Tensor& lengths, int64_t min_n,
-                      int64_t max_n, int64_t num_tokens) {
-  TORCH_CHECK(tokens.dim() == 2, op, ": tokens must be a 2-D [B, L] tensor, got shape ", tokens.sizes());
-  TORCH_CHECK(tokens.scalar_type() == at::kInt || tokens.scalar_type() == at::kLong, op,
-              ": tokens must have dtype int32 or int64, got ", tokens.scalar_type());
-  check_tensor(op, "lengths", lengths, 1, at::kLong);
-  check_device(op, "tokens", tokens, at::Device(at::kCPU));
-  check_device(op, "lengths", lengths, at::Device(at::kCPU));
-  check_size(op, "lengths", lengths, 0, tokens.size(0), "B (tokens.size(0))");
-  TORCH_CHECK(min_n >= 1, op, ": min_n must be >= 1, got ", min_n);
-  TORCH_CHECK(max_n >= min_n, op, ": max_n must be >= min_n = ", min_n, ", got ", max_n);
-  TORCH_CHECK(num_tokens >= 1, op, ": num_tokens must be >= 1, got ", num_tokens);
-}
 
 // Row lengths, checked against L (cheap: B reads), and the grain for parallel_for.
 std::vector<int64_t> row_lengths(const char* op, const at::Tensor& lengths, int64_t width, int64_t* grain) {
@@ -69,8 +49,8 @@ std::tuple<at::Tensor, at::Tensor> ngram_propose_cpu(const at::Tensor& tokens_in
                                                      int64_t min_n, int64_t max_n, int64_t num_tokens,
                                                      std::string policy) {
   constexpr const char* op = "ngram_propose";
-  check_ngram_args(op, tokens_in, lengths, min_n, max_n, num_tokens);
-  const bool latest = parse_policy(op, policy);
+  const bool latest =
+      check_ngram_args(op, tokens_in, lengths, min_n, max_n, num_tokens, policy, at::Device(at::kCPU));
   const at::Tensor tokens = tokens_in.contiguous();  // rows are scanned with SIMD loads
   const int64_t batch = tokens.size(0);
   const int64_t width = tokens.size(1);
@@ -96,10 +76,9 @@ std::tuple<at::Tensor, at::Tensor> ngram_propose_tree_cpu(const at::Tensor& toke
                                                           int64_t min_n, int64_t max_n, int64_t num_tokens,
                                                           int64_t tree_width, int64_t max_nodes, std::string policy) {
   constexpr const char* op = "ngram_propose_tree";
-  check_ngram_args(op, tokens_in, lengths, min_n, max_n, num_tokens);
-  TORCH_CHECK(tree_width >= 1, op, ": tree_width must be >= 1, got ", tree_width);
-  TORCH_CHECK(max_nodes >= 0, op, ": max_nodes must be >= 0, got ", max_nodes);
-  const bool latest = parse_policy(op, policy);
+  const bool latest =
+      check_ngram_args(op, tokens_in, lengths, min_n, max_n, num_tokens, policy, at::Device(at::kCPU));
+  check_ngram_tree_args(op, tree_width, max_nodes);
   const at::Tensor tokens = tokens_in.contiguous();
   const int64_t batch = tokens.size(0);
   const int64_t width = tokens.size(1);
@@ -251,10 +230,8 @@ class NgramIndex : public torch::CustomClassHolder {
   std::tuple<at::Tensor, at::Tensor> propose_rows(const Rows& rows, int64_t min_n, int64_t max_n, int64_t num_tokens,
                                                   const std::string& policy, bool append) {
     const char* op = append ? "NgramIndex.append_and_propose" : "NgramIndex.propose";
-    TORCH_CHECK(min_n >= 1, op, ": min_n must be >= 1, got ", min_n);
-    TORCH_CHECK(max_n >= min_n, op, ": max_n must be >= min_n = ", min_n, ", got ", max_n);
+    check_ngram_sizes(op, min_n, max_n, num_tokens);
     TORCH_CHECK(max_n <= max_n_, op, ": max_n = ", max_n, " exceeds the index's max_n = ", max_n_);
-    TORCH_CHECK(num_tokens >= 1, op, ": num_tokens must be >= 1, got ", num_tokens);
     const bool latest = parse_policy(op, policy);
     at::Tensor drafts = at::empty({rows.count, num_tokens}, at::TensorOptions().dtype(at::kLong));
     at::Tensor lens = at::empty({rows.count}, at::TensorOptions().dtype(at::kInt));
