@@ -82,11 +82,15 @@ SPECDEC_CPU_INLINE V vmax(const V& a, const V& b) {
 // e^x for x <= 0 (all callers pass differences to a running max), exactly 0 below -87
 // (where e^x would be subnormal) and for -inf; relative error a few ulp. e^x = 2^n e^r
 // with n = rint(x / ln 2), |r| <= ln 2 / 2, and a degree-6 polynomial for e^r.
+// NaN in, NaN out: a NaN score (NaN in q or k, or inf * 0) or an inf - inf (a +inf score
+// minus the running max it set) makes its query's probabilities and denominator NaN, so the
+// output is NaN exactly where a softmax over the same scores (the reference) gives NaN.
 template <typename V>
 SPECDEC_CPU_INLINE V exp_nonpositive(const V& input) {
   using Bits = decltype(input < input);
   const Bits underflow = input < splat<V>(-87.0f);
-  const V x = vmax(input, splat<V>(-87.0f));
+  // The clamp keeps NaN (a comparison with NaN is false, so NaN is not `underflow`).
+  const V x = select(underflow, splat<V>(-87.0f), input);
   // Adding 1.5 * 2^23 rounds x / ln 2 to an integer held in the low mantissa bits.
   const V shifter = splat<V>(12582912.0f);
   const V shifted = x * splat<V>(1.44269504088896341f) + shifter;
@@ -504,8 +508,10 @@ void combine_partials(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t 
     for (int64_t c = 0; c < num_parts; ++c) {
       const float* part = partials + c * size;
       const float part_max = part[rows * head_dim + m];
-      if (part_max == -std::numeric_limits<float>::infinity()) continue;  // saw no key
-      const float weight = std::exp(part_max - best);
+      // A range where the query saw no key has weight 0 (not exp(-inf - -inf) = NaN), but its
+      // sums still count: they are 0, or NaN from 0 * NaN (or inf) values, like a softmax's.
+      const float weight =
+          part_max == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(part_max - best);
       sum += weight * part[rows * (head_dim + 1) + m];
       for (int64_t d = 0; d < head_dim; ++d) row[d] += weight * part[m * head_dim + d];
     }
