@@ -1,6 +1,6 @@
 // ngram_propose's and ngram_propose_tree's argument rules, shared by their CPU glue
-// (csrc/ngram.cpp, NgramIndex's methods too) and their CUDA glue (csrc/cuda/ngram.cu):
-// metadata and scalar arguments only. Row lengths are values: the
+// (csrc/ngram.cpp), their CUDA glue (csrc/cuda/ngram.cu) and NgramIndex's methods
+// (csrc/ngram_index.cpp): metadata and scalar arguments only. Row lengths are values: the
 // CPU glue checks them (B reads), the CUDA kernels clamp them.
 #pragma once
 
