@@ -31,27 +31,26 @@ constexpr uint32_t kW1 = 0xBB67AE85u;
 constexpr uint32_t kPurposeAccept = 0;  // the uniform of the acceptance test of a drafted node
 constexpr uint32_t kPurposeSample = 1;  // the exponentials of the race that samples a token
 
-// The high and low words of the 64-bit product a * b.
-SPECDEC_PHILOX_INLINE void mul_wide(uint32_t a, uint32_t b, uint32_t* hi, uint32_t* lo) {
-#if defined(__CUDA_ARCH__)
-  *lo = a * b;
-  *hi = __umulhi(a, b);
-#else
-  const uint64_t product = static_cast<uint64_t>(a) * b;
-  *hi = static_cast<uint32_t>(product >> 32);
-  *lo = static_cast<uint32_t>(product);
-#endif
-}
-
 // Word 0 of Philox4x32-10 for counter (c0, c1, c2, c3) and key (k0, k1).
 SPECDEC_PHILOX_INLINE uint32_t word0(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
   for (int round = 0; round < 10; ++round) {
-    uint32_t hi0, lo0, hi1, lo1;
-    mul_wide(kM0, c0, &hi0, &lo0);
-    mul_wide(kM1, c2, &hi1, &lo1);
+    // The high and low words of the 64-bit products kM0 * c0 and kM1 * c2.
+#if defined(__CUDA_ARCH__)
+    const uint32_t lo0 = kM0 * c0;
+    const uint32_t hi0 = __umulhi(kM0, c0);
+    const uint32_t lo1 = kM1 * c2;
+    const uint32_t hi1 = __umulhi(kM1, c2);
+#else
+    const uint64_t product0 = static_cast<uint64_t>(kM0) * c0;
+    const uint64_t product1 = static_cast<uint64_t>(kM1) * c2;
+    const uint32_t lo0 = static_cast<uint32_t>(product0);
+    const uint32_t hi0 = static_cast<uint32_t>(product0 >> 32);
+    const uint32_t lo1 = static_cast<uint32_t>(product1);
+    const uint32_t hi1 = static_cast<uint32_t>(product1 >> 32);
+#endif
     const uint32_t next0 = hi1 ^ c1 ^ k0;
     const uint32_t next2 = hi0 ^ c3 ^ k1;
     c0 = next0;
