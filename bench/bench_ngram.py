@@ -2,13 +2,11 @@
 
     python bench/bench_ngram.py            # short sweep (~1-2 min on 2 cores)
     python bench/bench_ngram.py --full     # every B x L, slow peers on bigger inputs
+
+Runs the installed specdec_kernels: in a checkout, the editable install of README's quick
+start (pip install -e .) is this checkout.
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package first
-
-from specdec_kernels.benchmarks.ngram import main  # noqa: E402
+from specdec_kernels.benchmarks.ngram import main
 
 raise SystemExit(main())

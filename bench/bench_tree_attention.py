@@ -3,13 +3,11 @@
     python bench/bench_tree_attention.py              # a few configs (GPU)
     python bench/bench_tree_attention.py --full       # the full sweep (GPU)
     python bench/bench_tree_attention.py --smoke      # CPU: tiny config under the Triton interpreter, not recorded
+
+Runs the installed specdec_kernels: in a checkout, the editable install of README's quick
+start (pip install -e .) is this checkout.
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package first
-
-from specdec_kernels.benchmarks.tree_attention import main  # noqa: E402
+from specdec_kernels.benchmarks.tree_attention import main
 
 raise SystemExit(main())

@@ -4,13 +4,11 @@ specdec_kernels/benchmarks/verify.py.
     python bench/bench_verify.py              # a short sweep (GPU)
     python bench/bench_verify.py --full       # the whole sweep (GPU)
     python bench/bench_verify.py --smoke      # CPU: tiny config under the Triton interpreter, not recorded
+
+Runs the installed specdec_kernels: in a checkout, the editable install of README's quick
+start (pip install -e .) is this checkout.
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package first
-
-from specdec_kernels.benchmarks.verify import main  # noqa: E402
+from specdec_kernels.benchmarks.verify import main
 
 raise SystemExit(main())
