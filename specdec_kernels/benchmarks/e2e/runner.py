@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from ...cli import first_difference, make_drafter, stop_ids
+from ...generate import _eos_ids, _sync
 
 METHODS = ("hf", "hf_prompt_lookup", "hf_assisted", "ours_plain", "ours_ngram", "ours_ngram_tree", "ours_draft",
            "ours_draft_tree")
@@ -18,6 +20,15 @@ HF_PROMPT_LOOKUP_TOKENS = 10  # HF's documented example value (also `specdec dem
 NGRAM_TOKENS, NGRAM_TREE_WIDTH = 10, 3  # chain: the same k as HF prompt lookup
 DRAFT_TOKENS, DRAFT_TREE_WIDTHS = 4, (2, 2, 1)
 SEED = 1234
+
+# Our methods as `specdec generate` methods (cli.make_drafter) with the benchmark's settings.
+OURS = {
+    "ours_plain": ("none", {}),
+    "ours_ngram": ("ngram", dict(num_tokens=NGRAM_TOKENS)),
+    "ours_ngram_tree": ("ngram-tree", dict(num_tokens=NGRAM_TOKENS, ngram_tree_width=NGRAM_TREE_WIDTH)),
+    "ours_draft": ("draft", dict(num_tokens=DRAFT_TOKENS)),
+    "ours_draft_tree": ("draft-tree", dict(draft_tree_widths=DRAFT_TREE_WIDTHS)),
+}
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -53,30 +64,17 @@ def new_token_counts(sequences, prompt_len, eos_ids, max_new_tokens):
 # ----------------------------------------------------------------------------- methods
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _drafter(sk, method, draft):
-    if method == "ours_plain":
-        return None
-    if method == "ours_ngram":
-        return sk.NgramDrafter(num_tokens=NGRAM_TOKENS)
-    if method == "ours_ngram_tree":
-        return sk.NgramDrafter(num_tokens=NGRAM_TOKENS, tree_width=NGRAM_TREE_WIDTH)
-    if method == "ours_draft":
-        return sk.DraftModelDrafter(draft, num_tokens=DRAFT_TOKENS)
-    return sk.DraftModelDrafter(draft, tree_widths=DRAFT_TREE_WIDTHS)
+def drafter(method, draft):
+    """The drafter of one of our methods (None for ours_plain); draft: the draft model or None."""
+    cli_method, settings = OURS[method]
+    return make_drafter(cli_method, draft_model=draft, **settings)
 
 
 def run_method(method, model, draft, input_ids, mask, *, max_new_tokens, temperature, eos, pad, seed):
     """One timed call: (sequences [B, L + new], seconds, GenerateStats or None)."""
     import specdec_kernels as sk
 
-    device = input_ids.device
-    _sync(device)
-    start = time.perf_counter()
+    start = _sync(input_ids.device)
     if method.startswith("hf"):
         kwargs = dict(do_sample=False) if temperature == 0 else dict(do_sample=True, temperature=temperature, top_k=0,
                                                                      top_p=1.0)
@@ -90,11 +88,10 @@ def run_method(method, model, draft, input_ids, mask, *, max_new_tokens, tempera
                                        pad_token_id=pad, **kwargs)
         stats = None
     else:
-        out = sk.generate(model, input_ids, drafter=_drafter(sk, method, draft), max_new_tokens=max_new_tokens,
+        out = sk.generate(model, input_ids, drafter=drafter(method, draft), max_new_tokens=max_new_tokens,
                           temperature=temperature, seed=seed, eos_token_id=eos, attention_mask=mask)
         sequences, stats = out.sequences, out.stats
-    _sync(device)
-    return sequences, time.perf_counter() - start, stats
+    return sequences, _sync(input_ids.device) - start, stats
 
 
 def kernel_share(method, model, draft, input_ids, mask, *, max_new_tokens, temperature, eos, pad, seed):
@@ -136,14 +133,6 @@ def kernel_share(method, model, draft, input_ids, mask, *, max_new_tokens, tempe
 # ----------------------------------------------------------------------------- one row
 
 
-def _first_difference(a, b):
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return None if len(a) == len(b) else n
-
-
 def bench_row(method, batches, model, draft, *, workload, batch_size, temperature, max_new_tokens, eos, pad,
               eos_ids, hf_greedy, profile_kernels):
     """Every batch of one (workload, batch size, temperature, method); the row for the JSON.
@@ -172,7 +161,7 @@ def bench_row(method, batches, model, draft, *, workload, batch_size, temperatur
                     hf_greedy[rid] = tokens
                 elif rid in hf_greedy:
                     compared += 1
-                    where = _first_difference(tokens, hf_greedy[rid])
+                    where = first_difference(tokens, hf_greedy[rid])
                     if where is not None:
                         mismatches.append(dict(prompt=rid, position=where, tokens=len(tokens),
                                                hf_tokens=len(hf_greedy[rid])))
@@ -231,10 +220,8 @@ def run(model, tokenizer, requests_by_workload, *, draft=None, methods=DEFAULT_M
     methods = ["hf"] + [m for m in methods if m != "hf"]
     if profile_kernels is None:
         profile_kernels = device.type == "cuda"
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    pad = getattr(model.generation_config, "pad_token_id", None)
-    pad = pad if pad is not None else tokenizer.pad_token_id
-    eos_ids = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos))
+    eos, pad = stop_ids(model, tokenizer)
+    eos_ids = _eos_ids(model, eos)
     batches = {}
     for workload, requests in requests_by_workload.items():
         for batch_size in batch_sizes:
