@@ -189,6 +189,17 @@ def test_cli_parser_knows_every_method():
         cli.make_drafter("beam")
 
 
+def test_cut_mark_only_when_the_token_cap_cut_the_text():
+    from specdec_kernels import cli
+
+    mark = " \u2026 [stopped at max_new_tokens=4]"
+    assert cli.cut_mark([5, 6, 7, 8], 4, eos=2) == mark
+    assert cli.cut_mark(torch.tensor([5, 6, 7, 8]), 4, eos=None) == mark
+    assert cli.cut_mark([5, 6, 7, 2], 4, eos=2) == ""  # ended at eos exactly at the cap
+    assert cli.cut_mark([5, 6, 9], 4, eos=[2, 9]) == ""  # ended early
+    assert cli.cut_mark([5, 6, 7, 8], 4, eos=[2, 9]) == mark
+
+
 def test_first_difference():
     from specdec_kernels import cli
 
@@ -223,6 +234,8 @@ def test_cli_demo_prints_identical_output(cache_root):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "Output identical to HF generate: YES" in result.stdout
     assert "tokens/s" in result.stdout and "speedup" in result.stdout
+    # 16 tokens cannot finish the answer: the text says where it was cut.
+    assert "[stopped at max_new_tokens=16]" in result.stdout
 
 
 # ------------------------------------------------------------------- workloads

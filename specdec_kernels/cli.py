@@ -80,6 +80,18 @@ def stop_ids(model, tokenizer):
     return eos, pad if pad is not None else tokenizer.pad_token_id
 
 
+def cut_mark(new_tokens, max_new_tokens: int, eos) -> str:
+    """The mark to append to a generation's text when it ran into the token cap rather than
+    ending at an eos id (so its text stops mid-line): " ... [stopped at max_new_tokens=N]" (with
+    an ellipsis character), else "". new_tokens: the generated ids (a list or a 1-D tensor);
+    eos: an id, a list of ids, or None."""
+    tokens = new_tokens.tolist() if isinstance(new_tokens, torch.Tensor) else list(new_tokens)
+    eos_ids = set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
+    if len(tokens) < max_new_tokens or (tokens and tokens[-1] in eos_ids):
+        return ""
+    return f" \u2026 [stopped at max_new_tokens={max_new_tokens}]"
+
+
 class _ProgressStreamer:
     """HF streamer protocol (`put(token_ids)`, `end()`) driving a tqdm bar of generated tokens.
 
@@ -235,7 +247,8 @@ def cmd_demo(args) -> int:
     rows.append((f"specdec + n-gram (k={args.num_tokens})", ours_new, ours_s, ours.stats.steps, ours.stats.tokens_per_step))
 
     print("\n--- generated text (specdec) " + "-" * 40)
-    print(tokenizer.decode(ours_seq[input_ids.shape[1]:], skip_special_tokens=True))
+    new_ids = ours_seq[input_ids.shape[1]:]
+    print(tokenizer.decode(new_ids, skip_special_tokens=True) + cut_mark(new_ids, n, eos))
     print("-" * 69)
     hf_rate = hf_new / hf_s
     print(f"{'method':<30} {'tokens':>6} {'time s':>7} {'tok/s':>7} {'steps':>6} {'tok/step':>8} {'speedup':>8}")
@@ -337,6 +350,9 @@ def cmd_generate(args) -> int:
     new = out.sequences[0, input_ids.shape[1]:]
     if not stream:  # the loop has no streaming hook: print the text once it is done
         print(tokenizer.decode(new, skip_special_tokens=True), flush=True)
+    mark = cut_mark(new, args.max_new_tokens, stop_ids(model, tokenizer)[0])
+    if mark:
+        print(mark.strip(), flush=True)
     print()
     _print_stats(out.stats, seconds, int(out.stats.new_tokens[0]) if out.stats.new_tokens else new.numel())
     return 0
