@@ -2,9 +2,6 @@
 
     python bench/bench_e2e.py              # same as `specdec bench e2e` (short run)
     python bench/bench_e2e.py --full       # more prompts, longer outputs
-
-Runs the installed specdec_kernels: in a checkout, the editable install of README's quick
-start (pip install -e .) is this checkout.
 """
 
 from specdec_kernels.benchmarks.e2e import main

@@ -3,9 +3,6 @@
     python bench/bench_tree_attention.py              # a few configs (GPU)
     python bench/bench_tree_attention.py --full       # the full sweep (GPU)
     python bench/bench_tree_attention.py --smoke      # CPU: tiny config under the Triton interpreter, not recorded
-
-Runs the installed specdec_kernels: in a checkout, the editable install of README's quick
-start (pip install -e .) is this checkout.
 """
 
 from specdec_kernels.benchmarks.tree_attention import main

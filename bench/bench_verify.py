@@ -4,9 +4,6 @@ specdec_kernels/benchmarks/verify.py.
     python bench/bench_verify.py              # a short sweep (GPU)
     python bench/bench_verify.py --full       # the whole sweep (GPU)
     python bench/bench_verify.py --smoke      # CPU: tiny config under the Triton interpreter, not recorded
-
-Runs the installed specdec_kernels: in a checkout, the editable install of README's quick
-start (pip install -e .) is this checkout.
 """
 
 from specdec_kernels.benchmarks.verify import main

@@ -11,5 +11,5 @@ from an installed package as well as from a checkout).
 | `e2e`             | end-to-end decoding on the four workloads against HF `generate` (a package: `models`, `runner`, `report`) |
 
 Each per-op module exposes `main(argv=None) -> int`; `bench/bench_<op>.py` in a checkout is a
-thin wrapper around it. Results go to `bench/results/` (see `common.results_dir`).
+thin wrapper around it that runs the installed package (README's editable install: the checkout). Results go to `bench/results/` (see `common.results_dir`).
 """
