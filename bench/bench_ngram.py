@@ -4,11 +4,6 @@
     python bench/bench_ngram.py --full     # every B x L, slow peers on bigger inputs
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package first
-
-from specdec_kernels.benchmarks.ngram import main  # noqa: E402
+from specdec_kernels.benchmarks.ngram import main
 
 raise SystemExit(main())

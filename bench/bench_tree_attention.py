@@ -5,11 +5,6 @@
     python bench/bench_tree_attention.py --smoke      # CPU: tiny config under the Triton interpreter, not recorded
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package first
-
-from specdec_kernels.benchmarks.tree_attention import main  # noqa: E402
+from specdec_kernels.benchmarks.tree_attention import main
 
 raise SystemExit(main())

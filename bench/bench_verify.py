@@ -6,11 +6,6 @@ specdec_kernels/benchmarks/verify.py.
     python bench/bench_verify.py --smoke      # CPU: tiny config under the Triton interpreter, not recorded
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package first
-
-from specdec_kernels.benchmarks.verify import main  # noqa: E402
+from specdec_kernels.benchmarks.verify import main
 
 raise SystemExit(main())

@@ -8,7 +8,7 @@
 #include <limits>
 #include <vector>
 
-#include "checks.h"
+#include "kv_cache_checks.h"
 #include "specdec/kv_cache.h"
 
 namespace specdec {

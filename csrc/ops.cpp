@@ -1,4 +1,5 @@
-// The specdec op library: every schema, in one place, and the Python module that loads it.
+// The specdec op library: every schema (and the NgramIndex class), in one place, and the
+// Python module that loads it.
 //
 // `import specdec_kernels._C` loads this shared library; its static initializers run the
 // TORCH_LIBRARY block below and the TORCH_LIBRARY_IMPL blocks of the other csrc files
@@ -6,7 +7,10 @@
 // (specdec_kernels/_extension.py) adds fake implementations and reference kernels for the
 // (op, device) pairs without a compiled one.
 #include <Python.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
+
+#include "ngram_index_class.h"
 
 extern "C" {
 // A module with no methods: registering the ops happens when the library loads.
@@ -40,4 +44,16 @@ TORCH_LIBRARY(specdec, m) {
   m.def(
       "ngram_propose_tree(Tensor tokens, Tensor lengths, int min_n, int max_n, int num_tokens, "
       "int tree_width, int max_nodes, str policy) -> (Tensor, Tensor)");
+  // The incremental n-gram index (a stateful object, CPU only): csrc/ngram_index.cpp.
+  m.class_<specdec::NgramIndex>("NgramIndex")
+      .def(torch::init<int64_t, int64_t, int64_t>())
+      .def("num_slots", &specdec::NgramIndex::num_slots)
+      .def("max_n", &specdec::NgramIndex::max_n)
+      .def("length", &specdec::NgramIndex::length)
+      .def("memory_bytes", &specdec::NgramIndex::memory_bytes)
+      .def("history", &specdec::NgramIndex::history)
+      .def("reset", &specdec::NgramIndex::reset)
+      .def("append", &specdec::NgramIndex::append)
+      .def("propose", &specdec::NgramIndex::propose)
+      .def("append_and_propose", &specdec::NgramIndex::append_and_propose);
 }

@@ -6,7 +6,7 @@
 
 #include <algorithm>
 
-#include "checks.h"
+#include "tree_checks.h"
 #include "specdec/tree.h"
 
 namespace specdec {
@@ -16,8 +16,7 @@ namespace {
 constexpr int64_t kGrainElements = 32768;
 
 at::Tensor tree_mask_cpu(const at::Tensor& parents) {
-  check_tensor("tree_mask", "parents", parents, 2, at::kLong);
-  check_device("tree_mask", "parents", parents, at::Device(at::kCPU));
+  check_tree_mask_args(parents, at::Device(at::kCPU));
   const int64_t batch = parents.size(0);
   const int64_t num_nodes = parents.size(1);
   at::Tensor mask = parents.new_empty({batch, num_nodes, num_nodes}, parents.options().dtype(at::kBool));
@@ -39,8 +38,7 @@ at::Tensor tree_mask_cpu(const at::Tensor& parents) {
 }
 
 at::Tensor pack_tree_mask_cpu(const at::Tensor& mask) {
-  check_tensor("pack_tree_mask", "mask", mask, 3, at::kBool);
-  check_device("pack_tree_mask", "mask", mask, at::Device(at::kCPU));
+  check_pack_tree_mask_args(mask, at::Device(at::kCPU));
   const int64_t batch = mask.size(0);
   const int64_t num_nodes = mask.size(1);
   const int64_t num_keys = mask.size(2);

@@ -10,9 +10,8 @@
 
 #include <algorithm>
 #include <numeric>
-#include <utility>
 
-#include "checks.h"
+#include "tree_attention_checks.h"
 #include "specdec/tree_attention.h"
 
 namespace specdec {
@@ -39,48 +38,6 @@ int64_t parallel_threads() {
 #else
   return at::get_num_threads();
 #endif
-}
-
-void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& tree_mask, const at::Tensor& cache_seqlens) {
-  TORCH_CHECK(q.dim() == 4, kOp, ": q must be a 4-D [B, T, Hq, D] tensor, got shape ", q.sizes());
-  const at::ScalarType dtype = q.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, kOp,
-              ": q must have dtype float32, bfloat16 or float16, got ", dtype);
-  check_tensor(kOp, "k_cache", k_cache, 4, dtype);
-  check_tensor(kOp, "v_cache", v_cache, 4, dtype);
-  TORCH_CHECK(tree_mask.dim() == 3, kOp,
-              ": tree_mask must be a 3-D [B, T, T] bool or [B, T, ceil(T/64)] int64 tensor, got shape ",
-              tree_mask.sizes());
-  TORCH_CHECK(tree_mask.scalar_type() == at::kBool || tree_mask.scalar_type() == at::kLong, kOp,
-              ": tree_mask must have dtype bool or int64 (packed), got ", tree_mask.scalar_type());
-  check_tensor(kOp, "cache_seqlens", cache_seqlens, 1, at::kInt);
-  const at::Device cpu(at::kCPU);
-  check_device(kOp, "q", q, cpu);
-  check_device(kOp, "k_cache", k_cache, cpu);
-  check_device(kOp, "v_cache", v_cache, cpu);
-  check_device(kOp, "tree_mask", tree_mask, cpu);
-  check_device(kOp, "cache_seqlens", cache_seqlens, cpu);
-
-  const int64_t batch = q.size(0);
-  const int64_t num_nodes = q.size(1);
-  check_size(kOp, "k_cache", k_cache, 0, batch, "B (q.size(0))");
-  check_size(kOp, "k_cache", k_cache, 3, q.size(3), "D (q.size(3))");
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), kOp, ": v_cache must have k_cache's shape ", k_cache.sizes(),
-              ", got ", v_cache.sizes());
-  const int64_t num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(num_kv_heads > 0 && q.size(2) % num_kv_heads == 0, kOp, ": query heads (", q.size(2),
-              ") must be a multiple of KV heads (", num_kv_heads, ")");
-  const int64_t mask_cols = tree_mask.scalar_type() == at::kBool ? num_nodes : (num_nodes + 63) / 64;
-  check_size(kOp, "tree_mask", tree_mask, 0, batch, "B (q.size(0))");
-  check_size(kOp, "tree_mask", tree_mask, 1, num_nodes, "T (q.size(1))");
-  check_size(kOp, "tree_mask", tree_mask, 2, mask_cols, tree_mask.scalar_type() == at::kBool ? "T" : "ceil(T / 64)");
-  check_size(kOp, "cache_seqlens", cache_seqlens, 0, batch, "B (q.size(0))");
-  const std::pair<const char*, const at::Tensor*> tensors[] = {{"q", &q}, {"k_cache", &k_cache}, {"v_cache", &v_cache}};
-  for (const auto& [name, t] : tensors) {
-    TORCH_CHECK(t->stride(3) == 1 || t->size(3) <= 1, kOp, ": ", name,
-                " needs a contiguous last dim (stride 1), got strides ", t->strides());
-  }
 }
 
 template <typename Storage, typename TorchScalar>
@@ -164,7 +121,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
 
 at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& tree_mask, const at::Tensor& cache_seqlens, double scale) {
-  check_inputs(q, k_cache, v_cache, tree_mask, cache_seqlens);
+  const at::Tensor mask =
+      check_tree_attention_args(q, k_cache, v_cache, tree_mask, cache_seqlens, at::Device(at::kCPU));
   at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous, like every backend
   if (out.numel() == 0) return out;
   // The kernel reads keys up to L_b + T - 1, so the bounds are checked here (B reads).
@@ -178,11 +136,11 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, co
                 cache_len, ")");
   }
   switch (q.scalar_type()) {
-    case at::kFloat: run<float, float>(q, k_cache, v_cache, tree_mask, length_data, scale, out); break;
+    case at::kFloat: run<float, float>(q, k_cache, v_cache, mask, length_data, scale, out); break;
     case at::kBFloat16:
-      run<cpu::BFloat16Bits, at::BFloat16>(q, k_cache, v_cache, tree_mask, length_data, scale, out);
+      run<cpu::BFloat16Bits, at::BFloat16>(q, k_cache, v_cache, mask, length_data, scale, out);
       break;
-    default: run<cpu::HalfBits, at::Half>(q, k_cache, v_cache, tree_mask, length_data, scale, out); break;
+    default: run<cpu::HalfBits, at::Half>(q, k_cache, v_cache, mask, length_data, scale, out); break;
   }
   return out;
 }

@@ -9,23 +9,12 @@
 
 #include <cstdint>
 #include <tuple>
-#include <utility>
 
-#include "checks.h"
+#include "verify_checks.h"
 #include "specdec/verify.h"
 
 namespace specdec {
 namespace {
-
-constexpr const char* kOp = "verify";
-
-void check_float_tensor(const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.dim() == 3, kOp, ": ", name, " must be a 3-D [B, T, V] tensor, got shape ", t.sizes());
-  const at::ScalarType dtype = t.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, kOp, ": ", name,
-              " must have dtype float32, bfloat16 or float16, got ", dtype);
-  check_device(kOp, name, t, at::Device(at::kCPU));
-}
 
 // A [B, T, V] tensor whose last dim is contiguous (a copy only when it is not).
 at::Tensor last_dim_contiguous(const at::Tensor& t) { return t.stride(2) == 1 || t.size(2) <= 1 ? t : t.contiguous(); }
@@ -92,44 +81,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_cpu(const at::Tensor& targ
                                                           const c10::optional<at::Tensor>& draft_probs_in,
                                                           const at::Tensor& temperature_in, const at::Tensor& top_k_in,
                                                           const at::Tensor& top_p_in, const at::Tensor& seed_in) {
-  check_float_tensor("target_logits", target_logits_in);
+  check_verify_args(target_logits_in, tree_tokens_in, parents_in, draft_probs_in, temperature_in, top_k_in, top_p_in,
+                    seed_in, at::Device(at::kCPU));
   const int64_t batch = target_logits_in.size(0);
   const int64_t num_nodes = target_logits_in.size(1);
-  const int64_t vocab = target_logits_in.size(2);
-  TORCH_CHECK(num_nodes >= 1 && vocab >= 1, kOp, ": target_logits needs T >= 1 nodes and V >= 1 tokens, got shape ",
-              target_logits_in.sizes());
-  check_fits_int32(kOp, "T (target_logits.size(1))", num_nodes);
-  const at::Device cpu_device(at::kCPU);
-  check_tensor(kOp, "tree_tokens", tree_tokens_in, 2, at::kLong);
-  check_tensor(kOp, "parents", parents_in, 2, at::kLong);
-  check_tensor(kOp, "temperature", temperature_in, 1, at::kFloat);
-  check_tensor(kOp, "top_k", top_k_in, 1, at::kLong);
-  check_tensor(kOp, "top_p", top_p_in, 1, at::kFloat);
-  check_tensor(kOp, "seed", seed_in, 1, at::kLong);
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"tree_tokens", &tree_tokens_in},
-                                {"parents", &parents_in}}) {
-    check_device(kOp, name, *t, cpu_device);
-    check_size(kOp, name, *t, 0, batch, "B (target_logits.size(0))");
-    check_size(kOp, name, *t, 1, num_nodes, "T (target_logits.size(1))");
-  }
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"temperature", &temperature_in},
-                                {"top_k", &top_k_in},
-                                {"top_p", &top_p_in},
-                                {"seed", &seed_in}}) {
-    check_device(kOp, name, *t, cpu_device);
-    check_size(kOp, name, *t, 0, batch, "B (target_logits.size(0))");
-  }
   at::Tensor draft_probs;
-  if (draft_probs_in.has_value()) {
-    check_float_tensor("draft_probs", *draft_probs_in);
-    TORCH_CHECK(draft_probs_in->sizes() == target_logits_in.sizes(), kOp, ": draft_probs must have the shape of ",
-                "target_logits ", target_logits_in.sizes(), ", got ", draft_probs_in->sizes());
-    draft_probs = last_dim_contiguous(*draft_probs_in);
-  }
+  if (draft_probs_in.has_value()) draft_probs = last_dim_contiguous(*draft_probs_in);
 
   const at::Tensor logits = last_dim_contiguous(target_logits_in);
   const at::Tensor tokens = tree_tokens_in.contiguous();
-  const at::Tensor parents = parents_in.contiguous();
+  // A [T] parents tensor is shared by every row: the walk reads a contiguous [B, T] copy.
+  const at::Tensor parents = (parents_in.dim() == 1 ? parents_in.expand({batch, num_nodes}) : parents_in).contiguous();
   const at::Tensor temperature = temperature_in.contiguous();
   const at::Tensor top_k = top_k_in.contiguous();
   const at::Tensor top_p = top_p_in.contiguous();

@@ -148,12 +148,65 @@ def test_greedy_ngram_matches_hf_generate(default_model, tree_width):
 
 
 def test_cli_parser_knows_every_method():
+    """Every --method parses and builds the drafter it names, with the command line's settings."""
     from specdec_kernels import cli
 
-    args = cli.build_parser().parse_args(["generate", "--method", "draft-tree", "--tree-widths", "2,2,1", "--prompt", "x"])
-    assert args.tree_widths == (2, 2, 1) and args.method == "draft-tree"
-    with pytest.raises(SystemExit):
-        cli.build_parser().parse_args(["generate", "--tree-widths", "2,0"])
+    draft_model = object()  # the drafters only keep it (no forward pass here)
+    expected = {  # method -> (type of the drafter, the attributes it must carry), or None
+        "none": None,
+        "ngram": (specdec_kernels.NgramDrafter, dict(num_tokens=7, tree_width=1)),
+        "ngram-tree": (specdec_kernels.NgramDrafter, dict(num_tokens=7, tree_width=5)),
+        "draft": (specdec_kernels.DraftModelDrafter, dict(widths=(1,) * 7, model=draft_model)),
+        "draft-tree": (specdec_kernels.DraftModelDrafter, dict(widths=(3, 1), model=draft_model)),
+        "merged": (specdec_kernels.MergedDrafter, None),
+    }
+    assert set(expected) == set(cli.METHODS)
+    for method in cli.METHODS:
+        args = cli.build_parser().parse_args(["generate", "--method", method, "--num-tokens", "7", "--ngram-tree-width",
+                                              "5", "--draft-tree-widths", "3,1", "--prompt", "x"])
+        assert (args.method, args.num_tokens, args.ngram_tree_width, args.draft_tree_widths) == (method, 7, 5, (3, 1))
+        drafter = cli.make_drafter(method, draft_model=draft_model, num_tokens=args.num_tokens,
+                                   ngram_tree_width=args.ngram_tree_width, draft_tree_widths=args.draft_tree_widths)
+        if expected[method] is None:
+            assert drafter is None
+            continue
+        kind, attributes = expected[method]
+        assert type(drafter) is kind, method
+        for name, value in (attributes or {}).items():
+            assert getattr(drafter, name) == value, (method, name)
+        if method == "merged":  # the n-gram tree and the draft-model tree, merged
+            ngram, draft = drafter.drafters
+            assert (ngram.num_tokens, ngram.tree_width, draft.widths) == (7, 5, (3, 1))
+        if method in cli.NEEDS_DRAFT_MODEL:
+            with pytest.raises(ValueError, match="draft_model"):
+                cli.make_drafter(method)
+    defaults = cli.build_parser().parse_args(["generate", "--prompt", "x"])
+    assert (defaults.method, defaults.ngram_tree_width, defaults.draft_tree_widths) == ("ngram", 3, (2, 2, 1))
+    for bad in (["--draft-tree-widths", "2,0"], ["--draft-tree-widths", "2,x"], ["--method", "beam"]):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(["generate", "--prompt", "x", *bad])
+    with pytest.raises(ValueError, match="method"):
+        cli.make_drafter("beam")
+
+
+def test_cut_mark_only_when_the_token_cap_cut_the_text():
+    from specdec_kernels import cli
+
+    mark = " \u2026 [stopped at max_new_tokens=4]"
+    assert cli.cut_mark([5, 6, 7, 8], 4, eos=2) == mark
+    assert cli.cut_mark(torch.tensor([5, 6, 7, 8]), 4, eos=None) == mark
+    assert cli.cut_mark([5, 6, 7, 2], 4, eos=2) == ""  # ended at eos exactly at the cap
+    assert cli.cut_mark([5, 6, 9], 4, eos=[2, 9]) == ""  # ended early
+    assert cli.cut_mark([5, 6, 7, 8], 4, eos=[2, 9]) == mark
+
+
+def test_first_difference():
+    from specdec_kernels import cli
+
+    assert cli.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert cli.first_difference(torch.tensor([1, 2, 3]), [1, 5, 3]) == 1
+    assert cli.first_difference([1, 2], torch.tensor([1, 2, 3])) == 2
+    assert cli.first_difference([], []) is None
 
 
 def test_import_and_info_work_without_transformers(tmp_path):
@@ -181,6 +234,8 @@ def test_cli_demo_prints_identical_output(cache_root):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "Output identical to HF generate: YES" in result.stdout
     assert "tokens/s" in result.stdout and "speedup" in result.stdout
+    # 16 tokens cannot finish the answer: the text says where it was cut.
+    assert "[stopped at max_new_tokens=16]" in result.stdout
 
 
 # ------------------------------------------------------------------- workloads

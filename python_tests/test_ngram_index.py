@@ -57,6 +57,24 @@ def assert_same(got, want, what):
     assert torch.equal(got[0], want[0]), (what, got[0], want[0])
 
 
+def strided_copy(tokens):
+    """tokens on the GPU as a strided view: every other column of a buffer twice as wide."""
+    wide = torch.zeros(tokens.shape[0], 2 * tokens.shape[1], dtype=tokens.dtype, device="cuda")
+    wide[:, ::2] = tokens.cuda()
+    return wide[:, ::2]
+
+
+def check_against_reference(backend, tokens, lens, sizes, policy, what, move=None):
+    """ngram_propose on `backend` equals the reference for every (min_n, max_n, num_tokens) in
+    `sizes`; move(tokens, lens) gives the backend's inputs (default: the same tensors)."""
+    inputs = move(tokens, lens) if move is not None else (tokens, lens)
+    for min_n, max_n, num_tokens in sizes:
+        kwargs = dict(min_n=min_n, max_n=max_n, num_tokens=num_tokens, policy=policy)
+        want = ngram_propose(tokens, lens, **kwargs, backend="reference")
+        got = ngram_propose(*inputs, **kwargs, backend=backend)
+        assert_same((got[0].cpu(), got[1].cpu()), want, (*what, kwargs))
+
+
 # ----------------------------------------------------------------------------- compiled ngram_propose
 
 
@@ -70,11 +88,7 @@ def test_propose_long_rows_match_reference(gen, kind, policy):
     histories = [history(gen, kind, n) for n in lengths]
     for dtype in (torch.int32, torch.int64):
         tokens, lens = pack(gen, histories, dtype, garbage_vocab=50)
-        for min_n, max_n, num_tokens in ((1, 4, 5), (2, 8, 3), (3, 3, 12)):
-            kwargs = dict(min_n=min_n, max_n=max_n, num_tokens=num_tokens, policy=policy)
-            want = ngram_propose(tokens, lens, **kwargs, backend="reference")
-            got = ngram_propose(tokens, lens, **kwargs, backend="cpu")
-            assert_same(got, want, (dtype, kwargs))
+        check_against_reference("cpu", tokens, lens, ((1, 4, 5), (2, 8, 3), (3, 3, 12)), policy, (dtype,))
 
 
 @requires_cpu_kernel
@@ -83,10 +97,8 @@ def test_propose_every_short_length(gen, policy):
     """Every length 0..100 of small-vocabulary rows: matches everywhere, runs into the suffix."""
     histories = [history(gen, "small_vocab", n) for n in range(101)]
     tokens, lens = pack(gen, histories, torch.int64)
-    for min_n, max_n in ((1, 1), (1, 4), (2, 6), (5, 5), (1, 40)):
-        kwargs = dict(min_n=min_n, max_n=max_n, num_tokens=7, policy=policy)
-        assert_same(ngram_propose(tokens, lens, **kwargs, backend="cpu"),
-                    ngram_propose(tokens, lens, **kwargs, backend="reference"), kwargs)
+    sizes = [(min_n, max_n, 7) for min_n, max_n in ((1, 1), (1, 4), (2, 6), (5, 5), (1, 40))]
+    check_against_reference("cpu", tokens, lens, sizes, policy, ())
 
 
 @requires_cpu_kernel
@@ -101,30 +113,19 @@ def test_propose_adversarial_rows(gen, policy):
     histories = [row, constant, periodic, row[:1000] + [9]]
     for dtype in (torch.int32, torch.int64):
         tokens, lens = pack(gen, histories, dtype)
-        for max_n in (2, 8, 16):
-            kwargs = dict(min_n=1, max_n=max_n, num_tokens=6, policy=policy)
-            assert_same(ngram_propose(tokens, lens, **kwargs, backend="cpu"),
-                        ngram_propose(tokens, lens, **kwargs, backend="reference"), (dtype, kwargs))
+        check_against_reference("cpu", tokens, lens, [(1, max_n, 6) for max_n in (2, 8, 16)], policy, (dtype,))
 
 
 @requires_cpu_kernel
 def test_propose_extreme_token_values():
-    """Token ids whose 32-bit halves collide (the SIMD int64 compare needs both halves)."""
+    """Token ids whose 32-bit halves collide (the SIMD int64 compare needs both halves), and the
+    int64 extremes."""
     big = 2**32
-    s = [5, big + 5, 5 + 2 * big, 9, big + 5, 1, 5 + 2 * big, 2, big + 5]
-    tokens = torch.tensor([s])
-    lens = torch.tensor([len(s)])
-    for policy in POLICIES:
-        kwargs = dict(min_n=1, max_n=3, num_tokens=3, policy=policy)
-        assert_same(ngram_propose(tokens, lens, **kwargs, backend="cpu"),
-                    ngram_propose(tokens, lens, **kwargs, backend="reference"), policy)
-    s = [-(2**63), 2**63 - 1, -1, 0, 2**63 - 1, 4, -1, 5, -(2**63), 2**63 - 1] + [0] * 40
-    tokens = torch.tensor([s])
-    lens = torch.tensor([len(s)])
-    for policy in POLICIES:
-        kwargs = dict(min_n=1, max_n=3, num_tokens=3, policy=policy)
-        assert_same(ngram_propose(tokens, lens, **kwargs, backend="cpu"),
-                    ngram_propose(tokens, lens, **kwargs, backend="reference"), policy)
+    collisions = [5, big + 5, 5 + 2 * big, 9, big + 5, 1, 5 + 2 * big, 2, big + 5]
+    extremes = [-(2**63), 2**63 - 1, -1, 0, 2**63 - 1, 4, -1, 5, -(2**63), 2**63 - 1] + [0] * 40
+    for s in (collisions, extremes):
+        for policy in POLICIES:
+            check_against_reference("cpu", torch.tensor([s]), torch.tensor([len(s)]), [(1, 3, 3)], policy, ())
 
 
 @requires_c
@@ -158,15 +159,11 @@ def test_cuda_propose_matches_reference(gen, policy):
         histories = [history(gen, kind, n) for n in lengths]
         for dtype in (torch.int32, torch.int64):
             tokens, lens = pack(gen, histories, dtype, garbage_vocab=50)
-            for min_n, max_n, num_tokens in ((1, 4, 5), (2, 8, 3), (3, 3, 300)):
-                kwargs = dict(min_n=min_n, max_n=max_n, num_tokens=num_tokens, policy=policy)
-                want = ngram_propose(tokens, lens, **kwargs, backend="reference")
-                got = ngram_propose(tokens.cuda(), lens.cuda(), **kwargs, backend="cuda")
-                assert_same((got[0].cpu(), got[1].cpu()), want, (kind, dtype, kwargs))
-                strided = torch.zeros(tokens.shape[0], 2 * tokens.shape[1], dtype=dtype, device="cuda")
-                strided[:, ::2] = tokens.cuda()
-                got = ngram_propose(strided[:, ::2], lens.cuda(), **kwargs, backend="cuda")
-                assert_same((got[0].cpu(), got[1].cpu()), want, (kind, dtype, kwargs, "strided"))
+            sizes = ((1, 4, 5), (2, 8, 3), (3, 3, 300))
+            check_against_reference("cuda", tokens, lens, sizes, policy, (kind, dtype),
+                                    move=lambda t, n: (t.cuda(), n.cuda()))
+            check_against_reference("cuda", tokens, lens, sizes, policy, (kind, dtype, "strided"),
+                                    move=lambda t, n: (strided_copy(t), n.cuda()))
 
 
 # ----------------------------------------------------------------------------- compiled ngram_propose_tree

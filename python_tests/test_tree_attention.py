@@ -327,6 +327,54 @@ def test_nan_in_tree_slot_nobody_sees(gen):
 
 @pytest.mark.parametrize("threads", (1, 3))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=str)
+def test_nonfinite_inputs_nan_where_reference_nan(gen, dtype, threads):
+    """NaN or +-inf in q, k or v slots some query sees: every backend returns NaN for exactly
+    the (row, node, head) outputs where the reference does, inf where it does, and matches it
+    elsewhere. (A NaN or +inf score turns its query's softmax into NaN, inf - inf; an inf
+    value gives inf, or NaN where its probability is 0.) Row 0's long prefix makes the CPU
+    kernel split keys over threads when 3 are used, so the merge must keep NaN too."""
+    num_nodes, heads, kv_heads = 9, 4, 2
+    prefix = torch.tensor([int(randint(gen, 600, 900))] + [int(randint(gen, 0, 30)) for _ in range(6)])
+    q, k, v, parents, prefix = make_case(gen, batch=7, num_nodes=num_nodes, q_heads=heads, kv_heads=kv_heads,
+                                         head_dim=32, kind="bushy", dtype=dtype, prefix=prefix)
+    mask = tree_mask(parents)
+    nan, inf = float("nan"), float("inf")
+
+    def node(b):  # a random non-root node of row b
+        return int(randint(gen, 1, num_nodes))
+
+    def key(b):  # a random prefix key of row b (the root's key when the prefix is empty)
+        return int(randint(gen, 0, int(prefix[b]))) if int(prefix[b]) > 0 else int(prefix[b])
+
+    q[0, node(0), 1, 5] = nan  # one query head
+    k[0, key(0), 0, 3] = nan  # a prefix key: every query of KV head 0's group
+    k[1, int(prefix[1]) + node(1), 1, 7] = inf  # a tree key: +inf or -inf scores, by q's sign
+    q[2, node(2), 2, 0] = -inf  # +inf scores against keys with k[..., 0] < 0
+    q[3, 0, 3, :] = 0.0
+    k[3, int(prefix[3]), 1, 4] = inf  # 0 * inf at the root's query head 3
+    v[4, key(4), 1, 2] = inf  # a visible value: inf outputs
+    v[5, int(prefix[5]) + node(5), 0, 9] = nan  # a tree value: NaN also where its probability is 0
+    k[6, : int(prefix[6]) + num_nodes, 0, 1] = -inf  # every score of some queries -inf
+    ref = tree_attention(q, k, v, mask, prefix, backend="reference")
+    assert ref.isnan().any() and (~ref.isnan()).any()  # the cases mean something
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for backend in BACKENDS:
+            out = tree_attention(q, k, v, mask, prefix, backend=backend)
+            where = f"backend={backend}"
+            for kind in ("isnan", "isinf"):
+                got, want = getattr(out, kind)(), getattr(ref, kind)()
+                assert torch.equal(got, want), f"{where}: {kind} differs at {(got != want).nonzero()[:8].tolist()}"
+            finite = ref.isfinite()
+            torch.testing.assert_close(out[finite], ref[finite], **TOL_BACKEND[dtype], msg=lambda m: f"{where}: {m}")
+            assert torch.equal(out[ref.isinf()], ref[ref.isinf()]), where
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("threads", (1, 3))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=str)
 def test_long_prefix_many_nodes(gen, dtype, threads):
     """Prefixes over a thousand keys and up to 128 nodes (packed masks of two words), HF
     views. With 3 threads and 2 (row, KV head) units, the CPU kernel splits each row's keys

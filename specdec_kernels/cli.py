@@ -18,7 +18,10 @@ import torch
 
 from ._platform import cpu_name
 
-METHODS = ("none", "ngram", "ngram-tree", "draft", "draft-tree", "merged")
+METHODS = ("none", "ngram", "ngram-tree", "draft", "draft-tree", "merged")  # `specdec generate --method`
+NEEDS_DRAFT_MODEL = frozenset({"draft", "draft-tree", "merged"})
+NGRAM_TREE_WIDTH = 3  # default --ngram-tree-width: continuations of an n-gram tree
+DRAFT_TREE_WIDTHS = (2, 2, 1)  # default --draft-tree-widths: a draft-model tree's children per depth
 DEMO_MAX_NEW_TOKENS = 128  # long enough for the n-gram drafts to pay off, short enough for ~1 min on 2 CPU cores
 
 
@@ -69,14 +72,24 @@ def _read_prompt_file(path: str) -> str:
         raise _fail(f"--prompt-file: {error}") from None
 
 
-def _eos(model):
-    """The eos id(s) both HF generate and ours stop at (the model's generation config)."""
-    return getattr(model.generation_config, "eos_token_id", None)
-
-
-def _pad(model, tokenizer):
+def stop_ids(model, tokenizer):
+    """(eos, pad) that HF `generate` and ours are both given: the model's generation_config
+    eos id(s), and its pad id, else the tokenizer's."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
     pad = getattr(model.generation_config, "pad_token_id", None)
-    return pad if pad is not None else tokenizer.pad_token_id
+    return eos, pad if pad is not None else tokenizer.pad_token_id
+
+
+def cut_mark(new_tokens, max_new_tokens: int, eos) -> str:
+    """The mark to append to a generation's text when it ran into the token cap rather than
+    ending at an eos id (so its text stops mid-line): " ... [stopped at max_new_tokens=N]" (with
+    an ellipsis character), else "". new_tokens: the generated ids (a list or a 1-D tensor);
+    eos: an id, a list of ids, or None."""
+    tokens = new_tokens.tolist() if isinstance(new_tokens, torch.Tensor) else list(new_tokens)
+    eos_ids = set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
+    if len(tokens) < max_new_tokens or (tokens and tokens[-1] in eos_ids):
+        return ""
+    return f" \u2026 [stopped at max_new_tokens={max_new_tokens}]"
 
 
 class _ProgressStreamer:
@@ -148,13 +161,16 @@ def _hf_generate(model, input_ids, max_new_tokens, eos, pad, progress_desc=None,
     return out, time.perf_counter() - start
 
 
-def _first_difference(a: torch.Tensor, b: torch.Tensor):
-    """Index of the first position where token rows a and b differ (None if identical)."""
-    n = min(a.numel(), b.numel())
-    diff = (a[:n] != b[:n]).nonzero()
-    if diff.numel():
-        return int(diff[0])
-    return None if a.numel() == b.numel() else n
+def first_difference(a, b):
+    """Index of the first position where two token sequences (lists or 1-D tensors) differ; the
+    shorter one's length when one is a prefix of the other; None when they are identical."""
+    a = a.tolist() if isinstance(a, torch.Tensor) else list(a)
+    b = b.tolist() if isinstance(b, torch.Tensor) else list(b)
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return None if len(a) == len(b) else n
 
 
 def _print_stats(stats, seconds: float, new_tokens: int, indent: str = "  ") -> None:
@@ -191,7 +207,7 @@ def cmd_demo(args) -> int:
     model, tokenizer = _load(args.model)
     label, text, chat = _demo_prompt(args)
     input_ids = _encode(tokenizer, text, chat)
-    eos, pad = _eos(model), _pad(model, tokenizer)
+    eos, pad = stop_ids(model, tokenizer)
     n = args.max_new_tokens
     print(f"prompt: {label}, {input_ids.shape[1]} tokens; greedy, up to {n} new tokens; "
           f"CPU threads: {torch.get_num_threads()}", flush=True)
@@ -231,7 +247,8 @@ def cmd_demo(args) -> int:
     rows.append((f"specdec + n-gram (k={args.num_tokens})", ours_new, ours_s, ours.stats.steps, ours.stats.tokens_per_step))
 
     print("\n--- generated text (specdec) " + "-" * 40)
-    print(tokenizer.decode(ours_seq[input_ids.shape[1]:], skip_special_tokens=True))
+    new_ids = ours_seq[input_ids.shape[1]:]
+    print(tokenizer.decode(new_ids, skip_special_tokens=True) + cut_mark(new_ids, n, eos))
     print("-" * 69)
     hf_rate = hf_new / hf_s
     print(f"{'method':<30} {'tokens':>6} {'time s':>7} {'tok/s':>7} {'steps':>6} {'tok/step':>8} {'speedup':>8}")
@@ -242,9 +259,9 @@ def cmd_demo(args) -> int:
         print(f"{name:<30} {tokens:>6} {seconds:>7.2f} {rate:>7.1f} {steps_s} {per_step_s} {rate / hf_rate:>7.2f}x")
     _print_stats(ours.stats, ours_s, ours_new, indent="specdec ")
     if args.hf_prompt_lookup:
-        same = _first_difference(pl_out[0], hf_out[0]) is None
+        same = first_difference(pl_out[0], hf_out[0]) is None
         print(f"HF prompt lookup output identical to HF generate: {'yes' if same else 'no'}")
-    where = _first_difference(ours_seq, hf_out[0])
+    where = first_difference(ours_seq, hf_out[0])
     if where is None:
         print(f"Output identical to HF generate: YES ({ours_new} tokens, token for token)")
         return 0
@@ -266,30 +283,42 @@ def _parse_widths(text: str) -> tuple:
     return widths
 
 
-def _make_drafter(sk, args, draft_model):
-    """The drafter for --method (None for plain decoding)."""
-    k = args.num_tokens
-    ngram_k = {"num_tokens": k} if k is not None else {}
-    draft_k = {"num_tokens": k} if k is not None else {}
-    if args.method == "none":
+def make_drafter(method: str, *, draft_model=None, num_tokens=None, ngram_tree_width: int = NGRAM_TREE_WIDTH,
+                 draft_tree_widths=DRAFT_TREE_WIDTHS):
+    """The drafter of one of METHODS (None for "none"): the `specdec generate --method` choices,
+    also built by the e2e benchmark for its ours_* methods.
+
+    num_tokens: draft length of n-gram drafts (chains and trees) and of draft-model chains (None:
+    the drafter's default); ngram_tree_width: continuations of an n-gram tree (ngram-tree,
+    merged); draft_tree_widths: children per depth of a draft-model tree (draft-tree, merged).
+    draft_model is needed by draft, draft-tree and merged.
+    """
+    import specdec_kernels as sk
+
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
+    if method in NEEDS_DRAFT_MODEL and draft_model is None:
+        raise ValueError(f"draft_model: method {method!r} needs a draft model")
+    k = {"num_tokens": num_tokens} if num_tokens is not None else {}
+    if method == "none":
         return None
-    if args.method == "ngram":
-        return sk.NgramDrafter(**ngram_k)
-    if args.method == "ngram-tree":
-        return sk.NgramDrafter(tree_width=args.tree_width, **ngram_k)
-    if args.method == "draft":
-        return sk.DraftModelDrafter(draft_model, **draft_k)
-    if args.method == "draft-tree":
-        return sk.DraftModelDrafter(draft_model, tree_widths=args.tree_widths)
+    if method == "ngram":
+        return sk.NgramDrafter(**k)
+    if method == "ngram-tree":
+        return sk.NgramDrafter(tree_width=ngram_tree_width, **k)
+    if method == "draft":
+        return sk.DraftModelDrafter(draft_model, **k)
+    if method == "draft-tree":
+        return sk.DraftModelDrafter(draft_model, tree_widths=draft_tree_widths)
     # merged: prompt lookup and the draft model's tree in one deduplicated tree
-    return sk.MergedDrafter([sk.NgramDrafter(tree_width=args.tree_width, **ngram_k),
-                             sk.DraftModelDrafter(draft_model, tree_widths=args.tree_widths)])
+    return sk.MergedDrafter([sk.NgramDrafter(tree_width=ngram_tree_width, **k),
+                             sk.DraftModelDrafter(draft_model, tree_widths=draft_tree_widths)])
 
 
 def cmd_generate(args) -> int:
     """One generation with the chosen drafter; streams text if the loop supports it, then stats."""
     sk = _generate_api()
-    needs_draft = args.method in ("draft", "draft-tree", "merged")
+    needs_draft = args.method in NEEDS_DRAFT_MODEL
     if needs_draft and not args.draft_model:
         raise _fail(f"--method {args.method} needs --draft-model (a local HF model directory, a cached hub name, "
                     "or 'default' for the default model)")
@@ -302,7 +331,8 @@ def cmd_generate(args) -> int:
         draft_model, draft_tokenizer = _load(None if args.draft_model == "default" else args.draft_model, "draft")
         if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
             raise _fail("the draft model's tokenizer differs from the target's; drafts must use the same vocabulary")
-    drafter = _make_drafter(sk, args, draft_model)
+    drafter = make_drafter(args.method, draft_model=draft_model, num_tokens=args.num_tokens,
+                           ngram_tree_width=args.ngram_tree_width, draft_tree_widths=args.draft_tree_widths)
     if args.chat and getattr(tokenizer, "chat_template", None) is None:
         raise _fail("--chat: this model's tokenizer has no chat template")
     input_ids = _encode(tokenizer, text, args.chat)
@@ -320,6 +350,9 @@ def cmd_generate(args) -> int:
     new = out.sequences[0, input_ids.shape[1]:]
     if not stream:  # the loop has no streaming hook: print the text once it is done
         print(tokenizer.decode(new, skip_special_tokens=True), flush=True)
+    mark = cut_mark(new, args.max_new_tokens, stop_ids(model, tokenizer)[0])
+    if mark:
+        print(mark.strip(), flush=True)
     print()
     _print_stats(out.stats, seconds, int(out.stats.new_tokens[0]) if out.stats.new_tokens else new.numel())
     return 0
@@ -446,9 +479,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None, help="target: HF model directory or cached hub name (default: SmolLM2-135M-Instruct)")
     gen.add_argument("--draft-model", default=None, help="draft model for draft/draft-tree/merged ('default': the default model)")
     gen.add_argument("--method", choices=METHODS, default="ngram", help="drafter (default ngram)")
-    gen.add_argument("--num-tokens", type=int, default=None, help="draft length for chains (default: the drafter's)")
-    gen.add_argument("--tree-widths", type=_parse_widths, default=(2, 2, 1), help="draft-model tree: children per depth (default 2,2,1)")
-    gen.add_argument("--tree-width", type=int, default=3, help="n-gram tree: continuations (ngram-tree, merged; default 3)")
+    gen.add_argument("--num-tokens", type=int, default=None,
+                     help="draft length of n-gram drafts and draft-model chains (default: the drafter's)")
+    gen.add_argument("--ngram-tree-width", type=int, default=NGRAM_TREE_WIDTH,
+                     help=f"n-gram tree: continuations (ngram-tree, merged; default {NGRAM_TREE_WIDTH})")
+    gen.add_argument("--draft-tree-widths", type=_parse_widths, default=DRAFT_TREE_WIDTHS,
+                     help="draft-model tree: children per depth (draft-tree, merged; default "
+                          f"{','.join(map(str, DRAFT_TREE_WIDTHS))})")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--top-p", type=float, default=None)

@@ -8,7 +8,7 @@
 
 #include <vector>
 
-#include "checks.h"
+#include "kv_cache_checks.h"
 #include "specdec/kv_cache.cuh"
 
 namespace specdec {

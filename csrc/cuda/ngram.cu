@@ -13,35 +13,26 @@
 #include <string>
 #include <tuple>
 
-#include "checks.h"
+#include "ngram_checks.h"
 #include "specdec/ngram.cuh"
 
 namespace specdec {
 namespace {
 
-// The checks both ops share (the CPU glue's, plus the kernels' size limits).
-void check_ngram_args_cuda(const char* op, const at::Tensor& tokens, const at::Tensor& lengths, int64_t min_n,
+// The checks both ops share (ngram_checks.h), plus this kernel's limits.
+bool check_ngram_args_cuda(const char* op, const at::Tensor& tokens, const at::Tensor& lengths, int64_t min_n,
                            int64_t max_n, int64_t num_tokens, const std::string& policy) {
-  TORCH_CHECK(tokens.dim() == 2, op, ": tokens must be a 2-D [B, L] tensor, got shape ", tokens.sizes());
-  TORCH_CHECK(tokens.scalar_type() == at::kInt || tokens.scalar_type() == at::kLong, op,
-              ": tokens must have dtype int32 or int64, got ", tokens.scalar_type());
   TORCH_CHECK(tokens.is_cuda(), op, ": tokens must be a CUDA tensor, got ", tokens.device());
-  check_tensor(op, "lengths", lengths, 1, at::kLong);
-  check_device(op, "lengths", lengths, tokens.device());
-  check_size(op, "lengths", lengths, 0, tokens.size(0), "B (tokens.size(0))");
-  TORCH_CHECK(min_n >= 1, op, ": min_n must be >= 1, got ", min_n);
-  TORCH_CHECK(max_n >= min_n, op, ": max_n must be >= min_n = ", min_n, ", got ", max_n);
-  TORCH_CHECK(num_tokens >= 1, op, ": num_tokens must be >= 1, got ", num_tokens);
-  TORCH_CHECK(policy == "earliest" || policy == "latest", op, ": policy must be \"earliest\" or \"latest\", got \"",
-              policy, "\"");
+  const bool latest = check_ngram_args(op, tokens, lengths, min_n, max_n, num_tokens, policy, tokens.device());
   check_fits_int32(op, "B (tokens.size(0))", tokens.size(0));
+  return latest;
 }
 
 std::tuple<at::Tensor, at::Tensor> ngram_propose_cuda(const at::Tensor& tokens, const at::Tensor& lengths,
                                                       int64_t min_n, int64_t max_n, int64_t num_tokens,
                                                       std::string policy) {
   constexpr const char* op = "ngram_propose";
-  check_ngram_args_cuda(op, tokens, lengths, min_n, max_n, num_tokens, policy);
+  const bool latest = check_ngram_args_cuda(op, tokens, lengths, min_n, max_n, num_tokens, policy);
   TORCH_CHECK(tokens.size(1) < (int64_t{1} << cuda::kNgramPositionBits), op, ": L = ", tokens.size(1),
               " is too long (at most 2^40 - 1)");
   const c10::cuda::CUDAGuard guard(tokens.device());
@@ -51,7 +42,7 @@ std::tuple<at::Tensor, at::Tensor> ngram_propose_cuda(const at::Tensor& tokens, 
   AT_DISPATCH_INDEX_TYPES(tokens.scalar_type(), "ngram_propose_cuda", [&] {
     C10_CUDA_CHECK(cuda::launch_ngram_propose<index_t>(
         tokens.const_data_ptr<index_t>(), tokens.stride(0), tokens.stride(1), lens.const_data_ptr<int64_t>(),
-        tokens.size(0), tokens.size(1), min_n, max_n, num_tokens, policy == "latest",
+        tokens.size(0), tokens.size(1), min_n, max_n, num_tokens, latest,
         drafts.mutable_data_ptr<index_t>(), draft_lens.mutable_data_ptr<int32_t>(),
         c10::cuda::getCurrentCUDAStream()));
   });
@@ -63,9 +54,8 @@ std::tuple<at::Tensor, at::Tensor> ngram_propose_tree_cuda(const at::Tensor& tok
                                                            int64_t tree_width, int64_t max_nodes,
                                                            std::string policy) {
   constexpr const char* op = "ngram_propose_tree";
-  check_ngram_args_cuda(op, tokens, lengths, min_n, max_n, num_tokens, policy);
-  TORCH_CHECK(tree_width >= 1, op, ": tree_width must be >= 1, got ", tree_width);
-  TORCH_CHECK(max_nodes >= 0, op, ": max_nodes must be >= 0, got ", max_nodes);
+  const bool latest = check_ngram_args_cuda(op, tokens, lengths, min_n, max_n, num_tokens, policy);
+  check_ngram_tree_args(op, tree_width, max_nodes);
   // Positions are kept as int32 in the kernel's hash table and rank keys.
   TORCH_CHECK(tokens.size(1) <= std::numeric_limits<int32_t>::max(), op, ": L = ", tokens.size(1),
               " is too long (at most 2^31 - 1)");
@@ -84,7 +74,7 @@ std::tuple<at::Tensor, at::Tensor> ngram_propose_tree_cuda(const at::Tensor& tok
   AT_DISPATCH_INDEX_TYPES(tokens.scalar_type(), "ngram_propose_tree_cuda", [&] {
     C10_CUDA_CHECK(cuda::launch_ngram_propose_tree<index_t>(
         tokens.const_data_ptr<index_t>(), tokens.stride(0), tokens.stride(1), lens.const_data_ptr<int64_t>(), batch,
-        width, min_n, max_n, num_tokens, tree_width, max_nodes, policy == "latest",
+        width, min_n, max_n, num_tokens, tree_width, max_nodes, latest,
         pending.mutable_data_ptr<int32_t>(), ranked.mutable_data_ptr<int64_t>(),
         tree_tokens.mutable_data_ptr<index_t>(), parents.mutable_data_ptr<int64_t>(),
         c10::cuda::getCurrentCUDAStream()));

@@ -6,15 +6,14 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include "checks.h"
+#include "tree_checks.h"
 #include "specdec/tree.cuh"
 
 namespace specdec {
 namespace {
 
 at::Tensor tree_mask_cuda(const at::Tensor& parents) {
-  check_tensor("tree_mask", "parents", parents, 2, at::kLong);
-  TORCH_CHECK(parents.is_cuda(), "tree_mask: parents must be a CUDA tensor, got ", parents.device());
+  check_tree_mask_args(parents, parents.device());  // (the only tensor: it chose this CUDA kernel)
   const c10::cuda::CUDAGuard guard(parents.device());
   const int64_t batch = parents.size(0);
   const int64_t num_nodes = parents.size(1);
@@ -26,8 +25,7 @@ at::Tensor tree_mask_cuda(const at::Tensor& parents) {
 }
 
 at::Tensor pack_tree_mask_cuda(const at::Tensor& mask) {
-  check_tensor("pack_tree_mask", "mask", mask, 3, at::kBool);
-  TORCH_CHECK(mask.is_cuda(), "pack_tree_mask: mask must be a CUDA tensor, got ", mask.device());
+  check_pack_tree_mask_args(mask, mask.device());  // (the only tensor: it chose this CUDA kernel)
   const c10::cuda::CUDAGuard guard(mask.device());
   const int64_t batch = mask.size(0);
   const int64_t num_nodes = mask.size(1);

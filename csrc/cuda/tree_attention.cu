@@ -14,9 +14,8 @@
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
-#include <utility>
 
-#include "checks.h"
+#include "tree_attention_checks.h"
 #include "specdec/tree.cuh"
 #include "specdec/tree_attention.cuh"
 
@@ -47,57 +46,24 @@ cudaError_t launch(const cuda::TreeAttentionParams& params, bool use_mma, int wa
 
 at::Tensor tree_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                const at::Tensor& tree_mask, const at::Tensor& cache_seqlens, double scale) {
-  TORCH_CHECK(q.dim() == 4, kOp, ": q must be a 4-D [B, T, Hq, D] tensor, got shape ", q.sizes());
-  const at::ScalarType dtype = q.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, kOp,
-              ": q must be float32, float16 or bfloat16, got ", dtype);
   TORCH_CHECK(q.is_cuda(), kOp, ": q must be a CUDA tensor, got ", q.device());
-  check_tensor(kOp, "k_cache", k_cache, 4, dtype);
-  check_tensor(kOp, "v_cache", v_cache, 4, dtype);
-  check_tensor(kOp, "cache_seqlens", cache_seqlens, 1, at::kInt);
   const at::Device device = q.device();
-  check_device(kOp, "k_cache", k_cache, device);
-  check_device(kOp, "v_cache", v_cache, device);
-  check_device(kOp, "tree_mask", tree_mask, device);
-  check_device(kOp, "cache_seqlens", cache_seqlens, device);
-
+  const at::Tensor mask = check_tree_attention_args(q, k_cache, v_cache, tree_mask, cache_seqlens, device);
+  const at::ScalarType dtype = q.scalar_type();
+  const bool packed_input = mask.scalar_type() == at::kLong;
   const int64_t batch = q.size(0);
   const int64_t num_nodes = q.size(1);
   const int64_t num_q_heads = q.size(2);
   const int64_t head_dim = q.size(3);
-  TORCH_CHECK(num_nodes >= 1, kOp, ": q must hold T >= 1 tree nodes, got shape ", q.sizes());
-  check_size(kOp, "k_cache", k_cache, 0, batch, "B (q.size(0))");
-  check_size(kOp, "k_cache", k_cache, 3, head_dim, "D (q.size(3))");
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), kOp, ": v_cache must have k_cache's shape ", k_cache.sizes(),
-              ", got ", v_cache.sizes());
   const int64_t cache_len = k_cache.size(1);
   const int64_t num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(num_kv_heads > 0 && num_q_heads % num_kv_heads == 0, kOp, ": query heads (", num_q_heads,
-              ") must be a multiple of KV heads (", num_kv_heads, ")");
+  const int64_t words = (num_nodes + 63) / 64;
+  // This kernel's limits.
+  TORCH_CHECK(num_nodes >= 1, kOp, ": q must hold T >= 1 tree nodes, got shape ", q.sizes());
   TORCH_CHECK(cache_len >= num_nodes, kOp, ": k_cache must hold the T = ", num_nodes, " tree entries, got S = ",
               cache_len);
-  check_size(kOp, "cache_seqlens", cache_seqlens, 0, batch, "B (q.size(0))");
   TORCH_CHECK(head_dim >= 1 && head_dim <= cuda::kTreeAttnMaxHeadDim, kOp, ": q: the CUDA kernel supports head dims 1 .. ",
               cuda::kTreeAttnMaxHeadDim, ", got ", head_dim);
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"q", q}, {"k_cache", k_cache},
-                                {"v_cache", v_cache}}) {
-    TORCH_CHECK(t.stride(3) == 1 || t.size(3) <= 1, kOp, ": ", name,
-                " needs a contiguous last dim (stride 1), got strides ", t.strides());
-  }
-
-  TORCH_CHECK(tree_mask.dim() == 2 || tree_mask.dim() == 3, kOp,
-              ": tree_mask must be [B, T, T] / [T, T] (bool) or [B, T, W] / [T, W] (packed int64), got shape ",
-              tree_mask.sizes());
-  const bool packed_input = tree_mask.scalar_type() == at::kLong;
-  TORCH_CHECK(packed_input || tree_mask.scalar_type() == at::kBool, kOp,
-              ": tree_mask must be bool or packed int64, got ", tree_mask.scalar_type());
-  const int64_t words = (num_nodes + 63) / 64;
-  const at::Tensor mask = tree_mask.dim() == 3 ? tree_mask : tree_mask.unsqueeze(0).expand({batch, -1, -1});
-  check_size(kOp, "tree_mask", mask, 0, batch, "B (q.size(0))");
-  check_size(kOp, "tree_mask", mask, 1, num_nodes, "T (q.size(1))");
-  check_size(kOp, "tree_mask", mask, 2, packed_input ? words : num_nodes,
-             packed_input ? "ceil(T / 64) (packed words)" : "T (q.size(1))");
-
   check_fits_int32(kOp, "S (k_cache.size(1))", cache_len);
   check_fits_int32(kOp, "T * Hq (q.size(1) * q.size(2))", num_nodes * num_q_heads);
   TORCH_CHECK(batch <= 65535 && num_kv_heads <= 65535, kOp, ": batch size (", batch, ") and KV heads (",

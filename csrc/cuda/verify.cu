@@ -13,30 +13,13 @@
 #include <optional>
 #include <tuple>
 
-#include "checks.h"
+#include "verify_checks.h"
 #include "specdec/verify.cuh"
 
 namespace specdec {
 namespace {
 
 constexpr const char* kOp = "verify";
-
-// Rows may be strided; the vocabulary dim must be contiguous for the 16-byte loads.
-void check_logits_like(const char* name, const at::Tensor& t, const at::Device& device) {
-  TORCH_CHECK(t.dim() == 3, kOp, ": ", name, " must be a 3-D [B, T, V] tensor, got shape ", t.sizes());
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, kOp,
-              ": ", name, " must have dtype float32, bfloat16 or float16, got ", t.scalar_type());
-  check_device(kOp, name, t, device);
-  TORCH_CHECK(t.stride(2) == 1 || t.size(2) <= 1, kOp, ": ", name,
-              " needs a contiguous last (vocabulary) dim (stride 1), got strides ", t.strides());
-}
-
-void check_per_row(const char* name, const at::Tensor& t, at::ScalarType dtype, int64_t batch,
-                   const at::Device& device) {
-  check_tensor(kOp, name, t, 1, dtype);
-  check_device(kOp, name, t, device);
-  check_size(kOp, name, t, 0, batch, "B (target_logits.size(0))");
-}
 
 template <typename LogitT>
 void run(const cuda::VerifyArgs& args, const at::Tensor& like) {
@@ -68,36 +51,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_cuda(const at::Tensor& tar
                                                            const at::Tensor& top_p, const at::Tensor& seed) {
   TORCH_CHECK(target_logits.is_cuda(), kOp, ": target_logits must be a CUDA tensor, got ", target_logits.device());
   const at::Device device = target_logits.device();
-  check_logits_like("target_logits", target_logits, device);
+  check_verify_args(target_logits, tree_tokens, parents, draft_probs, temperature, top_k, top_p, seed, device);
   const int64_t batch = target_logits.size(0);
   const int64_t num_nodes = target_logits.size(1);
   const int64_t vocab = target_logits.size(2);
-  TORCH_CHECK(num_nodes >= 1 && vocab >= 1, kOp, ": target_logits needs T >= 1 nodes and V >= 1 tokens, got shape ",
-              target_logits.sizes());
+  // This kernel's limits: rows may be strided, but the vocabulary dim must be contiguous for
+  // the 16-byte loads, and sizes are int32.
+  check_last_dim_contiguous(kOp, "target_logits", target_logits);
+  if (draft_probs.has_value()) check_last_dim_contiguous(kOp, "draft_probs", *draft_probs);
   check_fits_int32(kOp, "B (target_logits.size(0))", batch);
-  check_fits_int32(kOp, "T (target_logits.size(1))", num_nodes);
   check_fits_int32(kOp, "V (target_logits.size(2))", vocab);
-  check_tensor(kOp, "tree_tokens", tree_tokens, 2, at::kLong);
-  check_device(kOp, "tree_tokens", tree_tokens, device);
-  check_size(kOp, "tree_tokens", tree_tokens, 0, batch, "B (target_logits.size(0))");
-  check_size(kOp, "tree_tokens", tree_tokens, 1, num_nodes, "T (target_logits.size(1))");
-  // parents: [B, T] (any strides, an expanded [T] included) or [T], shared by all rows.
-  TORCH_CHECK(parents.dim() == 1 || parents.dim() == 2, kOp, ": parents must be [B, T] or [T], got shape ",
-              parents.sizes());
-  TORCH_CHECK(parents.scalar_type() == at::kLong, kOp, ": parents must have dtype int64, got ", parents.scalar_type());
-  check_device(kOp, "parents", parents, device);
-  if (parents.dim() == 2) check_size(kOp, "parents", parents, 0, batch, "B (target_logits.size(0))");
-  check_size(kOp, "parents", parents, parents.dim() - 1, num_nodes, "T (target_logits.size(1))");
-  if (draft_probs.has_value()) {
-    check_logits_like("draft_probs", *draft_probs, device);
-    for (int64_t d = 0; d < 3; ++d) {
-      check_size(kOp, "draft_probs", *draft_probs, d, target_logits.size(d), "target_logits.size(d)");
-    }
-  }
-  check_per_row("temperature", temperature, at::kFloat, batch, device);
-  check_per_row("top_k", top_k, at::kLong, batch, device);
-  check_per_row("top_p", top_p, at::kFloat, batch, device);
-  check_per_row("seed", seed, at::kLong, batch, device);
 
   const c10::cuda::CUDAGuard guard(device);
   const auto int_options = target_logits.options().dtype(at::kInt);

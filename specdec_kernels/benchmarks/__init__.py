@@ -8,8 +8,8 @@ from an installed package as well as from a checkout).
 | `tree_attention`  | tree attention on the GPU against SDPA with a dense mask, Flex, FlashInfer |
 | `verify`          | batched verification on the GPU against torch-native, FlashInfer, reference |
 | `kernels`         | runs each per-op benchmark's `main(argv)` (the `specdec bench kernels` command) |
-| `e2e`             | end-to-end decoding on the four workloads against HF `generate`            |
+| `e2e`             | end-to-end decoding on the four workloads against HF `generate` (a package: `models`, `runner`, `report`) |
 
 Each per-op module exposes `main(argv=None) -> int`; `bench/bench_<op>.py` in a checkout is a
-thin wrapper around it. Results go to `bench/results/` (see `common.results_dir`).
+thin wrapper around it that runs the installed package (README's editable install: the checkout). Results go to `bench/results/` (see `common.results_dir`).
 """

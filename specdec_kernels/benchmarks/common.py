@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: run metadata, timers, tables, JSON and plot output.
+"""Shared pieces of the benchmarks: run metadata, the timers, the table format, JSON and plots.
 
 Timing rules (DESIGN.md "Conventions"):
 - GPU: CUDA events around each call, a few warm-up calls first, the median reported; the
@@ -15,6 +15,7 @@ import json
 import platform
 import re
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -198,20 +199,20 @@ def time_cpu(call: Callable[[int], object], *, n_sets: int = 1, min_run_time: fl
     return Timing(1e6 * measurement.median, 1e6 * min(times), len(times) * measurement.number_per_run)
 
 
-def time_device(call: Callable[[int], object], device, *, n_sets: int = 1, reps: int = 50, warmup: int = 5,
-                flush_l2: bool = False, min_run_time: float = 0.2) -> Timing:
-    """`time_cuda` on a GPU, `time_cpu` on the CPU."""
+def time_kernel(call: Callable[[int], object], device, *, reps: int = 50, n_sets: int = 1, warmup: int = 5,
+                flush_l2: bool = False) -> Timing:
+    """The GPU benchmarks' timer: `time_cuda` on a GPU; on the CPU (their --smoke runs under the
+    Triton interpreter, whose numbers are never recorded) the wall-clock median of `reps` calls
+    `call(i)`, i rotating over `n_sets`, with no warm-up (an interpreted call is slow enough)."""
     if torch.device(device).type == "cuda":
         return time_cuda(call, n_sets=n_sets, reps=reps, warmup=warmup, flush_l2=flush_l2, device=device)
-    return time_cpu(call, n_sets=n_sets, min_run_time=min_run_time)
-
-
-def floor_us(bytes_moved: float, flops: float, bandwidth: Optional[float], peak: Optional[float]) -> Optional[float]:
-    """max(bytes / bandwidth, flops / peak) in microseconds (None without a measured bandwidth)."""
-    if not bandwidth:
-        return None
-    compute = flops / peak if peak else 0.0
-    return 1e6 * max(bytes_moved / bandwidth, compute)
+    times = []
+    for i in range(max(1, reps)):
+        start = time.perf_counter()
+        call(i % n_sets)
+        times.append((time.perf_counter() - start) * 1e6)
+    times.sort()
+    return Timing(times[len(times) // 2], times[0], len(times))
 
 
 # ----------------------------------------------------------------------------- output
@@ -224,6 +225,28 @@ def fmt(x, digits: int = 1) -> str:
     if isinstance(x, float):
         return f"{x:.{digits}f}"
     return str(x)
+
+
+def fmt_us(us: Optional[float]) -> str:
+    """A time in microseconds for a table cell: "45.6us", "1.23ms" from 1000 us on ("-" for None)."""
+    if us is None:
+        return "-"
+    return f"{us / 1000:.2f}ms" if us >= 1000 else f"{us:.1f}us"
+
+
+def peer_cell(peer_us: Optional[float], ours_us: Optional[float]) -> str:
+    """A peer's table cell: "us (peer / ours x)" (> 1x: ours is faster); "-" when the peer did not run."""
+    if peer_us is None:
+        return "-"
+    return f"{peer_us:.1f} ({peer_us / ours_us:.2f}x)" if ours_us else f"{peer_us:.1f}"
+
+
+def print_progress(index: int, total: int, label: str, row: dict) -> None:
+    """A line per finished config while a sweep runs (the table comes at the end): our backend
+    and time, then the errors of methods that could not run it."""
+    print(f"  [{index}/{total}] {label}: {row.get('ours_backend') or 'ours'} {fmt(row.get('ours_us'))} us", flush=True)
+    for name, error in row.get("errors", {}).items():
+        print(f"    {name}: {error}", flush=True)
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence], *, file=None) -> None:
@@ -242,7 +265,7 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence], *, file=None) 
 
 
 def _is_number(text: str) -> bool:
-    return bool(re.fullmatch(r"[-+]?[\d.]+(e[-+]?\d+)?[x%]?|-", text))
+    return bool(re.fullmatch(r"[-+]?[\d.]+(e[-+]?\d+)?(x|%|us|ms)?|-", text))
 
 
 def pyplot():
@@ -256,3 +279,39 @@ def pyplot():
         print("matplotlib not installed (pip install 'specdec_kernels[bench]'): no plots", flush=True)
         return None
     return plt
+
+
+def save_figure(plt, fig, path) -> Path:
+    """Lay out, write (PNG, 110 dpi) and close `fig`; returns the path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}", flush=True)
+    return Path(path)
+
+
+def plot_panels(path, panels, *, xlabel: str, ylabel: str, title: Optional[str] = None, xbase: int = 2,
+                panel_width: float = 4.0, height: float = 3.6) -> Optional[Path]:
+    """The benchmarks' line plot: one log-log panel per (panel_title, xs, {series: ys}) in
+    `panels`, a line per series (points whose y is None or 0 are left out; a series named
+    "floor..." is dashed), the legend on the last panel. Returns the PNG's path, None without
+    matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(panel_width * len(panels), height), squeeze=False)
+    for ax, (panel_title, xs, series) in zip(axes[0], panels):
+        for name, ys in series.items():
+            points = [(x, y) for x, y in zip(xs, ys) if y]
+            if points:
+                ax.plot(*zip(*points), marker="o", linestyle="--" if name.startswith("floor") else "-", label=name)
+        ax.set_xscale("log", base=xbase)
+        ax.set_yscale("log")
+        ax.set_title(panel_title, fontsize=9)
+        ax.set_xlabel(xlabel)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][-1].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    return save_figure(plt, fig, path)

@@ -164,23 +164,18 @@ def hf_propose(gen, rows64):
 # ----------------------------------------------------------------------------- timing
 
 
-def timeit(fn, budget_s, sets=None, warmup=True):
-    """(median, best) seconds per call of fn(x) over x in `sets` (rotated; default [None]),
-    timed with torch.utils.benchmark for at least budget_s (common.time_cpu)."""
+def timeit(fn, budget_s, sets=None, warmup=True) -> common.Timing:
+    """fn(x) over x in `sets` (rotated; default [None]) timed by common.time_cpu for at least budget_s."""
     sets = sets if sets is not None else [None]
-    timing = common.time_cpu(lambda i: fn(sets[i]), n_sets=len(sets), min_run_time=budget_s, warmup=warmup)
-    return timing.median_us * 1e-6, timing.best_us * 1e-6
+    return common.time_cpu(lambda i: fn(sets[i]), n_sets=len(sets), min_run_time=budget_s, warmup=warmup)
 
 
-def record(row, name, times):
+def record(row, name, timing):
     """The median goes in the DESIGN.md fields, the best block beside it (`*_best_us`)."""
-    median, best = (1e6 * x for x in times)
-    if name == "ours":
-        row["ours_us"], row["ours_best_us"] = median, best
-    elif name == "floor":
-        row["floor_us"], row["floor_best_us"] = median, best
+    if name in ("ours", "floor"):
+        row[f"{name}_us"], row[f"{name}_best_us"] = timing.median_us, timing.best_us
     else:
-        row["peers_us"][name], row["peers_best_us"][name] = median, best
+        row["peers_us"][name], row["peers_best_us"][name] = timing.median_us, timing.best_us
 
 
 def rotated_copies(tokens_np, rng):
@@ -213,7 +208,7 @@ def bench_config(docs, batch, length, workload, policy, args, rng):
     torch.set_num_threads(1)
     floors.append(timeit(lambda t: t.max(), budget, copies))
     torch.set_num_threads(threads)
-    record(row, "floor", min(floors))
+    record(row, "floor", min(floors, key=lambda t: t.median_us))
 
     if HAS_NUMBA and policy == "earliest":
         out = np.full((batch, NUM_TOKENS), -1, dtype=np.int32)
@@ -226,7 +221,7 @@ def bench_config(docs, batch, length, workload, policy, args, rng):
             fn(tokens_np, lens_np, MIN_N, MAX_N, NUM_TOKENS, out, out_lens)
             assert np.array_equal(out_lens, lens.numpy()) and np.array_equal(out, drafts.numpy()), "numba differs"
             times = timeit(lambda t: fn(t, lens_np, MIN_N, MAX_N, NUM_TOKENS, out, out_lens), budget, copies_np)
-            if best is None or times[0] < best[0][0]:
+            if best is None or times.median_us < best[0].median_us:
                 best = (times, name)
         row["checked"].append("numba")
         record(row, "numba", best[0])
@@ -274,9 +269,9 @@ def bench_config(docs, batch, length, workload, policy, args, rng):
         times.append(time.perf_counter() - t0)
     # Steps differ (random counts), so the best step is optimistic: report the median step per
     # row, scaled to B rows, in both fields.
-    per_row = float(np.median(times)) / idx_rows
-    row["index_per_row_us"] = 1e6 * per_row
-    record(row, "index", (per_row * batch, per_row * batch))
+    per_row_us = 1e6 * float(np.median(times)) / idx_rows
+    row["index_per_row_us"] = per_row_us
+    record(row, "index", common.Timing(per_row_us * batch, per_row_us * batch, steps))
     row["index_rows"] = idx_rows
     row["index_reset_us_per_token"] = 1e6 * reset_s / (idx_rows * length)
     row["index_bytes_per_token"] = index.memory_bytes() / (idx_rows * length)
@@ -287,61 +282,35 @@ def bench_config(docs, batch, length, workload, policy, args, rng):
 # ----------------------------------------------------------------------------- output
 
 
-def fmt(x):
-    if x is None:
-        return "-"
-    return f"{x / 1000:.2f}ms" if x >= 1000 else f"{x:.1f}us"
+TABLE_HEADERS = ["workload", "policy", "B", "L", "hit", "ours", "floor", "index", "idx/row", "numba", "hf", "ref",
+                 "numba/ours", "hf/ours", "ref/ours", "ours/index"]
 
 
-def print_table(rows):
-    head = (f"{'workload':8} {'policy':8} {'B':>4} {'L':>7} {'hit':>5} {'ours':>9} {'floor':>9} {'index':>9} "
-            f"{'idx/row':>8} {'numba':>9} {'hf':>9} {'ref':>9}  {'numba/ours':>10} {'hf/ours':>8} {'ref/ours':>8} "
-            f"{'ours/index':>10}")
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        c, p, ours = r["config"], r["peers_us"], r["ours_us"]
-        ratio = lambda x: f"{x / ours:.1f}x" if x is not None else "-"  # noqa: E731
-        print(f"{c['workload']:8} {c['policy']:8} {c['B']:>4} {c['L']:>7} {r['hit_rate']:>5.2f} {fmt(ours):>9} "
-              f"{fmt(r['floor_us']):>9} {fmt(p.get('index')):>9} {r['index_per_row_us']:>6.2f}us "
-              f"{fmt(p.get('numba')):>9} {fmt(p.get('hf')):>9} {fmt(p.get('reference')):>9}  "
-              f"{ratio(p.get('numba')):>10} {ratio(p.get('hf')):>8} {ratio(p.get('reference')):>8} "
-              f"{ours / p['index']:>9.1f}x")
+def table_cells(row):
+    """One table row: config, hit rate, each method's time per step, then peer / ours ratios."""
+    c, p, ours = row["config"], row["peers_us"], row["ours_us"]
+
+    def ratio(peer):
+        return "-" if peer is None else f"{peer / ours:.1f}x"
+
+    return [c["workload"], c["policy"], c["B"], c["L"], f"{row['hit_rate']:.2f}", common.fmt_us(ours),
+            common.fmt_us(row["floor_us"]), common.fmt_us(p.get("index")), f"{row['index_per_row_us']:.2f}us",
+            common.fmt_us(p.get("numba")), common.fmt_us(p.get("hf")), common.fmt_us(p.get("reference")),
+            ratio(p.get("numba")), ratio(p.get("hf")), ratio(p.get("reference")), f"{ours / p['index']:.1f}x"]
 
 
 def plot(rows, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
-        return
+    """Per-step latency against L, one panel per batch (text, earliest): ours, floor, peers."""
     text = [r for r in rows if r["config"]["workload"] == "text" and r["config"]["policy"] == "earliest"]
-    batches = sorted({r["config"]["B"] for r in text})
-    fig, axes = plt.subplots(1, len(batches), figsize=(4 * len(batches), 3.6), squeeze=False)
-    for ax, batch in zip(axes[0], batches):
+    panels = []
+    for batch in sorted({r["config"]["B"] for r in text}):
         sel = sorted((r for r in text if r["config"]["B"] == batch), key=lambda r: r["config"]["L"])
-        lengths = [r["config"]["L"] for r in sel]
         series = {"ours (C++)": [r["ours_us"] for r in sel], "floor (1 read)": [r["floor_us"] for r in sel]}
         for name in ("index", "numba", "hf", "reference"):
             series[name] = [r["peers_us"].get(name) for r in sel]
-        for name, ys in series.items():
-            pts = [(x, y) for x, y in zip(lengths, ys) if y is not None]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=name, linestyle="--" if name.startswith("floor") else "-")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"B={batch}, text, earliest")
-        ax.set_xlabel("history length L")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("per-step latency (us)")
-    axes[0][-1].legend(fontsize=7)
-    fig.suptitle(f"n-gram drafting on {cpu_name()}, {torch.get_num_threads()} threads", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+        panels.append((f"B={batch}, text, earliest", [r["config"]["L"] for r in sel], series))
+    common.plot_panels(path, panels, xlabel="history length L", ylabel="per-step latency (us)",
+                       title=f"n-gram drafting on {cpu_name()}, {torch.get_num_threads()} threads")
 
 
 def main(argv=None) -> int:
@@ -390,10 +359,10 @@ def main(argv=None) -> int:
     for batch, length, workload, policy in configs:
         rows.append(bench_config(docs, batch, length, workload, policy, args, rng))
         c = rows[-1]
-        print(f"  B={batch:<4} L={length:<7} {workload:6} {policy:8} ours {fmt(c['ours_us'])}, "
+        print(f"  B={batch:<4} L={length:<7} {workload:6} {policy:8} ours {common.fmt_us(c['ours_us'])}, "
               f"checked {c['checked']}  ({time.perf_counter() - start:.0f}s)", flush=True)
     print()
-    print_table(rows)
+    common.print_table(TABLE_HEADERS, [table_cells(r) for r in rows])
     print(f"\nmedian per call, torch.utils.benchmark (load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} "
           "cores; best blocks in the JSON); index: median step per row, x B.")
     print(f"slow peers (hf, reference) only where B*L <= {args.slow_limit}; index measured on up to "

@@ -26,7 +26,7 @@ or runs out of memory is reported as such, not timed.
 Floor: max(bytes / BW, flops / peak), bytes = K and V of the visible prefix and tree read
 once + q + output, flops = 4 * B * Hq * T * (prefix + T) * D; BW is measured in this run
 (a large device-to-device copy), peak from a large bf16 matmul in this run.
-Times: median of CUDA-event-timed calls after warm-up calls (benchmarks.common.time_cuda), L2
+Times: median of CUDA-event-timed calls after warm-up calls (benchmarks.common.time_kernel), L2
 flushed before each call (the caches are too large to rotate copies of; launch overhead of the
 Python wrappers included, as a user sees it).
 Writes bench/results/tree_attention_<device>.json and .png (not in --smoke mode).
@@ -203,33 +203,18 @@ def _available():
 # ----------------------------------------------------------------------------- timing
 
 
-def timer(fn, reps):
-    """Median microseconds per call: CUDA events, warm-up, L2 flushed (common.time_cuda); on
-    the CPU (--smoke only) plain wall-clock, never recorded."""
-    if DEVICE.type != "cuda":
-        import time
-
-        times = []
-        for _ in range(max(1, reps)):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e6)
-        return sorted(times)[len(times) // 2]
-    return common.time_cuda(lambda _: fn(), reps=reps, warmup=3, flush_l2=True, device=DEVICE).median_us
-
-
 def measure_hardware():
     """(bytes/s, flop/s) measured now: a big device copy and a big bf16 matmul."""
     if DEVICE.type != "cuda":
         return None, None
     src = torch.empty(2 * 1024**3, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
-    copy_us = timer(lambda: dst.copy_(src), 20)
+    copy_us = common.time_kernel(lambda _: dst.copy_(src), DEVICE, reps=20, warmup=3, flush_l2=True).median_us
     bandwidth = 2 * src.numel() / (copy_us * 1e-6)
     del src, dst
     a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
-    mm_us = timer(lambda: a @ b, 20)
+    mm_us = common.time_kernel(lambda _: a @ b, DEVICE, reps=20, warmup=3, flush_l2=True).median_us
     peak = 2 * 8192**3 / (mm_us * 1e-6)
     return bandwidth, peak
 
@@ -283,7 +268,7 @@ def run_config(cfg, hardware, gen):
             err = (out.float() - expected.float()).abs().max().item()
             if not err <= tol:
                 raise AssertionError(f"max abs error {err:.3g} > {tol}")
-            times[name] = timer(fn, reps)
+            times[name] = common.time_kernel(lambda _: fn(), DEVICE, reps=reps, warmup=3, flush_l2=True).median_us
         except Exception as error:  # a peer that cannot run this config is reported, not fatal
             row["errors"][name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
             if DEVICE.type == "cuda":
@@ -309,64 +294,35 @@ def run_config(cfg, hardware, gen):
     return row
 
 
-def fmt(x, digits=1):
-    return "-" if x is None else f"{x:.{digits}f}"
+TABLE_HEADERS = ["shape", "B", "T", "prefix", "ours", "us", "TB/s", "TFLOP/s", "%floor"]
 
 
-def print_header(peer_names):
-    cols = ["shape", "B", "T", "prefix", "ours", "us", "TB/s", "TFLOP/s", "%floor"] + [f"{p}" for p in peer_names]
-    print(" | ".join(f"{c:>10}" for c in cols), flush=True)
-
-
-def print_row(row, peer_names):
-    c = row["config"]
-    us = row["ours_us"]
+def table_cells(row, peer_names):
+    """One table row: config, our backend and time, achieved bandwidth and flop rate, % of the
+    floor, then each peer as "us (peer / ours x)"."""
+    c, us = row["config"], row["ours_us"]
     tbs = row["bytes"] / (us * 1e-6) / 1e12 if us else None
     tflops = row["flops"] / (us * 1e-6) / 1e12 if us else None
     pct = 100 * row["floor_us"] / us if us and row["floor_us"] else None
-    cells = [c["shape"], c["B"], c["T"], c["prefix"], row["ours_backend"] or "-", fmt(us), fmt(tbs, 2), fmt(tflops, 1), fmt(pct, 0)]
-    for p in peer_names:
-        t = row["peers_us"].get(p)
-        cells.append("-" if t is None else (f"{t:.1f} ({t / us:.2f}x)" if us else f"{t:.1f}"))
-    print(" | ".join(f"{str(x):>10}" for x in cells), flush=True)
-    for name, error in row.get("errors", {}).items():
-        print(f"    {name}: {error}", flush=True)
+    cells = [c["shape"], c["B"], c["T"], c["prefix"], row["ours_backend"] or "-", common.fmt(us), common.fmt(tbs, 2),
+             common.fmt(tflops, 1), common.fmt(pct, 0)]
+    return cells + [common.peer_cell(row["peers_us"].get(p), us) for p in peer_names]
 
 
 def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """us per call against prefix length, one panel per T, for the first shape at batch 8 (or
+    the first batch): ours, floor, peers."""
     shape = rows[0]["config"]["shape"]
     batch = 8 if any(r["config"]["B"] == 8 for r in rows) else rows[0]["config"]["B"]
     picked = [r for r in rows if r["config"]["shape"] == shape and r["config"]["B"] == batch]
-    nodes = sorted({r["config"]["T"] for r in picked})
-    fig, axes = plt.subplots(1, len(nodes), figsize=(4 * len(nodes), 3.6), squeeze=False)
-    for ax, t in zip(axes[0], nodes):
+    panels = []
+    for t in sorted({r["config"]["T"] for r in picked}):
         sub = sorted((r for r in picked if r["config"]["T"] == t), key=lambda r: r["config"]["prefix"])
-        xs = [r["config"]["prefix"] for r in sub]
         series = {"ours": [r["ours_us"] for r in sub], "floor": [r["floor_us"] for r in sub]}
-        for r in sub:
-            for name in r["peers_us"]:
-                series.setdefault(name, [])
-        for name in list(series):
-            if name not in ("ours", "floor"):
-                series[name] = [r["peers_us"].get(name) for r in sub]
-        for name, ys in series.items():
-            pts = [(x, y) for x, y in zip(xs, ys) if y]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", linestyle="--" if name == "floor" else "-", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"{shape} B={batch} T={t}")
-        ax.set_xlabel("prefix length")
-    axes[0][0].set_ylabel("us per call")
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+        for name in dict.fromkeys(n for r in sub for n in r["peers_us"]):
+            series[name] = [r["peers_us"].get(name) for r in sub]
+        panels.append((f"{shape} B={batch} T={t}", [r["config"]["prefix"] for r in sub], series))
+    common.plot_panels(path, panels, xlabel="prefix length", ylabel="us per call")
 
 
 def main(argv=None) -> int:
@@ -388,13 +344,16 @@ def main(argv=None) -> int:
     if not ours:
         print("no kernel of ours can run here (need the CUDA extension or triton)", file=sys.stderr)
         return 2
-    print("times in us; peer columns: us (peer / ours, > 1 means ours is faster); %floor: floor / ours")
-    print_header(peer_names)
+    todo = configs()
     rows = []
-    for cfg in configs():
+    for i, cfg in enumerate(todo, 1):
         row = run_config(cfg, hardware, gen)
         rows.append(row)
-        print_row(row, peer_names)
+        c = row["config"]
+        common.print_progress(i, len(todo), f"{c['shape']} B={c['B']} T={c['T']} prefix={c['prefix']}", row)
+    print()
+    print("times in us; peer columns: us (peer / ours, > 1 means ours is faster); %floor: floor / ours")
+    common.print_table(TABLE_HEADERS + peer_names, [table_cells(r, peer_names) for r in rows])
     result = common.metadata(
         "tree_attention", DEVICE, ours[0][0],
         mode="smoke" if ARGS.smoke else ("full" if ARGS.full else "quick"),

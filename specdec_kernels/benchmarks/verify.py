@@ -35,7 +35,6 @@ Writes bench/results/verify_<device>.json and .png (not in --smoke mode).
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -164,26 +163,13 @@ def flashinfer_chain(logits, tokens, draft_probs, temperature):
 # ----------------------------------------------------------------------------- timing
 
 
-def timer(fn, reps, device, n_sets=1):
-    """Median microseconds of `fn(i)` (i = input copy): CUDA events after warm-up calls
-    (common.time_cuda); on the CPU (--smoke only) plain wall-clock, never recorded."""
-    if device.type != "cuda":
-        times = []
-        for i in range(max(1, reps)):
-            start = time.perf_counter()
-            fn(i)
-            times.append((time.perf_counter() - start) * 1e6)
-        return sorted(times)[len(times) // 2]
-    return common.time_cuda(fn, n_sets=n_sets, reps=reps, warmup=WARMUP, device=device).median_us
-
-
 def measure_bandwidth(device):
     """Bytes/s of a large device-to-device copy (read + write), None off the GPU."""
     if device.type != "cuda":
         return None
     src = torch.empty(2 * 1024**3, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    copy_us = timer(lambda i: dst.copy_(src), 20, device)
+    copy_us = common.time_kernel(lambda i: dst.copy_(src), device, reps=20, warmup=WARMUP).median_us
     del src, dst
     return 2 * 2 * 1024**3 / (copy_us * 1e-6)
 
@@ -253,7 +239,7 @@ def run_config(sk, cfg, ours, args, bandwidth, device, gen):
                     raise AssertionError(f"{int((~same[~greedy]).sum())} sampled rows differ from the reference")
             else:
                 fn(0)
-            times[name] = timer(fn, reps, device, n_sets=copies)
+            times[name] = common.time_kernel(fn, device, reps=reps, n_sets=copies, warmup=WARMUP).median_us
         except Exception as error:  # a method that cannot run this config is reported, not fatal
             row["errors"][name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
     for name in ours:
@@ -291,50 +277,21 @@ def table_cells(row, peer_names):
     pct = 100 * row["floor_us"] / us if us and row["floor_us"] else None
     cells = [c["B"], c["tree"], c["V"], c["mode"], common.fmt(row["mean_accepted"], 2), row["ours_backend"] or "-",
              common.fmt(us), common.fmt(pct, 0)]
-    for p in peer_names:
-        t = row["peers_us"].get(p)
-        cells.append("-" if t is None else (f"{t:.1f} ({t / us:.2f}x)" if us else f"{t:.1f}"))
-    return cells
-
-
-def print_progress(index, total, row):
-    """A line per finished config while the sweep runs (the table comes at the end), with its errors."""
-    c = row["config"]
-    print(f"  [{index}/{total}] B={c['B']} {c['tree']} V={c['V']} {c['mode']}: "
-          f"{row['ours_backend'] or 'ours'} {common.fmt(row['ours_us'])} us", flush=True)
-    for name, error in row.get("errors", {}).items():
-        print(f"    {name}: {error}", flush=True)
+    return cells + [common.peer_cell(row["peers_us"].get(p), us) for p in peer_names]
 
 
 def plot(rows, path):
     """us per call against batch, one panel per (tree, mode) at the largest vocab: ours, floor, peers."""
-    plt = common.pyplot()
-    if plt is None:
-        return
-    groups = sorted({(r["config"]["tree"], r["config"]["mode"]) for r in rows})
     vocab = max(r["config"]["V"] for r in rows)
-    fig, axes = plt.subplots(1, len(groups), figsize=(3.6 * len(groups), 3.4), squeeze=False)
-    for ax, (tree, mode) in zip(axes[0], groups):
+    panels = []
+    for tree, mode in sorted({(r["config"]["tree"], r["config"]["mode"]) for r in rows}):
         sub = sorted((r for r in rows if r["config"]["tree"] == tree and r["config"]["mode"] == mode
                       and r["config"]["V"] == vocab), key=lambda r: r["config"]["B"])
-        xs = [r["config"]["B"] for r in sub]
         series = {"ours": [r["ours_us"] for r in sub], "floor": [r["floor_us"] for r in sub]}
         for name in sorted({n for r in sub for n in r["peers_us"]}):
             series[name] = [r["peers_us"].get(name) for r in sub]
-        for name, ys in series.items():
-            pts = [(x, y) for x, y in zip(xs, ys) if y]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", linestyle="--" if name == "floor" else "-", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"{tree} {mode} V={vocab}", fontsize=9)
-        ax.set_xlabel("batch")
-    axes[0][0].set_ylabel("us per call")
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+        panels.append((f"{tree} {mode} V={vocab}", [r["config"]["B"] for r in sub], series))
+    common.plot_panels(path, panels, xlabel="batch", ylabel="us per call", panel_width=3.6, height=3.4)
 
 
 def output_path(args, device) -> str:
@@ -385,7 +342,8 @@ def main(argv=None) -> int:
     for i, cfg in enumerate(todo, 1):
         row = run_config(sk, cfg, ours, args, bandwidth, device, gen)
         rows.append(row)
-        print_progress(i, len(todo), row)
+        c = row["config"]
+        common.print_progress(i, len(todo), f"B={c['B']} {c['tree']} V={c['V']} {c['mode']}", row)
         if has_cuda:
             torch.cuda.empty_cache()
     print()

@@ -26,7 +26,8 @@ struct CompactParams {
   int32_t num_caches;
 };
 
-// One thread moves one Vec-sized column slice of row b's accepted path in one cache.
+// One thread moves one Vec-sized column slice of row b's accepted path in one cache. Node
+// ids are bounded by the cache (0 <= node < node_limit = S - prefix), not by T.
 // It loads up to kChunk path rows into registers before storing any, so a path of up to
 // kChunk nodes (the usual case) is gathered completely before anything is written, for any
 // path. Longer paths go chunk by chunk in path order, which is still exact for every real
@@ -34,7 +35,7 @@ struct CompactParams {
 // >= j and every later source lies past every destination already written.
 template <typename Vec, int kChunk>
 __device__ __forceinline__ void move_path(const KvCacheView& cache, int64_t b, int32_t prefix,
-                                          const int32_t* __restrict__ path, int32_t path_len, int32_t num_nodes) {
+                                          const int32_t* __restrict__ path, int32_t path_len, int32_t node_limit) {
   const int64_t vecs_per_head = cache.head_bytes / static_cast<int32_t>(sizeof(Vec));
   const int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (v >= vecs_per_head * cache.heads) return;
@@ -48,8 +49,8 @@ __device__ __forceinline__ void move_path(const KvCacheView& cache, int64_t b, i
       const int32_t j = first + k;
       nodes[k] = j < path_len ? __ldg(path + j) : j;
       // A node already in place needs no move (every node of an accepted chain); a node id
-      // outside [0, T) is skipped too, since the kernel cannot raise.
-      if (nodes[k] < 0 || nodes[k] >= num_nodes) nodes[k] = j;
+      // outside the cache ([0, S - prefix)) is skipped too, since the kernel cannot raise.
+      if (nodes[k] < 0 || nodes[k] >= node_limit) nodes[k] = j;
       if (nodes[k] != j) rows[k] = *reinterpret_cast<const Vec*>(tree + nodes[k] * cache.stride_s);
     }
 #pragma unroll
@@ -76,19 +77,22 @@ __global__ void __launch_bounds__(kCompactThreads)
   }
   if (static_cast<int32_t>(blockIdx.z) >= params.num_caches) return;
   const KvCacheView& cache = params.caches[blockIdx.z];
-  // Rows the CPU kernel would reject (tree past the cache end, path length outside [1, T])
-  // are left untouched: a kernel cannot raise, and Python validates beforehand.
-  if (prefix < 0 || static_cast<int64_t>(prefix) + num_nodes > cache.seq_len || accepted < 0 || accepted >= num_nodes) {
+  // Rows the CPU kernel would reject (negative prefix, path length outside [1, T], a path
+  // whose destinations prefix + j, j <= accepted, leave the cache) are left untouched: a
+  // kernel cannot raise, and Python validates beforehand. Node ids are bounded by the cache,
+  // not by T (a path may come in a narrower tensor than its tree).
+  if (prefix < 0 || accepted < 0 || accepted >= num_nodes || static_cast<int64_t>(prefix) + accepted >= cache.seq_len) {
     return;
   }
+  const int32_t node_limit = cache.seq_len - prefix;
   const int32_t* path = accepted_nodes + b * num_nodes;
   const int32_t path_len = accepted + 1;
   switch (cache.vec_bytes) {  // the same for the whole block: no divergence
-    case 16: move_path<uint4, kChunk>(cache, b, prefix, path, path_len, num_nodes); break;
-    case 8: move_path<uint2, kChunk>(cache, b, prefix, path, path_len, num_nodes); break;
-    case 4: move_path<uint32_t, kChunk>(cache, b, prefix, path, path_len, num_nodes); break;
-    case 2: move_path<uint16_t, kChunk>(cache, b, prefix, path, path_len, num_nodes); break;
-    default: move_path<uint8_t, kChunk>(cache, b, prefix, path, path_len, num_nodes); break;
+    case 16: move_path<uint4, kChunk>(cache, b, prefix, path, path_len, node_limit); break;
+    case 8: move_path<uint2, kChunk>(cache, b, prefix, path, path_len, node_limit); break;
+    case 4: move_path<uint32_t, kChunk>(cache, b, prefix, path, path_len, node_limit); break;
+    case 2: move_path<uint16_t, kChunk>(cache, b, prefix, path, path_len, node_limit); break;
+    default: move_path<uint8_t, kChunk>(cache, b, prefix, path, path_len, node_limit); break;
   }
 }
 

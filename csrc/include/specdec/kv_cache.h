@@ -2,8 +2,8 @@
 //
 // A cache is one [B, S, H, D] tensor (a layer's keys or values) seen as bytes: the move
 // never looks at the values, so one code path serves every dtype. Row b's tree occupies
-// positions prefix_b + node, node < T; the accepted path accepted[0..n] (node 0, the root,
-// first) moves to positions prefix_b + j, j <= n.
+// positions prefix_b + node; the accepted path accepted[0..n] (node 0, the root, first,
+// then strictly increasing node ids) moves to positions prefix_b + j, j <= n.
 #pragma once
 
 #include <algorithm>
@@ -38,15 +38,23 @@ inline int32_t widest_vector_bytes(const KvCacheView& cache) {
 namespace cpu {
 
 // Why batch row `path` cannot be compacted in a cache of `seq_len` positions, or nullptr.
-// The tree (all T nodes) must fit after the prefix, the path must hold 1..T nodes, and
-// every node on it must be a node id.
+// The path holds num_accepted + 1 nodes, 1..T of them (T = num_nodes, the width of the
+// accepted_nodes tensor); it starts at the root (node 0) and strictly increases, as every
+// root-to-node path of a topologically ordered tree does; its node ids are bounded by the
+// cache (prefix + node < seq_len), not by T, so a path may come in a narrower tensor than
+// the tree it was accepted from. Increasing paths also keep every destination
+// prefix + j <= prefix + path[j] inside the cache.
 inline const char* path_error(int32_t prefix, const int32_t* path, int32_t num_accepted, int32_t num_nodes,
                               int32_t seq_len) {
   if (prefix < 0) return "cache_seqlens is negative";
-  if (static_cast<int64_t>(prefix) + num_nodes > seq_len) return "cache_seqlens + T exceeds the cache length S";
   if (num_accepted < 0 || num_accepted >= num_nodes) return "num_accepted is outside [0, T)";
-  for (int32_t j = 0; j <= num_accepted; ++j) {
-    if (path[j] < 0 || path[j] >= num_nodes) return "accepted_nodes has a node outside [0, T) on the path";
+  if (path[0] != 0) return "accepted_nodes must start at node 0 (the root)";
+  for (int32_t j = 1; j <= num_accepted; ++j) {
+    if (path[j] <= path[j - 1]) return "accepted_nodes must strictly increase along the path";
+  }
+  // The path increases, so its last node is its largest.
+  if (static_cast<int64_t>(prefix) + path[num_accepted] >= seq_len) {
+    return "accepted_nodes has a node past the cache (cache_seqlens + node >= S)";
   }
   return nullptr;
 }

@@ -27,6 +27,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "specdec/dtypes.h"  // BFloat16Bits, HalfBits, to_float, from_float
+
 // 64-byte vector arguments of always-inline helpers would change the ABI without AVX-512;
 // they never cross a real call, so the warning is noise. (GCC reports it at the end of
 // the translation unit, so it cannot be pushed and popped around this header.)
@@ -41,15 +43,6 @@
 
 namespace specdec {
 namespace cpu {
-
-// 16-bit storage types as bit patterns, so this header needs no torch type (the glue
-// reinterprets at::BFloat16 / at::Half, which have the same layout).
-struct BFloat16Bits {
-  uint16_t bits;
-};
-struct HalfBits {
-  uint16_t bits;
-};
 
 namespace attention_detail {
 
@@ -89,11 +82,15 @@ SPECDEC_CPU_INLINE V vmax(const V& a, const V& b) {
 // e^x for x <= 0 (all callers pass differences to a running max), exactly 0 below -87
 // (where e^x would be subnormal) and for -inf; relative error a few ulp. e^x = 2^n e^r
 // with n = rint(x / ln 2), |r| <= ln 2 / 2, and a degree-6 polynomial for e^r.
+// NaN in, NaN out: a NaN score (NaN in q or k, or inf * 0) or an inf - inf (a +inf score
+// minus the running max it set) makes its query's probabilities and denominator NaN, so the
+// output is NaN exactly where a softmax over the same scores (the reference) gives NaN.
 template <typename V>
 SPECDEC_CPU_INLINE V exp_nonpositive(const V& input) {
   using Bits = decltype(input < input);
   const Bits underflow = input < splat<V>(-87.0f);
-  const V x = vmax(input, splat<V>(-87.0f));
+  // The clamp keeps NaN (a comparison with NaN is false, so NaN is not `underflow`).
+  const V x = select(underflow, splat<V>(-87.0f), input);
   // Adding 1.5 * 2^23 rounds x / ln 2 to an integer held in the low mantissa bits.
   const V shifter = splat<V>(12582912.0f);
   const V shifted = x * splat<V>(1.44269504088896341f) + shifter;
@@ -280,61 +277,7 @@ inline void tile_softmax_pv(float* scores, int64_t num_keys, int64_t stride, int
   }
 }
 
-// ----------------------------------------------------------------------------- conversions
-
-SPECDEC_CPU_INLINE float bits_to_float(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-SPECDEC_CPU_INLINE uint32_t float_to_bits(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  return bits;
-}
-
-inline float to_float(float x) { return x; }
-inline float to_float(BFloat16Bits x) { return bits_to_float(static_cast<uint32_t>(x.bits) << 16); }
-// Branch-free (so the row loops vectorise): moving the 15 exponent+mantissa bits into
-// place and scaling by 2^(127-15) is exact for normal and subnormal halves alike;
-// inf/NaN keep an all-ones exponent.
-inline float to_float(HalfBits x) {
-  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000u) << 16;
-  const uint32_t magnitude = static_cast<uint32_t>(x.bits & 0x7fffu) << 13;
-  const uint32_t finite = float_to_bits(bits_to_float(magnitude) * 0x1p112f);
-  const uint32_t special = magnitude | 0x7f800000u;
-  return bits_to_float(sign | (magnitude >= (0x7c00u << 13) ? special : finite));
-}
-
-inline void from_float(float x, float* out) { *out = x; }
-// Round to nearest even; NaN stays a (quiet) NaN.
-inline void from_float(float x, BFloat16Bits* out) {
-  const uint32_t bits = float_to_bits(x);
-  if (std::isnan(x)) {
-    out->bits = static_cast<uint16_t>((bits >> 16) | 0x40u);
-    return;
-  }
-  out->bits = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-inline void from_float(float x, HalfBits* out) {
-  const uint32_t bits = float_to_bits(x);
-  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
-  const uint32_t magnitude = bits & 0x7fffffffu;
-  if (magnitude > 0x7f800000u) {
-    out->bits = sign | 0x7e00u;  // NaN
-  } else if (magnitude >= 0x477ff000u) {
-    out->bits = sign | 0x7c00u;  // >= 65520 rounds to inf
-  } else if (magnitude < 0x38800000u) {
-    // Below 2^-14: a subnormal half, |x| / 2^-24 rounded to an integer (1024 = the
-    // smallest normal, whose encoding is also 1024).
-    out->bits = sign | static_cast<uint16_t>(std::nearbyint(std::fabs(x) * 16777216.0f));
-  } else {
-    // Rebias the exponent (127 -> 15) and round the mantissa from 23 to 10 bits, to even;
-    // a carry out of the mantissa correctly bumps the exponent.
-    const uint32_t rounded = magnitude + 0xfffu + ((magnitude >> 13) & 1u);
-    out->bits = sign | static_cast<uint16_t>((rounded - (112u << 23)) >> 13);
-  }
-}
+// ----------------------------------------------------------------------------- row loads
 
 // One row to fp32 (the 16-bit conversions vectorise in the AVX2 / AVX-512 clones).
 inline void load_row(const float* src, int64_t count, float* dst) { std::memcpy(dst, src, count * sizeof(float)); }
@@ -533,7 +476,7 @@ void write_output(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_h
     Scalar* out = p.out + ((b * p.num_nodes + t) * p.num_q_heads + kv_head * group + m % group) * p.head_dim;
     const float inv = 1.0f / s.row_sum[m];
     const float* acc = s.acc + m * s.padded_dim;
-    for (int64_t d = 0; d < p.head_dim; ++d) attention_detail::from_float(acc[d] * inv, out + d);
+    for (int64_t d = 0; d < p.head_dim; ++d) from_float(acc[d] * inv, out + d);
   }
 }
 
@@ -565,15 +508,17 @@ void combine_partials(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t 
     for (int64_t c = 0; c < num_parts; ++c) {
       const float* part = partials + c * size;
       const float part_max = part[rows * head_dim + m];
-      if (part_max == -std::numeric_limits<float>::infinity()) continue;  // saw no key
-      const float weight = std::exp(part_max - best);
+      // A range where the query saw no key has weight 0 (not exp(-inf - -inf) = NaN), but its
+      // sums still count: they are 0, or NaN from 0 * NaN (or inf) values, like a softmax's.
+      const float weight =
+          part_max == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(part_max - best);
       sum += weight * part[rows * (head_dim + 1) + m];
       for (int64_t d = 0; d < head_dim; ++d) row[d] += weight * part[m * head_dim + d];
     }
     const int64_t t = m / group;
     Scalar* out = p.out + ((b * p.num_nodes + t) * p.num_q_heads + kv_head * group + m % group) * head_dim;
     const float inv = 1.0f / sum;
-    for (int64_t d = 0; d < head_dim; ++d) attention_detail::from_float(row[d] * inv, out + d);
+    for (int64_t d = 0; d < head_dim; ++d) from_float(row[d] * inv, out + d);
   }
 }
 

@@ -67,6 +67,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "specdec/philox.h"  // philox::uniform, the Philox of the CPU verify too
+
 namespace specdec {
 namespace cuda {
 
@@ -78,13 +80,6 @@ constexpr int kVerifyMinChunk = 2048;   // fewer elements per block are not wort
 constexpr int kVerifyLoadBatch = 4;     // 16-byte loads in flight per thread
 constexpr int kVerifyMaxDevices = 64;
 static_assert(kVerifyThreads == kVerifyBins, "one thread per histogram bin");
-
-constexpr uint32_t kPhiloxM0 = 0xD2511F53u;
-constexpr uint32_t kPhiloxM1 = 0xCD9E8D57u;
-constexpr uint32_t kPhiloxW0 = 0x9E3779B9u;
-constexpr uint32_t kPhiloxW1 = 0xBB67AE85u;
-constexpr uint32_t kPurposeAccept = 0;
-constexpr uint32_t kPurposeSample = 1;
 
 // What one block publishes for one barrier.
 struct alignas(16) VerifySlot {
@@ -266,34 +261,6 @@ __device__ __forceinline__ float residual_step(float r, float q, float s) {
   return __fdiv_rn(fmaxf(__fsub_rn(r, q), 0.f), s);
 }
 __device__ __forceinline__ unsigned long long to_fixed40(float e) { return __float2ull_rn(__fmul_rn(e, 0x1p40f)); }
-
-// Philox4x32-10, word 0, as specdec_kernels/reference/philox.py.
-__device__ __forceinline__ uint32_t philox_word0(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0,
-                                                 uint32_t k1) {
-#pragma unroll
-  for (int round = 0; round < 10; ++round) {
-    const uint32_t lo0 = kPhiloxM0 * c0;
-    const uint32_t hi0 = __umulhi(kPhiloxM0, c0);
-    const uint32_t lo1 = kPhiloxM1 * c2;
-    const uint32_t hi1 = __umulhi(kPhiloxM1, c2);
-    const uint32_t n0 = hi1 ^ c1 ^ k0;
-    const uint32_t n2 = hi0 ^ c3 ^ k1;
-    c0 = n0;
-    c1 = lo1;
-    c2 = n2;
-    c3 = lo0;
-    k0 += kPhiloxW0;
-    k1 += kPhiloxW1;
-  }
-  return c0;
-}
-
-// Uniform strictly inside (0, 1), exact in fp32: ((word >> 9) + 0.5) * 2^-23.
-__device__ __forceinline__ float philox_uniform(uint64_t seed, uint32_t node, uint32_t purpose, uint32_t index) {
-  const uint32_t word = philox_word0(index, node, purpose, 0u, static_cast<uint32_t>(seed),
-                                     static_cast<uint32_t>(seed >> 32));
-  return __fmul_rn(__fadd_rn(static_cast<float>(word >> 9), 0.5f), 0x1p-23f);
-}
 
 // ------------------------------------------------------------------------------------------
 // Block and group reductions
@@ -610,7 +577,8 @@ __device__ __forceinline__ int32_t race(const float* vals, int32_t n, int32_t lo
   for (int32_t i = threadIdx.x; i < n; i += kVerifyThreads) {
     const float w = vals[i];
     if (w > 0.f) {  // weight 0 never wins: some weight is positive
-      const float u = philox_uniform(seed, static_cast<uint32_t>(node), kPurposeSample, static_cast<uint32_t>(lo + i));
+      const float u =
+          philox::uniform(seed, static_cast<uint32_t>(node), philox::kPurposeSample, static_cast<uint32_t>(lo + i));
       const float ratio = __fdiv_rn(w, -logf(u));
       if (verify_better(ratio, lo + i, best, best_i)) {
         best = ratio;
@@ -758,7 +726,7 @@ __global__ void __launch_bounds__(kVerifyThreads, 1)
             const float qx = sanitize_prob(load_prob(draft, args.draft_dtype, qrow + x));
             float r = __fdiv_rn(node_weight(sanitize_logit(VerifyElem<LogitT>::load(lrow + x)), x, w), z);
             for (int32_t h = 0; h < num_sums; ++h) r = residual_step(r, qx, s_sums[h]);
-            const float u = philox_uniform(seed, static_cast<uint32_t>(j), kPurposeAccept, 0u);
+            const float u = philox::uniform(seed, static_cast<uint32_t>(j), philox::kPurposeAccept, 0u);
             if (__fmul_rn(u, qx) < r) {  // q(x) = 0: accepted iff r(x) > 0
               next = j;
               break;

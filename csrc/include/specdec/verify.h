@@ -1,8 +1,8 @@
 // CPU verification (lossless acceptance of a token tree against the target): one batch row
 // per call, torch-free. The rules are those of specdec_kernels/reference/verify.py (its
 // module docstring is the contract) and the random numbers those of
-// specdec_kernels/reference/philox.py, so on the same inputs this emits the same tokens as
-// the reference. The reference's plain-torch Philox emulates 32-bit multiplies with int64
+// specdec_kernels/philox.py (include/specdec/philox.h), so on the same inputs this emits the
+// same tokens as the reference. The reference's plain-torch Philox emulates 32-bit multiplies with int64
 // tensor ops (~150 passes over the vocabulary per sampled node); here it is a few integer
 // instructions per token.
 //
@@ -35,7 +35,8 @@
 #include <limits>
 #include <vector>
 
-#include "specdec/tree_attention.h"  // BFloat16Bits, HalfBits, attention_detail::to_float
+#include "specdec/dtypes.h"  // BFloat16Bits, HalfBits, to_float
+#include "specdec/philox.h"
 
 // The race's Philox loop is built for AVX-512, AVX2 and baseline x86-64, picked at load time.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
@@ -46,41 +47,6 @@
 
 namespace specdec {
 namespace cpu {
-
-// ----------------------------------------------------------------------------- random numbers
-
-// `purpose` values of the Philox counter (reference/philox.py).
-constexpr uint32_t kPurposeAccept = 0;  // the uniform of the acceptance test of a drafted node
-constexpr uint32_t kPurposeSample = 1;  // the exponentials of the race that samples a token
-
-// Word 0 of Philox4x32-10 for counter (c0, c1, c2, c3) and key (k0, k1).
-inline __attribute__((always_inline)) uint32_t philox_word0(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
-  constexpr uint64_t kM0 = 0xD2511F53u;
-  constexpr uint64_t kM1 = 0xCD9E8D57u;
-  for (int round = 0; round < 10; ++round) {
-    const uint64_t product0 = kM0 * c0;
-    const uint64_t product1 = kM1 * c2;
-    const uint32_t hi0 = static_cast<uint32_t>(product0 >> 32);
-    const uint32_t hi1 = static_cast<uint32_t>(product1 >> 32);
-    const uint32_t next0 = hi1 ^ c1 ^ k0;
-    const uint32_t next2 = hi0 ^ c3 ^ k1;
-    c1 = static_cast<uint32_t>(product1);
-    c3 = static_cast<uint32_t>(product0);
-    c0 = next0;
-    c2 = next2;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
-  }
-  return c0;
-}
-
-// The fp32 uniform in (0, 1) of (seed, node, purpose, index): reference/philox.py `uniform`.
-inline float philox_uniform(int64_t seed, int64_t node, uint32_t purpose, int64_t index) {
-  const uint64_t key = static_cast<uint64_t>(seed);
-  const uint32_t word = philox_word0(static_cast<uint32_t>(index), static_cast<uint32_t>(node), purpose, 0u,
-                                     static_cast<uint32_t>(key), static_cast<uint32_t>(key >> 32));
-  return (static_cast<float>(word >> 9) + 0.5f) * 0x1p-23f;  // exact: 23 bits + 0.5, times 2^-23
-}
 
 // ----------------------------------------------------------------------------- one row
 
@@ -112,8 +78,6 @@ struct VerifyScratch {
 };
 
 namespace verify_detail {
-
-using attention_detail::to_float;
 
 constexpr float kFloatMax = std::numeric_limits<float>::max();
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -223,8 +187,8 @@ inline void target_probs(float* x, float row_max, int64_t vocab, float temperatu
 SPECDEC_VERIFY_MULTIVERSION
 inline void sample_uniforms(uint32_t k0, uint32_t k1, uint32_t node, uint32_t first, int64_t count, float* out) {
   for (int64_t i = 0; i < count; ++i) {
-    const uint32_t word = philox_word0(first + static_cast<uint32_t>(i), node, kPurposeSample, 0u, k0, k1);
-    out[i] = (static_cast<float>(word >> 9) + 0.5f) * 0x1p-23f;
+    out[i] = philox::word_to_uniform(
+        philox::word0(first + static_cast<uint32_t>(i), node, philox::kPurposeSample, 0u, k0, k1));
   }
 }
 
@@ -245,7 +209,9 @@ inline int64_t sample_race(const float* weights, int64_t vocab, int64_t seed, in
   // Start from the heaviest token's ratio (a real candidate), so that blocks before it can
   // be skipped too; ties then go to the lower id explicitly.
   const int64_t heaviest = std::max_element(weights, weights + vocab) - weights;
-  float best = weights[heaviest] / -std::log(philox_uniform(seed, node, kPurposeSample, heaviest));
+  const float u_heaviest =
+      philox::uniform(key, static_cast<uint32_t>(node), philox::kPurposeSample, static_cast<uint32_t>(heaviest));
+  float best = weights[heaviest] / -std::log(u_heaviest);
   int64_t best_index = heaviest;
   for (int64_t start = 0; start < vocab; start += kBlock) {
     const int64_t count = std::min(kBlock, vocab - start);
@@ -311,7 +277,8 @@ int64_t verify_row(const VerifyRow<Logit, Prob>& row, VerifyScratch& scratch, in
       for (int64_t j = cur + 1; j < num_nodes && next < 0; ++j) {
         if (row.parents[j] != cur) continue;
         const int64_t x = std::min(std::max<int64_t>(row.tokens[j], 0), vocab - 1);
-        const float u = philox_uniform(row.seed, j, kPurposeAccept, 0);
+        const float u =
+            philox::uniform(static_cast<uint64_t>(row.seed), static_cast<uint32_t>(j), philox::kPurposeAccept, 0u);
         if (u * draft_q(q[x]) < residual[x]) {  // q(x) = 0: accepted iff r(x) > 0
           next = j;
           break;

@@ -1,0 +1,149 @@
+"""End-to-end decoding: HF `generate` against `specdec_kernels.generate` on the four workloads.
+
+    specdec bench e2e                                   # default model, short run
+    specdec bench e2e --full                            # more prompts, longer outputs
+    specdec bench e2e --draft-model default             # adds HF assisted + our draft-model chain/tree
+    specdec bench e2e --model llama3-8b-random          # GPU: Llama-3-8B shapes, random bf16 weights,
+                                                        # for the share of each step spent in our kernels
+
+For each (workload, batch size, temperature, method) it reports tokens/s (generated tokens /
+wall time, every method timed the same way after a warm-up), tokens per step and acceptance
+by depth (ours, from `generate`'s stats), the speedup against HF `generate` with the same
+sampling (greedy: do_sample=False; temperature t: do_sample=True, temperature=t, top_k=0,
+top_p=1), and for greedy runs whether the output equals HF greedy `generate` token for token
+(mismatches are listed, never hidden).
+
+Methods:
+  hf                plain HF `generate` (the baseline of every speedup)
+  hf_prompt_lookup  HF `generate(prompt_lookup_num_tokens=10)` (transformers: batch size 1 only)
+  hf_assisted       HF `generate(assistant_model=draft)` (with --draft-model; batch size 1 only)
+  ours_plain        ours without drafts (the loop's own overhead; not in the default set)
+  ours_ngram        NgramDrafter(num_tokens=10), a chain (the same k as hf_prompt_lookup)
+  ours_ngram_tree   NgramDrafter(num_tokens=10, tree_width=3), a tree of up to 3 continuations
+  ours_draft        DraftModelDrafter(draft, num_tokens=4), a chain (with --draft-model)
+  ours_draft_tree   DraftModelDrafter(draft, tree_widths=(2, 2, 1)) (with --draft-model)
+
+Batch size B uses B distinct prompts per batch, left padded (HF: attention_mask; ours: the same
+attention_mask), ceil(prompts_per_workload / B) batches. Rows that stop at eos count the tokens
+up to and including eos. On a GPU each of our runs is profiled once more (not timed) for the
+share of the decoding steps spent inside our ops (`specdec::*`, device time).
+Writes bench/results/e2e_<device>.json, e2e_<device>.md (the README table),
+e2e_speedup_<device>.png and e2e_acceptance_<device>.png.
+"""
+
+import argparse
+import time
+
+import torch
+
+from .. import common
+from .models import RANDOM_LLAMA, load_models, random_llama3_8b
+from .report import markdown, plot_acceptance, plot_speedup, table_rows, write_results
+from .runner import (BATCH1_ONLY, DEFAULT_METHODS, DRAFT_TOKENS, DRAFT_TREE_WIDTHS, HF_PROMPT_LOOKUP_TOKENS, METHODS,
+                     NEEDS_DRAFT, NGRAM_TOKENS, NGRAM_TREE_WIDTH, SEED, TEMPERATURES, bench_row, kernel_share,
+                     make_batches, new_token_counts, run, run_method)
+
+__all__ = ["main", "run_args", "add_arguments", "run", "run_method", "bench_row", "kernel_share", "make_batches",
+           "new_token_counts", "write_results", "table_rows", "markdown", "plot_speedup", "plot_acceptance",
+           "load_models", "random_llama3_8b", "METHODS", "DEFAULT_METHODS", "NEEDS_DRAFT", "BATCH1_ONLY",
+           "TEMPERATURES", "SEED", "RANDOM_LLAMA"]
+
+SHORT = dict(prompts_per_workload=2, max_new_tokens=64, batch_sizes=(1, 8))
+FULL = dict(prompts_per_workload=8, max_new_tokens=256, batch_sizes=(1, 8))
+
+
+def _csv(kind):
+    def parse(text):
+        return tuple(kind(x) for x in text.split(",") if x.strip())
+
+    return parse
+
+
+def add_arguments(parser):
+    """The `specdec bench e2e` options (shared with bench/bench_e2e.py)."""
+    parser.add_argument("--full", action="store_true",
+                        help=f"{FULL['prompts_per_workload']} prompts per workload, {FULL['max_new_tokens']} new tokens "
+                             f"(default {SHORT['prompts_per_workload']} and {SHORT['max_new_tokens']})")
+    parser.add_argument("--out-dir", default=None, help="results folder (default bench/results of the checkout)")
+    parser.add_argument("--model", default=None,
+                        help=f"target: HF model directory or cached hub name (default SmolLM2-135M-Instruct), or "
+                             f"{RANDOM_LLAMA} (GPU only: Llama-3-8B shapes, random bf16 weights)")
+    parser.add_argument("--draft-model", default=None, help="draft model ('default': the default model); adds "
+                                                            "hf_assisted, ours_draft, ours_draft_tree")
+    parser.add_argument("--workloads", type=_csv(str), default=None, help="comma-separated (default all four)")
+    parser.add_argument("--batch-sizes", type=_csv(int), default=None, help="comma-separated (default 1,8)")
+    parser.add_argument("--methods", type=_csv(str), default=None,
+                        help=f"comma-separated of {', '.join(METHODS)} (default all but ours_plain; hf always runs)")
+    parser.add_argument("--temperatures", type=_csv(float), default=None, help="comma-separated (default 0,0.7)")
+    parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--prompts-per-workload", type=int, default=None)
+    parser.add_argument("--layers", type=int, default=None, help=f"{RANDOM_LLAMA}: layers (default 32 if memory allows)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help=f"weights (default float32; {RANDOM_LLAMA}: bfloat16)")
+    parser.add_argument("--kernel-share", choices=("auto", "on", "off"), default="auto",
+                        help="profile each of our runs once for the share of step time in our ops (auto: on GPU only)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv=None) -> int:
+    """`specdec bench e2e` / bench/bench_e2e.py: parse argv, then `run_args`."""
+    parser = add_arguments(argparse.ArgumentParser(prog="specdec bench e2e", description=__doc__,
+                                                   formatter_class=argparse.RawDescriptionHelpFormatter))
+    return run_args(parser.parse_args(argv))
+
+
+def run_args(args) -> int:
+    """Run with parsed options (see `add_arguments`), print the table, write JSON / Markdown /
+    PNGs; returns 0, or 1 when a greedy output differs from HF generate."""
+    from ...workloads import WORKLOADS, load_workload
+
+    preset = FULL if args.full else SHORT
+    workloads = args.workloads or WORKLOADS
+    for name, values, allowed in (("--workloads", workloads, WORKLOADS), ("--methods", args.methods or (), METHODS)):
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            raise SystemExit(f"specdec bench e2e: {name}: unknown {bad}; choose from {', '.join(allowed)}")
+    batch_sizes = args.batch_sizes or preset["batch_sizes"]
+    max_new_tokens = args.max_new_tokens or preset["max_new_tokens"]
+    prompts = args.prompts_per_workload or preset["prompts_per_workload"]
+    if min(batch_sizes) < 1 or max_new_tokens < 1 or prompts < 1:
+        raise SystemExit("specdec bench e2e: batch sizes, --max-new-tokens and --prompts-per-workload must be >= 1")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    start = time.perf_counter()
+    model, tokenizer, draft, label = load_models(args, device)
+    methods = args.methods or DEFAULT_METHODS
+    if draft is None and any(m in NEEDS_DRAFT for m in methods) and args.methods:
+        print(f"no --draft-model: leaving out {', '.join(m for m in methods if m in NEEDS_DRAFT)}", flush=True)
+    try:
+        requests = {w: load_workload(w, limit=max(max(batch_sizes), prompts)) for w in workloads}
+    except FileNotFoundError as error:
+        raise SystemExit(f"specdec bench e2e: {error}") from None
+    profile = {"auto": None, "on": True, "off": False}[args.kernel_share]
+    print(f"e2e: {label} on {common.device_name(device)} ({device.type}, {torch.get_num_threads()} threads); "
+          f"workloads {', '.join(workloads)}; batch sizes {batch_sizes}; max_new_tokens {max_new_tokens}; "
+          f"{prompts} prompt(s) per workload and batch size", flush=True)
+    rows = run(model, tokenizer, requests, draft=draft, methods=methods, batch_sizes=batch_sizes,
+               temperatures=args.temperatures or TEMPERATURES, max_new_tokens=max_new_tokens,
+               prompts_per_workload=prompts, profile_kernels=profile, progress=not args.no_progress)
+    headers, cells = table_rows(rows)
+    print()
+    common.print_table(headers, cells)
+    settings = dict(mode="full" if args.full else "short", max_new_tokens=max_new_tokens, prompts_per_workload=prompts,
+                    batch_sizes=list(batch_sizes), workloads=list(workloads),
+                    methods=sorted({r["config"]["method"] for r in rows}), dtype=str(next(model.parameters()).dtype),
+                    hf_prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS, ngram_num_tokens=NGRAM_TOKENS,
+                    ngram_tree_width=NGRAM_TREE_WIDTH, draft_model=args.draft_model, draft_num_tokens=DRAFT_TOKENS,
+                    draft_tree_widths=list(DRAFT_TREE_WIDTHS), wall_s=None)
+    settings["wall_s"] = time.perf_counter() - start
+    name = common.device_slug(device) + ("_llama3_8b_random" if args.model == RANDOM_LLAMA else "")
+    write_results(rows, args.out_dir or common.results_dir(), device=device, model_label=label, settings=settings,
+                  name=name)
+    bad = [r for r in rows if r.get("greedy_identical") is False]
+    print(f"e2e done in {settings['wall_s']:.0f} s", flush=True)
+    if bad:
+        print(f"WARNING: {len(bad)} greedy row(s) differ from HF generate: "
+              + "; ".join(f"{r['config']['workload']} B={r['config']['batch']} {r['config']['method']}: "
+                          f"{r['mismatches'][:3]}" for r in bad), flush=True)
+        return 1
+    return 0

@@ -1,0 +1,57 @@
+"""The e2e benchmark's models: the target and draft from the command line, or a Llama-3-8B-shaped
+model with random weights (GPU) for the share of each step spent in our kernels."""
+
+import torch
+
+RANDOM_LLAMA = "llama3-8b-random"
+
+
+def random_llama3_8b(*, layers=None, device="cuda", dtype=torch.bfloat16, pad_token_id=None):
+    """A LlamaForCausalLM with Llama-3-8B's shapes (hidden 4096, 32 query / 8 KV heads of 128,
+    MLP 14336, vocab 128256) and random weights; `layers` of its 32 (default all)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=layers or 32, num_attention_heads=32, num_key_value_heads=8,
+                         max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=pad_token_id)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build the weights in bf16 directly (fp32 first would need 32 GB)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(old)
+    model.generation_config.eos_token_id = None  # random weights: every row runs to max_new_tokens
+    model.generation_config.pad_token_id = pad_token_id
+    return model.eval()
+
+
+def load_models(args, device):
+    """(target, tokenizer, draft or None, label) per the command line."""
+    from ...models import DEFAULT_MODEL, load_model
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    if args.model == RANDOM_LLAMA:
+        if device.type != "cuda":
+            raise SystemExit(f"specdec bench e2e: --model {RANDOM_LLAMA} needs a CUDA GPU (Llama-3-8B shapes in bf16: "
+                             "16 GB of weights with all 32 layers); none is visible here")
+        _, tokenizer = load_model(None, verbose=False)  # prompts tokenized as for the default model (ids < 49152)
+        layers = args.layers
+        if layers is None:
+            free = torch.cuda.mem_get_info(device)[0]
+            layers = 32 if free > 40e9 else max(1, int(free / 1.2e9) - 4)  # ~0.44 GB per layer + 2 GB embeddings
+        model = random_llama3_8b(layers=layers, device=device, dtype=dtype or torch.bfloat16,
+                                 pad_token_id=tokenizer.pad_token_id)
+        label = f"{RANDOM_LLAMA} ({layers} layers, random weights)"
+        if args.draft_model:
+            print("--draft-model ignored with the random model (its vocabulary differs)", flush=True)
+        return model, tokenizer, None, label
+    model, tokenizer = load_model(args.model, dtype=dtype or torch.float32, device=device, verbose=True)
+    draft = None
+    if args.draft_model:
+        draft, draft_tokenizer = load_model(None if args.draft_model == "default" else args.draft_model,
+                                            dtype=dtype or torch.float32, device=device, verbose=True)
+        if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise SystemExit("specdec bench e2e: the draft model's tokenizer differs from the target's")
+    return model, tokenizer, draft, args.model or DEFAULT_MODEL

@@ -1,0 +1,120 @@
+"""The e2e benchmark's output: the summary table (text and Markdown), the speedup and
+acceptance plots, the JSON record."""
+
+from pathlib import Path
+
+from .. import common
+
+
+def table_rows(rows):
+    """(headers, cells) of the summary table."""
+    depth = max((len(r.get("acceptance_by_depth") or []) for r in rows), default=0)
+    depth = min(depth, 5)
+    headers = ["workload", "B", "temp", "method", "tok/s", "speedup", "tok/step"] + [f"acc@{d + 1}" for d in range(depth)]
+    headers += ["kernels %", "greedy == HF"]
+    cells = []
+    for r in rows:
+        c = r["config"]
+        if "skipped" in r:
+            cells.append([c["workload"], str(c["batch"]), f"{c['temperature']:g}", c["method"], "-", "-", "-"]
+                         + ["-"] * depth + ["-", "skipped: batch 1 only"])
+            continue
+        acc = list(r.get("acceptance_by_depth") or [])[:depth]
+        identical = r.get("greedy_identical")
+        check = ("-" if c["temperature"] else "(baseline)") if c["method"] == "hf" else (
+            "-" if c["temperature"] else ("yes" if identical else ("not compared" if identical is None else
+                                                                   f"NO ({len(r['mismatches'])} rows differ)")))
+        share = r.get("kernel_share")
+        cells.append([c["workload"], str(c["batch"]), f"{c['temperature']:g}", c["method"], f"{r['tokens_per_s']:.1f}",
+                      f"{r['speedup_vs_hf']:.2f}x" if r.get("speedup_vs_hf") else "-",
+                      f"{r['tokens_per_step']:.2f}" if r.get("tokens_per_step") else "-"]
+                     + [f"{a:.2f}" for a in acc] + ["-"] * (depth - len(acc))
+                     + [f"{100 * share['total']:.0f}%" if share else "-", check])
+    return headers, cells
+
+
+def markdown(rows, header):
+    """The summary table as Markdown (the README's e2e table)."""
+    headers, cells = table_rows(rows)
+    lines = [header, "", "| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in cells]
+    return "\n".join(lines) + "\n"
+
+
+def plot_speedup(rows, path, title):
+    """Bars: speedup vs HF (same sampling) per workload and method, one panel per (batch, temperature)."""
+    plt = common.pyplot()
+    if plt is None:
+        return None
+    panels = sorted({(r["config"]["batch"], r["config"]["temperature"]) for r in rows})
+    workloads = list(dict.fromkeys(r["config"]["workload"] for r in rows))
+    methods = [m for m in dict.fromkeys(r["config"]["method"] for r in rows) if m != "hf"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
+    width = 0.8 / max(1, len(methods))
+    for ax, (batch, temperature) in zip(axes[0], panels):
+        for i, method in enumerate(methods):
+            values = []
+            for w in workloads:
+                match = [r for r in rows if r["config"]["workload"] == w and r["config"]["batch"] == batch
+                         and r["config"]["temperature"] == temperature and r["config"]["method"] == method]
+                values.append((match[0].get("speedup_vs_hf") or 0.0) if match else 0.0)
+            ax.bar([x + (i - (len(methods) - 1) / 2) * width for x in range(len(workloads))], values, width, label=method)
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        ax.set_xticks(range(len(workloads)))
+        ax.set_xticklabels(workloads, rotation=20, fontsize=8)
+        ax.set_title(f"B={batch}, {'greedy' if temperature == 0 else f'temperature {temperature:g}'}", fontsize=9)
+    axes[0][0].set_ylabel("speedup vs HF generate (same sampling)")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    return common.save_figure(plt, fig, path)
+
+
+def plot_acceptance(rows, path, title):
+    """Lines: acceptance by depth (fraction of steps accepting >= d drafts) per method, one panel
+    per workload, batch 1 (or the smallest batch), greedy and sampled."""
+    plt = common.pyplot()
+    if plt is None:
+        return None
+    ours = [r for r in rows if r.get("acceptance_by_depth")]
+    workloads = list(dict.fromkeys(r["config"]["workload"] for r in rows))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(4 * len(workloads), 3.4), squeeze=False)
+    batch = min((r["config"]["batch"] for r in ours), default=1)
+    for ax, w in zip(axes[0], workloads):
+        for r in ours:
+            c = r["config"]
+            if c["workload"] != w or c["batch"] != batch:
+                continue
+            acc, temperature = r["acceptance_by_depth"], c["temperature"]
+            sampling = "greedy" if temperature == 0 else f"t={temperature:g}"
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", linestyle="-" if temperature == 0 else "--",
+                    label=f"{c['method']} {sampling}")
+        ax.set_title(f"{w}, B={batch}", fontsize=9)
+        ax.set_xlabel("depth d")
+        ax.set_ylim(0, 1)
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("steps accepting >= d drafts")
+    axes[0][-1].legend(fontsize=6)
+    fig.suptitle(title, fontsize=9)
+    return common.save_figure(plt, fig, path)
+
+
+def write_results(rows, out_dir, *, device, model_label, settings, name=None):
+    """JSON, Markdown table and both plots under out_dir; returns {kind: path}."""
+    slug = name or common.device_slug(device)
+    out_dir = Path(out_dir)
+    result = common.metadata("e2e", device, "default dispatch", model=model_label, **settings)
+    result["stat"] = ("tokens_per_s = generated tokens (to eos inclusive) / wall time summed over the batches, one "
+                      "timed call each after a warm-up call per method; speedup_vs_hf = tokens_per_s / the hf row with "
+                      "the same workload, batch and temperature")
+    result["rows"] = rows
+    paths = {"json": common.write_json(result, out_dir / f"e2e_{slug}.json")}
+    title = f"{model_label} on {result['device']}"
+    header = (f"End-to-end, {model_label} on {result['device']} ({result['date']}, commit {result['commit']}, "
+              f"torch {result['torch']}, transformers {result['transformers']}; max_new_tokens "
+              f"{settings['max_new_tokens']}, {settings['prompts_per_workload']} prompt(s) per workload and batch size)")
+    paths["md"] = out_dir / f"e2e_{slug}.md"
+    paths["md"].write_text(markdown(rows, header))
+    print(f"wrote {paths['md']}", flush=True)
+    paths["speedup_png"] = plot_speedup(rows, out_dir / f"e2e_speedup_{slug}.png", title)
+    paths["acceptance_png"] = plot_acceptance(rows, out_dir / f"e2e_acceptance_{slug}.png", title)
+    return paths

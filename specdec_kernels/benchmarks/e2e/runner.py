@@ -1,0 +1,258 @@
+"""The e2e benchmark's runs: batches of prompts, one timed call per (method, batch), the rows
+of the results (tokens/s, acceptance, the greedy check against HF, kernel shares)."""
+
+import math
+import sys
+import time
+
+import torch
+
+from ...cli import first_difference, make_drafter, stop_ids
+from ...generate import _eos_ids, _sync
+
+METHODS = ("hf", "hf_prompt_lookup", "hf_assisted", "ours_plain", "ours_ngram", "ours_ngram_tree", "ours_draft",
+           "ours_draft_tree")
+DEFAULT_METHODS = tuple(m for m in METHODS if m != "ours_plain")
+NEEDS_DRAFT = frozenset({"hf_assisted", "ours_draft", "ours_draft_tree"})
+BATCH1_ONLY = frozenset({"hf_prompt_lookup", "hf_assisted"})  # transformers' assisted decoding: batch size 1
+TEMPERATURES = (0.0, 0.7)
+HF_PROMPT_LOOKUP_TOKENS = 10  # HF's documented example value (also `specdec demo --hf-prompt-lookup`)
+NGRAM_TOKENS, NGRAM_TREE_WIDTH = 10, 3  # chain: the same k as HF prompt lookup
+DRAFT_TOKENS, DRAFT_TREE_WIDTHS = 4, (2, 2, 1)
+SEED = 1234
+
+# Our methods as `specdec generate` methods (cli.make_drafter) with the benchmark's settings.
+OURS = {
+    "ours_plain": ("none", {}),
+    "ours_ngram": ("ngram", dict(num_tokens=NGRAM_TOKENS)),
+    "ours_ngram_tree": ("ngram-tree", dict(num_tokens=NGRAM_TOKENS, ngram_tree_width=NGRAM_TREE_WIDTH)),
+    "ours_draft": ("draft", dict(num_tokens=DRAFT_TOKENS)),
+    "ours_draft_tree": ("draft-tree", dict(draft_tree_widths=DRAFT_TREE_WIDTHS)),
+}
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def make_batches(requests, tokenizer, batch_size, device):
+    """[(input_ids [B, L], attention_mask [B, L], ids)], B prompts each, left padded."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    encoded = [(r.id, r.input_ids(tokenizer)[0]) for r in requests]
+    batches = []
+    for start in range(0, len(encoded), batch_size):
+        group = encoded[start : start + batch_size]
+        width = max(len(ids) for _, ids in group)
+        input_ids = torch.full((len(group), width), pad, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for b, (_, ids) in enumerate(group):
+            input_ids[b, width - len(ids) :] = ids
+            mask[b, width - len(ids) :] = 1
+        batches.append((input_ids.to(device), mask.to(device), [i for i, _ in group]))
+    return batches
+
+
+def new_token_counts(sequences, prompt_len, eos_ids, max_new_tokens):
+    """Generated tokens per row: up to and including the first eos, else every generated column."""
+    new = sequences[:, prompt_len : prompt_len + max_new_tokens].cpu()
+    counts = []
+    for row in new:
+        hits = torch.isin(row, eos_ids).nonzero() if eos_ids is not None else torch.empty(0)
+        counts.append(int(hits[0]) + 1 if hits.numel() else row.numel())
+    return counts
+
+
+# ----------------------------------------------------------------------------- methods
+
+
+def drafter(method, draft):
+    """The drafter of one of our methods (None for ours_plain); draft: the draft model or None."""
+    cli_method, settings = OURS[method]
+    return make_drafter(cli_method, draft_model=draft, **settings)
+
+
+def run_method(method, model, draft, input_ids, mask, *, max_new_tokens, temperature, eos, pad, seed):
+    """One timed call: (sequences [B, L + new], seconds, GenerateStats or None)."""
+    import specdec_kernels as sk
+
+    start = _sync(input_ids.device)
+    if method.startswith("hf"):
+        kwargs = dict(do_sample=False) if temperature == 0 else dict(do_sample=True, temperature=temperature, top_k=0,
+                                                                     top_p=1.0)
+        if method == "hf_prompt_lookup":
+            kwargs["prompt_lookup_num_tokens"] = HF_PROMPT_LOOKUP_TOKENS
+        elif method == "hf_assisted":
+            kwargs["assistant_model"] = draft
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            sequences = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                       pad_token_id=pad, **kwargs)
+        stats = None
+    else:
+        out = sk.generate(model, input_ids, drafter=drafter(method, draft), max_new_tokens=max_new_tokens,
+                          temperature=temperature, seed=seed, eos_token_id=eos, attention_mask=mask)
+        sequences, stats = out.sequences, out.stats
+    return sequences, _sync(input_ids.device) - start, stats
+
+
+def kernel_share(method, model, draft, input_ids, mask, *, max_new_tokens, temperature, eos, pad, seed):
+    """Profile one run of ours (untimed): {op: share of the decoding steps' time} for our ops.
+
+    Decoding steps = everything from the first `specdec::verify` call on (the prefill before it
+    is left out). GPU: the ops' device (kernel) time over the steps' wall time; CPU: the ops'
+    CPU time. Profiling slows the run, so these are shares, not times.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    device = input_ids.device
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        _, _, stats = run_method(method, model, draft, input_ids, mask, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, eos=eos, pad=pad, seed=seed)
+    events = [e for e in prof.events() if e.name.startswith("specdec::")]
+    verifies = [e.time_range.start for e in events if e.name == "specdec::verify"]
+    if not verifies:
+        return None
+    first = min(verifies)
+    per_op = {}
+    for e in events:
+        parent, nested = e.cpu_parent, False
+        while parent is not None:  # count each op once: skip ops called from inside another of ours
+            nested = nested or parent.name.startswith("specdec::")
+            parent = parent.cpu_parent
+        if nested or e.time_range.start < first:
+            continue
+        us = e.device_time_total if device.type == "cuda" else e.cpu_time_total
+        per_op[e.name.split("::", 1)[1]] = per_op.get(e.name.split("::", 1)[1], 0.0) + us
+    steps_us = 1e6 * (stats.time_draft + stats.time_verify + stats.time_accept)
+    share = {op: us / steps_us for op, us in sorted(per_op.items())}
+    share["total"] = sum(share.values())
+    share["basis"] = "device time" if device.type == "cuda" else "cpu time"
+    return share
+
+
+# ----------------------------------------------------------------------------- one row
+
+
+def bench_row(method, batches, model, draft, *, workload, batch_size, temperature, max_new_tokens, eos, pad,
+              eos_ids, hf_greedy, profile_kernels):
+    """Every batch of one (workload, batch size, temperature, method); the row for the JSON.
+
+    hf_greedy: {request id: HF greedy generated tokens} filled by the `hf` greedy row and used
+    by the others for the token-for-token check."""
+    row = {"config": dict(workload=workload, batch=batch_size, temperature=temperature, method=method,
+                          prompts=sum(len(ids) for _, _, ids in batches), max_new_tokens=max_new_tokens)}
+    if method in BATCH1_ONLY and batch_size > 1:
+        row["skipped"] = "transformers' assisted / prompt lookup decoding supports batch size 1 only"
+        return row
+    total_tokens, total_s, stats_list, mismatches, compared = 0, 0.0, [], [], 0
+    for index, (input_ids, mask, ids) in enumerate(batches):
+        seq, seconds, stats = run_method(method, model, draft, input_ids, mask, max_new_tokens=max_new_tokens,
+                                         temperature=temperature, eos=eos, pad=pad, seed=SEED + index)
+        prompt_len = input_ids.shape[1]
+        counts = new_token_counts(seq, prompt_len, eos_ids, max_new_tokens)
+        total_tokens += sum(counts)
+        total_s += seconds
+        if stats is not None:
+            stats_list.append((stats, sum(counts)))
+        if temperature == 0:
+            for b, rid in enumerate(ids):
+                tokens = seq[b, prompt_len : prompt_len + counts[b]].tolist()
+                if method == "hf":
+                    hf_greedy[rid] = tokens
+                elif rid in hf_greedy:
+                    compared += 1
+                    where = first_difference(tokens, hf_greedy[rid])
+                    if where is not None:
+                        mismatches.append(dict(prompt=rid, position=where, tokens=len(tokens),
+                                               hf_tokens=len(hf_greedy[rid])))
+    row.update(new_tokens=total_tokens, seconds=total_s, tokens_per_s=total_tokens / total_s if total_s else None)
+    if temperature == 0 and method != "hf":
+        row["greedy_identical"] = (not mismatches) if compared else None
+        row["greedy_compared_rows"] = compared
+        row["mismatches"] = mismatches
+    if stats_list:
+        pairs = [(s, n / s.tokens_per_step if s.tokens_per_step else 0.0) for s, n in stats_list]
+        total_pairs = sum(p for _, p in pairs)
+        depth = max(len(s.acceptance_per_depth) for s, _ in pairs)
+        row["steps"] = sum(s.steps for s, _ in pairs)
+        row["tokens_per_step"] = total_tokens / total_pairs if total_pairs else None
+        row["acceptance_by_depth"] = [
+            sum(p * (s.acceptance_per_depth[d] if d < len(s.acceptance_per_depth) else 0.0) for s, p in pairs)
+            / total_pairs if total_pairs else 0.0 for d in range(depth)]
+        row["time_s"] = {k: sum(getattr(s, f"time_{k}") for s, _ in pairs) for k in ("prefill", "draft", "verify", "accept")}
+        if profile_kernels:
+            input_ids, mask, _ = batches[0]
+            row["kernel_share"] = kernel_share(method, model, draft, input_ids, mask, max_new_tokens=max_new_tokens,
+                                               temperature=temperature, eos=eos, pad=pad, seed=SEED)
+    return row
+
+
+def warm_up(methods, batches_by_size, model, draft, temperatures, eos, pad):
+    """A short call of every (method, batch size, sampling) first: lazy imports, allocator,
+    first-call caches stay out of the timings."""
+    for batch_size, batches in batches_by_size.items():
+        input_ids, mask, _ = batches[0]
+        input_ids, mask = input_ids[:, -32:], mask[:, -32:].clone()
+        mask[:, -1] = 1
+        for method in methods:
+            if method in BATCH1_ONLY and batch_size > 1:
+                continue
+            for temperature in temperatures:
+                run_method(method, model, draft, input_ids, mask, max_new_tokens=4, temperature=temperature, eos=eos,
+                           pad=pad, seed=SEED)
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def run(model, tokenizer, requests_by_workload, *, draft=None, methods=DEFAULT_METHODS, batch_sizes=(1, 8),
+        temperatures=TEMPERATURES, max_new_tokens=64, prompts_per_workload=2, profile_kernels=None, progress=True):
+    """The benchmark on loaded models: a list of rows (see `bench_row`), in table order.
+
+    requests_by_workload: {workload: [Request, ...]} with at least max(batch_sizes) requests
+    each when a batch needs them (fewer: the batch is smaller). methods needing a draft model
+    are left out without one; `hf` always runs (the baseline).
+    """
+    from tqdm import tqdm
+
+    device = next(model.parameters()).device
+    methods = [m for m in methods if m in METHODS and (draft is not None or m not in NEEDS_DRAFT)]
+    methods = ["hf"] + [m for m in methods if m != "hf"]
+    if profile_kernels is None:
+        profile_kernels = device.type == "cuda"
+    eos, pad = stop_ids(model, tokenizer)
+    eos_ids = _eos_ids(model, eos)
+    batches = {}
+    for workload, requests in requests_by_workload.items():
+        for batch_size in batch_sizes:
+            count = batch_size * math.ceil(prompts_per_workload / batch_size)
+            batches[workload, batch_size] = make_batches(requests[:count], tokenizer, batch_size, device)
+    first = next(iter(requests_by_workload))
+    warm_up(methods, {b: batches[first, b] for b in batch_sizes}, model, draft, temperatures, eos, pad)
+    plan = [(w, b, t, m) for w in requests_by_workload for b in batch_sizes for t in temperatures for m in methods]
+    rows, hf_greedy = [], {}
+    bar = tqdm(plan, desc="e2e", unit="run", disable=not progress or None, file=sys.stderr, dynamic_ncols=True)
+    start = time.perf_counter()
+    for index, (workload, batch_size, temperature, method) in enumerate(bar):
+        bar.set_postfix_str(f"{workload} B={batch_size} t={temperature:g} {method}")
+        rows.append(bench_row(method, batches[workload, batch_size], model, draft, workload=workload,
+                              batch_size=batch_size, temperature=temperature, max_new_tokens=max_new_tokens, eos=eos,
+                              pad=pad, eos_ids=eos_ids, hf_greedy=hf_greedy, profile_kernels=profile_kernels))
+        if bar.disable and progress:  # no terminal for a bar (a log file): one line per run instead
+            rate = rows[-1].get("tokens_per_s")
+            print(f"  [{index + 1}/{len(plan)}] {workload} B={batch_size} t={temperature:g} {method}: "
+                  f"{'skipped' if rate is None else f'{rate:.1f} tok/s'} ({time.perf_counter() - start:.0f} s)",
+                  flush=True)
+    bar.close()
+    _add_speedups(rows)
+    return rows
+
+
+def _add_speedups(rows):
+    """speedup_vs_hf: tokens/s over the `hf` row with the same workload, batch and temperature."""
+    base = {(r["config"]["workload"], r["config"]["batch"], r["config"]["temperature"]): r.get("tokens_per_s")
+            for r in rows if r["config"]["method"] == "hf"}
+    for r in rows:
+        c = r["config"]
+        ref = base.get((c["workload"], c["batch"], c["temperature"]))
+        r["speedup_vs_hf"] = r["tokens_per_s"] / ref if r.get("tokens_per_s") and ref else None
