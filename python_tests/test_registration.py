@@ -20,7 +20,7 @@ OPS = _extension.OPS
 
 
 # ----------------------------------------------------------------------------- sample inputs
-# The normalised argument forms the public wrappers pass to `run(...)`.
+# The normalised argument forms the public wrappers pass to `dispatch(...)`.
 
 
 def tree_mask_samples(gen):

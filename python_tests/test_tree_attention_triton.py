@@ -46,7 +46,7 @@ INTERPRETED = import_interpreted_kernels(KERNEL_MODULE)
 @pytest.fixture(scope="module")
 def interpreter():
     """The interpreted kernel module, with TRITON_INTERPRET=1 set for this module's tests
-    (run() refuses CPU tensors for backend="triton" without it)."""
+    (dispatch() refuses CPU tensors for backend="triton" without it)."""
     if INTERPRETED is None:
         pytest.skip(INTERPRETER_SKIP)
     with triton_interpret_env():

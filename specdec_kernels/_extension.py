@@ -111,7 +111,7 @@ def available_backends(op: str, device_type: str) -> list:
     return found + ["reference"] + (["triton"] if has_triton else [])
 
 
-def run(op: str, backend, device: torch.device, *args):
+def dispatch(op: str, backend, device: torch.device, *args):
     """Run `op` on normalised arguments with the chosen backend (None: the best available)."""
     if backend is None:
         if _C is None:

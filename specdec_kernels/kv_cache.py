@@ -5,7 +5,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import _checks
-from ._extension import run
+from ._extension import dispatch
 
 
 def compact_kv_cache_(
@@ -56,7 +56,7 @@ def compact_kv_cache_(
         on_path = torch.arange(num_nodes, device=accepted_nodes.device)[None, :] <= num_accepted[:, None]
         if (on_path & ((accepted_nodes < 0) | (accepted_nodes >= num_nodes))).any():
             _checks.fail("accepted_nodes", f"entries on the accepted path must be node ids in [0, {num_nodes})")
-    new_lens = run(
+    new_lens = dispatch(
         "compact_kv_cache_",
         backend,
         cache_seqlens.device,

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from . import _checks
-from ._extension import run
+from ._extension import dispatch
 from .tree import TokenTree
 
 POLICIES = ("earliest", "latest")
@@ -67,7 +67,7 @@ def ngram_propose(
         (draft_tokens [B, num_tokens] in tokens' dtype, -1 padded; draft_lens int32 [B], 0 = no match).
     """
     _check_ngram_args(tokens, lengths, min_n, max_n, num_tokens, policy)
-    return run("ngram_propose", backend, tokens.device, tokens, lengths.to(torch.int64), min_n, max_n, num_tokens, policy)
+    return dispatch("ngram_propose", backend, tokens.device, tokens, lengths.to(torch.int64), min_n, max_n, num_tokens, policy)
 
 
 def ngram_propose_tree(
@@ -105,7 +105,7 @@ def ngram_propose_tree(
     if max_nodes is None:
         max_nodes = tree_width * num_tokens
     _checks.int_arg("max_nodes", max_nodes, minimum=0)
-    tree_tokens, parents = run(
+    tree_tokens, parents = dispatch(
         "ngram_propose_tree",
         backend,
         tokens.device,

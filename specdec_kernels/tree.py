@@ -12,7 +12,7 @@ import torch
 
 from . import _checks
 from . import reference
-from ._extension import run
+from ._extension import dispatch
 from .trie import merge_sequences
 
 
@@ -28,7 +28,7 @@ def tree_mask(parents: torch.Tensor, *, backend: Optional[str] = None) -> torch.
         one of its ancestors. Padding nodes see only themselves.
     """
     parents_2d = _checks.parents_2d(parents)
-    mask = run("tree_mask", backend, parents_2d.device, parents_2d.contiguous())
+    mask = dispatch("tree_mask", backend, parents_2d.device, parents_2d.contiguous())
     return mask if parents.dim() == 2 else mask[0]
 
 
@@ -43,7 +43,7 @@ def pack_tree_mask(mask: torch.Tensor, *, backend: Optional[str] = None) -> torc
     """
     _checks.tensor("mask", mask, dims=(2, 3), dtypes=(torch.bool,))
     mask_3d = mask if mask.dim() == 3 else mask.unsqueeze(0)
-    packed = run("pack_tree_mask", backend, mask.device, mask_3d.contiguous())
+    packed = dispatch("pack_tree_mask", backend, mask.device, mask_3d.contiguous())
     return packed if mask.dim() == 3 else packed[0]
 
 

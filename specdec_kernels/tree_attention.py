@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 
 from . import _checks
-from ._extension import run
+from ._extension import dispatch
 
 
 def tree_attention(
@@ -67,4 +67,4 @@ def tree_attention(
             )
     if scale is None:
         scale = head_dim ** -0.5
-    return run("tree_attention", backend, q.device, q, k_cache, v_cache, mask, cache_seqlens, float(scale))
+    return dispatch("tree_attention", backend, q.device, q, k_cache, v_cache, mask, cache_seqlens, float(scale))

@@ -10,7 +10,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from . import _checks
-from ._extension import run
+from ._extension import dispatch
 from .philox import seeds_from_int
 
 Scalar = Union[int, float]
@@ -113,7 +113,7 @@ def verify(
         if draft_probs is None:
             _check_distinct_siblings(tree_tokens, parents_2d, drafted)
 
-    accepted_nodes, num_accepted, output_tokens = run(
+    accepted_nodes, num_accepted, output_tokens = dispatch(
         "verify",
         backend,
         device,
