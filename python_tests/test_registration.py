@@ -483,3 +483,38 @@ def test_import_with_extension_does_not_warn():
     )
     assert result.returncode == 0, result.stderr
     assert "OK" in result.stdout
+
+
+# ----------------------------------------------------------------------------- config.triton_by_default
+
+
+def test_triton_by_default_is_read_at_run_time(monkeypatch):
+    """Flipping the setting changes the CUDA preference order and what the CUDA kernel registered
+    for ops without a compiled one runs, with no re-import (it used to be fixed at import)."""
+    monkeypatch.setattr(_extension, "HAS_TRITON", True)  # the order as if triton were installed
+    calls = []
+    monkeypatch.setattr(_extension, "triton_kernel", lambda op: lambda *args: calls.append(("triton", op)))
+    monkeypatch.setattr(sk.reference, "verify", lambda *args: calls.append(("reference", "verify")))
+    kernel = _extension._cuda_python_kernel("verify")
+    compiled = ["cuda"] if "CUDA" in _extension.COMPILED["verify"] else []
+    monkeypatch.setattr(sk.config, "triton_by_default", False)
+    assert sk.available_backends("verify", "cuda") == compiled + ["reference", "triton"]
+    kernel()
+    monkeypatch.setattr(sk.config, "triton_by_default", True)
+    assert sk.available_backends("verify", "cuda") == compiled + ["triton", "reference"]
+    kernel()
+    assert calls == [("reference", "verify"), ("triton", "verify")]
+    assert "triton" not in sk.available_backends("tree_mask", "cuda")  # no Triton kernel for it
+
+
+@pytest.mark.parametrize("value, expected", [("1", True), ("0", False), (None, False)])
+def test_triton_by_default_from_environment(value, expected):
+    """SPECDEC_ENABLE_UNVERIFIED_TRITON=1 at import still turns it on (compatibility)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("SPECDEC_ENABLE_UNVERIFIED_TRITON", None)
+    if value is not None:
+        env["SPECDEC_ENABLE_UNVERIFIED_TRITON"] = value
+    result = subprocess.run([sys.executable, "-c", "import specdec_kernels as sk; print(sk.config.triton_by_default)"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(expected)

@@ -215,7 +215,7 @@ def test_available_backends_triton():
     cuda = sk.available_backends("tree_attention", "cuda")
     compiled = ["cuda"] if "CUDA" in _extension.COMPILED["tree_attention"] else []
     # Never run on a GPU yet: the default path uses Triton only when explicitly enabled.
-    if _extension.TRITON_BY_DEFAULT:
+    if sk.config.triton_by_default:
         assert cuda == compiled + ["triton", "reference"]
     else:
         assert cuda == compiled + ["reference", "triton"]

@@ -2,11 +2,11 @@
 
 `_C` defines every op's schema (`TORCH_LIBRARY(specdec, m)`) and registers compiled kernels
 for some (op, device) pairs. Here we add, once, a fake (meta) implementation per op so it
-traces under torch.compile, and the reference implementation for each (op, device) pair
-without a compiled kernel, so `torch.ops.specdec.<op>` works on every device: on CUDA the
-Triton kernel where there is one and `triton` is installed (imported on first use), else the
-reference. Without `_C` the package still works: every call runs the Triton kernel (CUDA) or
-the reference directly, and we say why once.
+traces under torch.compile, and a Python kernel for each (op, device) pair without a compiled
+one, so `torch.ops.specdec.<op>` works on every device: on CUDA the Triton kernel where there
+is one, `triton` is installed and `config.triton_by_default` is on (read at each call), else
+the reference. Without `_C` the package still works: every call runs the Triton kernel (CUDA)
+or the reference directly, and we say why once.
 """
 
 import functools
@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from . import reference
+from . import config, reference
 
 OPS = (
     "tree_mask",
@@ -31,10 +31,6 @@ OPS = (
 BACKENDS = ("reference", "cpu", "cuda", "triton")
 TRITON_OPS = frozenset({"tree_attention", "verify"})  # ops with a kernel in specdec_kernels/triton/<op>.py
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # without importing it
-# The Triton kernels have only run in the interpreter, never on a GPU: until a GPU run has
-# checked them, CUDA tensors use them by default only when this is set (backend="triton"
-# always forces them).
-TRITON_BY_DEFAULT = HAS_TRITON and os.environ.get("SPECDEC_ENABLE_UNVERIFIED_TRITON") == "1"
 
 
 def _load_extension():
@@ -75,11 +71,20 @@ def triton_kernel(op: str):
     return getattr(importlib.import_module(f"specdec_kernels.triton.{op}"), op)
 
 
-def _lazy_triton_kernel(op: str):
-    def kernel(*args):
-        return triton_kernel(op)(*args)
+def _triton_by_default(op: str) -> bool:
+    """Whether CUDA tensors without a compiled kernel for `op` run its Triton kernel now."""
+    return op in TRITON_OPS and HAS_TRITON and config.triton_by_default
 
-    kernel.__name__ = f"triton_{op}"
+
+def _cuda_python_kernel(op: str):
+    """The CUDA kernel registered for `op` when `_C` has no compiled one: it reads
+    `config.triton_by_default` at each call, so the setting can change at run time."""
+    reference_kernel = getattr(reference, op)
+
+    def kernel(*args):
+        return (triton_kernel(op) if _triton_by_default(op) else reference_kernel)(*args)
+
+    kernel.__name__ = f"python_cuda_{op}"
     return kernel
 
 
@@ -89,10 +94,7 @@ def _register_python_kernels() -> None:
     for op in OPS:
         for key in ("CPU", "CUDA"):
             if key not in COMPILED[op]:
-                if key == "CUDA" and op in TRITON_OPS and TRITON_BY_DEFAULT:
-                    kernel = _lazy_triton_kernel(op)
-                else:
-                    kernel = getattr(reference, op)
+                kernel = _cuda_python_kernel(op) if key == "CUDA" else getattr(reference, op)
                 torch.library.register_kernel(f"specdec::{op}", key.lower(), kernel)
 
 
@@ -102,11 +104,11 @@ if _C is not None:
 
 def available_backends(op: str, device_type: str) -> list:
     """Backends that can run `op` on `device_type` ("cpu" / "cuda"), in the order the default
-    (backend=None) path prefers them. An unverified Triton kernel comes after the reference
-    unless SPECDEC_ENABLE_UNVERIFIED_TRITON=1."""
+    (backend=None) path prefers them now. An unverified Triton kernel comes after the
+    reference unless `config.triton_by_default` is on."""
     found = [device_type] if device_type.upper() in COMPILED[op] else []
     has_triton = device_type == "cuda" and op in TRITON_OPS and HAS_TRITON
-    if has_triton and TRITON_BY_DEFAULT:
+    if has_triton and config.triton_by_default:
         return found + ["triton", "reference"]
     return found + ["reference"] + (["triton"] if has_triton else [])
 
