@@ -30,7 +30,7 @@ import torch
 
 import specdec_kernels
 from specdec_kernels import verify, verify_chain
-from specdec_kernels.philox import PURPOSE_ACCEPT, PURPOSE_SAMPLE, seeds_from_int, uniform
+from specdec_kernels.philox import PURPOSE_ACCEPT, PURPOSE_SAMPLE, row_seeds, seeds_from_int, uniform
 
 from conftest import distinct_sibling_tokens, random_parents, randint
 
@@ -861,6 +861,25 @@ def test_int_seed_gives_each_row_its_own_stream(with_probs):
     again = verify(logits, tokens, parents, draft_probs=draft_probs, temperature=1.0, seed=seeds)
     for a, b in zip(out, again):
         assert torch.equal(a, b)
+
+
+def test_row_seeds_forms():
+    """philox.row_seeds, the one place a `seed` argument becomes per-row seeds."""
+    batch = 5
+    assert torch.equal(row_seeds(42, batch, "cpu"), seeds_from_int(42, batch, "cpu"))
+    given = torch.tensor([3, -7, 2**62, 0, 1], dtype=torch.int64)
+    assert row_seeds(given, batch, torch.device("cpu")) is given  # used as given, no copy
+    drawn = row_seeds(None, batch, "cpu")
+    assert drawn.dtype == torch.int64 and drawn.shape == (batch,) and len(set(drawn.tolist())) == batch
+    assert not torch.equal(drawn, row_seeds(None, batch, "cpu"))  # a fresh draw each call
+    torch.manual_seed(11)
+    first = row_seeds(None, batch, "cpu")
+    torch.manual_seed(11)
+    assert torch.equal(first, row_seeds(None, batch, "cpu"))  # from torch's global generator
+    for bad in (1.5, True, "7", torch.zeros(batch, dtype=torch.int32), torch.zeros(batch + 1, dtype=torch.int64),
+                torch.zeros(batch, 1, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64, device="meta")):
+        with pytest.raises(ValueError, match="^seed:"):
+            row_seeds(bad, batch, "cpu")
 
 
 # --------------------------------------------------------------------------------------------

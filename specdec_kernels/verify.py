@@ -11,7 +11,7 @@ import torch
 
 from . import _checks
 from ._extension import dispatch
-from .philox import seeds_from_int
+from .philox import row_seeds
 
 Scalar = Union[int, float]
 
@@ -28,20 +28,6 @@ class VerifyOutput(NamedTuple):
     accepted_nodes: torch.Tensor
     num_accepted: torch.Tensor
     output_tokens: torch.Tensor
-
-
-def _row_seeds(seed, batch: int, device) -> torch.Tensor:
-    """int64 [B] per-row seeds: from a [B] tensor as given, from an int (each row its own
-    stream), or drawn from torch's global generator when None."""
-    if seed is None:
-        seed = int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64))
-    if isinstance(seed, torch.Tensor):
-        _checks.tensor("seed", seed, dims=1, dtypes=(torch.int64,))
-        _checks.shape("seed", seed, (batch,))
-        _checks.on_device("seed", seed, device, "target_logits")
-        return seed
-    _checks.int_arg("seed", seed)
-    return seeds_from_int(seed, batch, device)
 
 
 def verify(
@@ -102,7 +88,7 @@ def verify(
     temperature = _checks.per_row("temperature", temperature, batch, device, torch.float32, default=1.0)
     top_k = _checks.per_row("top_k", top_k, batch, device, torch.int64, default=0, integral=True)
     top_p = _checks.per_row("top_p", top_p, batch, device, torch.float32, default=1.0)
-    seed = _row_seeds(seed, batch, device)
+    seed = row_seeds(seed, batch, device)
     if _checks.checking_values():
         if not torch.isfinite(temperature).all() or (temperature < 0).any():
             _checks.fail("temperature", "expected finite values >= 0 (0 = greedy)")
