@@ -33,7 +33,7 @@ import torch
 from . import _checks
 from ._extension import LOAD_ERROR
 
-POLICIES = ("earliest", "latest")
+POLICIES = _checks.NGRAM_POLICIES
 BACKENDS = ("cpu", "python")
 
 Slots = Union[int, Sequence[int], torch.Tensor]
@@ -279,15 +279,6 @@ class NgramIndex:
         return slots, tokens, counts
 
     def _check_query(self, min_n, max_n, num_tokens, policy) -> int:
-        if max_n is None:
-            max_n = self.max_n
-        _checks.int_arg("min_n", min_n, minimum=1)
-        _checks.int_arg("max_n", max_n, minimum=1)
-        if min_n > max_n:
-            _checks.fail("min_n", f"expected min_n <= max_n, got min_n={min_n} > max_n={max_n}")
-        if max_n > self.max_n:
-            _checks.fail("max_n", f"expected max_n <= the index's max_n = {self.max_n}, got {max_n}")
-        _checks.int_arg("num_tokens", num_tokens, minimum=1)
-        if policy not in POLICIES:
-            _checks.fail("policy", f"expected one of {POLICIES}, got {policy!r}")
+        max_n = self.max_n if max_n is None else max_n
+        _checks.ngram_query(min_n, max_n, num_tokens, policy, max_n_limit=self.max_n)
         return max_n
