@@ -518,3 +518,38 @@ def test_triton_by_default_from_environment(value, expected):
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(expected)
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+@requires_c
+def test_dispatch_under_fake_tensors_uses_the_fake_implementations(gen):
+    """dispatch calls Python kernels directly (no trip through the dispatcher) only for plain
+    tensors outside any dispatch mode: under FakeTensorMode the ops still go through torch.ops
+    and their fake implementations (shapes only, no data-dependent reference code)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, mask, prefix, _ = attention_inputs(gen, 2, 5, 4, 2, 16)
+    logits, parents = torch.randn(2, 5, 9), random_parents(gen, 2, 5, "random")
+    tokens = torch.zeros(2, 5, dtype=torch.int64)
+    with sk.config.value_checks(False), FakeTensorMode() as mode:
+        fq, fk, fv, fmask, fprefix, flogits, ftokens, fparents = (
+            mode.from_tensor(x) for x in (q, k, v, mask, prefix, logits, tokens, parents))
+        out = sk.tree_attention(fq, fk, fv, fmask, fprefix)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        verified = sk.verify(flogits, ftokens, fparents, temperature=0.0, seed=torch.tensor([1, 2]))
+        assert verified.accepted_nodes.shape == (2, 5) and verified.num_accepted.shape == (2,)
+
+
+def test_dispatch_decision_is_cached_per_op_device_backend():
+    """The kernel for (op, device type, backend, triton setting) is decided once; errors are not cached."""
+    parents = torch.tensor([[-1, 0, 0]])
+    sk.tree_mask(parents)
+    key = ("tree_mask", "cpu", None, sk.config.triton_by_default)
+    assert _extension._KERNELS[key] is _extension._resolve("tree_mask", "cpu", None, parents.device)
+    sk.tree_mask(parents, backend="reference")
+    assert _extension._KERNELS[("tree_mask", "cpu", "reference", sk.config.triton_by_default)] is sk.reference.tree_mask
+    for _ in range(2):  # a bad backend raises every time
+        with pytest.raises(ValueError, match="backend"):
+            sk.tree_mask(parents, backend="nope")

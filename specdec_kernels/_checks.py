@@ -14,11 +14,12 @@ Two kinds of checks:
   and never while tracing with torch.compile or capturing a CUDA graph.
 """
 
+import functools
 from typing import Optional
 
 import torch
 
-from . import config
+from . import config, philox  # philox imports this module back: use philox.row_seeds at call time
 
 Tensor = torch.Tensor
 INT_DTYPES = (torch.int32, torch.int64)
@@ -26,6 +27,7 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NGRAM_POLICIES = ("earliest", "latest")
 
 _has_cuda: Optional[bool] = None  # torch.cuda.is_available(), asked once (it costs ~1 us)
+_is_compiling = torch.compiler.is_compiling
 
 
 # ============================================================================ primitives
@@ -34,7 +36,7 @@ _has_cuda: Optional[bool] = None  # torch.cuda.is_available(), asked once (it co
 def checking_values() -> bool:
     """Whether value checks (which may sync with the GPU) should run now."""
     global _has_cuda
-    if torch.compiler.is_compiling() or not config.values_checked():  # dynamo cannot trace ContextVar.get
+    if _is_compiling() or not config.values_checked():  # dynamo cannot trace ContextVar.get
         return False
     if _has_cuda is None:
         _has_cuda = torch.cuda.is_available()
@@ -78,13 +80,21 @@ def same_device(reference_name, reference, **tensors):
             fail(name, f"expected a tensor on {device} (like {reference_name}), got {x.device}")
 
 
+def _all_on(device, *tensors) -> bool:
+    """Fast test for the common case of `same_device` (call it for the error otherwise)."""
+    for x in tensors:
+        if x.device != device:
+            return False
+    return True
+
+
 def nonempty_batch(name, x):
     if x.shape[0] == 0:
         fail(name, "empty batch (batch size 0); pass at least one row")
 
 
 def last_dim_contiguous(name, x):
-    if x.stride(-1) != 1:
+    if not x.is_contiguous() and x.stride(-1) != 1:  # is_contiguous() is the cheap common case
         fail(name, f"the last dimension must be contiguous (stride 1), got strides {tuple(x.stride())}")
 
 
@@ -111,6 +121,11 @@ def _first_index(bad: Tensor) -> tuple:
 def parents_2d(value, name: str = "parents") -> Tensor:
     """Validated int64 [B, T] view of a [B, T] or [T] parent array."""
     tensor(name, value, (1, 2), INT_DTYPES)
+    return _parents_rows(name, value)
+
+
+def _parents_rows(name, value: Tensor) -> Tensor:
+    """`parents_2d` for a value already known to be a 1-D or 2-D integer tensor."""
     rows = value if value.dim() == 2 else value.unsqueeze(0)
     nonempty_batch(name, rows)
     if rows.shape[1] == 0:
@@ -217,15 +232,21 @@ def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale):
     mask_cols = num_nodes if tree_mask.dtype == torch.bool else (num_nodes + 63) // 64
     if mask.shape != (batch, num_nodes, mask_cols):
         shape("tree_mask", mask, (batch, num_nodes, mask_cols))
-    same_device("q", q, k_cache=k_cache, v_cache=v_cache, tree_mask=tree_mask, cache_seqlens=cache_seqlens)
+    if not _all_on(q.device, k_cache, v_cache, tree_mask, cache_seqlens):
+        same_device("q", q, k_cache=k_cache, v_cache=v_cache, tree_mask=tree_mask, cache_seqlens=cache_seqlens)
     last_dim_contiguous("q", q)
     last_dim_contiguous("k_cache", k_cache)
     last_dim_contiguous("v_cache", v_cache)
     if checking_values():
         cache_len = k_shape[1]
-        bad = (cache_seqlens < 0) | (cache_seqlens + num_nodes > cache_len)
-        if bad.any():
-            b = int(torch.nonzero(bad)[0, 0])
+        if cache_seqlens.is_cpu and batch <= 4096:
+            # Small host tensors: reading the values beats launching four torch ops.
+            values = cache_seqlens.tolist()
+            b = next((b for b, n in enumerate(values) if n < 0 or n + num_nodes > cache_len), None)
+        else:
+            bad = (cache_seqlens < 0) | (cache_seqlens + num_nodes > cache_len)
+            b = int(torch.nonzero(bad)[0, 0]) if bad.any() else None
+        if b is not None:
             fail(
                 "cache_seqlens",
                 f"row {b}: prefix {int(cache_seqlens[b])} + T={num_nodes} tree entries must fit in the cache "
@@ -286,18 +307,23 @@ def per_row(name, value, batch, like: Tensor, dtype, *, default, integral=False)
         return as_dtype(value, dtype)
     if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
         fail(name, f"expected {kind} or a [B] tensor, got {value!r}")
-    return torch.full((batch,), value, dtype=dtype, device=like.device)
+    return _filled(value, batch, dtype, like.device)
+
+
+@functools.lru_cache(maxsize=64)
+def _filled(value, batch, dtype, device) -> Tensor:
+    """torch.full((batch,), value): one tensor per distinct call, reused (a fresh one costs
+    ~2 us). The ops only read their inputs, and no caller gets this tensor back."""
+    return torch.full((batch,), value, dtype=dtype, device=device)
 
 
 def sampling(target_logits, temperature, top_k, top_p, seed, batch):
     """The per-row sampling arguments of `verify` / `verify_chain` -> (fp32 temperature,
     int64 top_k, fp32 top_p, int64 seed), each [B] on target_logits' device."""
-    from .philox import row_seeds
-
     temperature = per_row("temperature", temperature, batch, target_logits, torch.float32, default=1.0)
     top_k = per_row("top_k", top_k, batch, target_logits, torch.int64, default=0, integral=True)
     top_p = per_row("top_p", top_p, batch, target_logits, torch.float32, default=1.0)
-    seed = row_seeds(seed, batch, target_logits.device)
+    seed = philox.row_seeds(seed, batch, target_logits.device)
     if checking_values():
         if not torch.isfinite(temperature).all() or (temperature < 0).any():
             fail("temperature", "expected finite values >= 0 (0 = greedy)")
@@ -313,13 +339,18 @@ def verify(target_logits, tree_tokens, parents, draft_probs, temperature, top_k,
     int64 [B, T] parents, draft_probs, temperature, top_k, top_p, seed)."""
     batch, num_nodes, vocab = _target_logits(target_logits)
     tensor("tree_tokens", tree_tokens, 2, INT_DTYPES)
-    shape("tree_tokens", tree_tokens, (batch, num_nodes))
+    if tree_tokens.shape != (batch, num_nodes):
+        shape("tree_tokens", tree_tokens, (batch, num_nodes))
     tensor("parents", parents, (1, 2), INT_DTYPES)
-    shape("parents", parents, (batch, num_nodes)[2 - parents.dim() :])
+    if parents.shape[-1] != num_nodes or (parents.dim() == 2 and parents.shape[0] != batch):
+        shape("parents", parents, (batch, num_nodes)[2 - parents.dim() :])
     if draft_probs is not None:
         _draft_probs_meta(draft_probs, (batch, num_nodes, vocab), target_logits)
-    same_device("target_logits", target_logits, tree_tokens=tree_tokens, parents=parents)
-    rows = parents_2d(parents).expand(batch, -1)
+    if not _all_on(target_logits.device, tree_tokens, parents):
+        same_device("target_logits", target_logits, tree_tokens=tree_tokens, parents=parents)
+    rows = _parents_rows("parents", parents)
+    if rows.shape[0] != batch:
+        rows = rows.expand(batch, -1)  # one tree shared by every row
     if checking_values():
         drafted = real_nodes(rows)
         drafted[:, 0] = False
@@ -359,18 +390,26 @@ def compact_kv_cache_(caches, cache_seqlens, accepted_nodes, num_accepted):
     batch, width = accepted_nodes.shape
     if cache_seqlens.shape[0] == 0:
         fail("cache_seqlens", "empty batch (batch size 0); pass at least one row")
-    shape("cache_seqlens", cache_seqlens, (batch,))
-    shape("num_accepted", num_accepted, (batch,))
+    if cache_seqlens.shape[0] != batch:
+        shape("cache_seqlens", cache_seqlens, (batch,))
+    if num_accepted.shape[0] != batch:
+        shape("num_accepted", num_accepted, (batch,))
     device = cache_seqlens.device
+    on_cpu = cache_seqlens.is_cpu
     for i, cache in enumerate(caches):
-        name = f"caches[{i}]"
-        tensor(name, cache, 4, FLOAT_DTYPES)
-        if cache.shape[0] != batch:
+        # One cheap test per cache (a model passes two per layer); the named checks only
+        # when it fails, for the error.
+        if not (
+            type(cache) is Tensor and cache.dim() == 4 and cache.dtype in FLOAT_DTYPES and cache.shape[0] == batch
+            and (cache.is_cpu if on_cpu else cache.device == device) and (cache.is_contiguous() or cache.stride(-1) == 1)
+        ):
+            name = f"caches[{i}]"
+            tensor(name, cache, 4, FLOAT_DTYPES)
             shape(name, cache, (batch, None, None, None))
-        last_dim_contiguous(name, cache)
-        if cache.device != device:
+            last_dim_contiguous(name, cache)
             same_device("cache_seqlens", cache_seqlens, **{name: cache})
-    same_device("cache_seqlens", cache_seqlens, accepted_nodes=accepted_nodes, num_accepted=num_accepted)
+    if not _all_on(device, accepted_nodes, num_accepted):
+        same_device("cache_seqlens", cache_seqlens, accepted_nodes=accepted_nodes, num_accepted=num_accepted)
     if checking_values():
         _accepted_paths(caches, cache_seqlens, accepted_nodes, num_accepted)
     return (caches, as_dtype(cache_seqlens, torch.int32), as_dtype(accepted_nodes, torch.int32),

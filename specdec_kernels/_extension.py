@@ -113,37 +113,63 @@ def available_backends(op: str, device_type: str) -> list:
     return found + ["reference"] + (["triton"] if has_triton else [])
 
 
-def dispatch(op: str, backend, device: torch.device, *args):
-    """Run `op` on normalised arguments with the chosen backend (None: the best available)."""
+# (op, device type, backend, config.triton_by_default) -> the callable that runs it. Filled on
+# first use of each combination, so a call looks its kernel up once instead of re-deciding.
+_KERNELS: dict = {}
+
+
+def _resolve(op: str, device_type: str, backend, device: torch.device):
+    """The callable that runs `op` on `device_type` tensors with `backend`; raises if none can."""
     if backend is None:
-        if _C is None:
-            if available_backends(op, device.type)[0] == "triton":
-                return triton_kernel(op)(*args)
-            return getattr(reference, op)(*args)
-        return getattr(torch.ops.specdec, op).default(*args)
+        if device_type.upper() in COMPILED[op] or (_C is not None and device_type not in ("cpu", "cuda")):
+            return getattr(torch.ops.specdec, op).default  # compiled kernel (or meta/fake for other devices)
+        if device_type == "cuda" and _triton_by_default(op):
+            return triton_kernel(op)
+        # The Python kernel we registered for this key, called directly: no trip through the
+        # dispatcher and back into Python.
+        return getattr(reference, op)
     if backend == "reference":
-        return getattr(reference, op)(*args)
+        return getattr(reference, op)
     if backend in ("cpu", "cuda"):
-        if device.type != backend:
+        if device_type != backend:
             raise ValueError(f"backend={backend!r} needs {backend} tensors, got tensors on {device}")
         if backend.upper() not in COMPILED[op]:
             why = f" ({LOAD_ERROR})" if LOAD_ERROR else ""
             raise RuntimeError(
                 f"backend={backend!r}: specdec_kernels._C has no compiled {backend} kernel for {op}{why}; "
-                f"available here: {available_backends(op, device.type)}"
+                f"available here: {available_backends(op, device_type)}"
             )
-        return getattr(torch.ops.specdec, op).default(*args)
+        return getattr(torch.ops.specdec, op).default
     if backend == "triton":
         if op not in TRITON_OPS:
             raise RuntimeError(f"backend='triton': no Triton kernel for {op} in this build")
         if not HAS_TRITON:
             raise RuntimeError(f"backend='triton' for {op} needs the triton package (pip install triton)")
-        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError(
                 f"backend='triton' for {op} on CPU tensors runs only under the Triton interpreter "
                 "(TRITON_INTERPRET=1, for testing); on CPU use backend=None or 'reference'"
             )
-        if device.type not in ("cpu", "cuda"):
+        if device_type not in ("cpu", "cuda"):
             raise ValueError(f"backend='triton' needs cuda (or, interpreted, cpu) tensors, got tensors on {device}")
-        return triton_kernel(op)(*args)
+        return triton_kernel(op)
     raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")
+
+
+def dispatch(op: str, backend, like: torch.Tensor, *args):
+    """Run `op` on normalised arguments with the chosen backend (None: the best available for
+    the device of `like`, the op's leading tensor)."""
+    device_type = "cpu" if like.is_cpu else "cuda" if like.is_cuda else like.device.type
+    if backend is None and _C is not None and (
+        torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0 or type(like) is not torch.Tensor
+    ):
+        # Tracing (torch.compile, export), a dispatch mode (fake tensors) or a tensor subclass:
+        # go through torch.ops so the op appears as one node with its fake implementation.
+        return getattr(torch.ops.specdec, op).default(*args)
+    key = (op, device_type, backend, config.triton_by_default)
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        kernel = _resolve(op, device_type, backend, like.device)
+        if not (backend == "triton" and device_type == "cpu"):  # depends on TRITON_INTERPRET: re-check
+            _KERNELS[key] = kernel
+    return kernel(*args)

@@ -32,5 +32,5 @@ def compact_kv_cache_(
         cache_seqlens[b] + j for j <= num_accepted[b]; all in one launch per call.
     """
     args = _checks.compact_kv_cache_(caches, cache_seqlens, accepted_nodes, num_accepted)
-    new_lens = dispatch("compact_kv_cache_", backend, cache_seqlens.device, *args)
+    new_lens = dispatch("compact_kv_cache_", backend, cache_seqlens, *args)
     return new_lens if new_lens.dtype == cache_seqlens.dtype else new_lens.to(cache_seqlens.dtype)

@@ -42,7 +42,7 @@ def ngram_propose(
         (draft_tokens [B, num_tokens] in tokens' dtype, -1 padded; draft_lens int32 [B], 0 = no match).
     """
     args = _checks.ngram_propose(tokens, lengths, min_n, max_n, num_tokens, policy)
-    return dispatch("ngram_propose", backend, tokens.device, *args)
+    return dispatch("ngram_propose", backend, tokens, *args)
 
 
 def ngram_propose_tree(
@@ -76,4 +76,4 @@ def ngram_propose_tree(
         empty history) and parents int64 (-1 for root and padding).
     """
     args = _checks.ngram_propose_tree(tokens, lengths, min_n, max_n, num_tokens, tree_width, max_nodes, policy)
-    return TokenTree(*dispatch("ngram_propose_tree", backend, tokens.device, *args))
+    return TokenTree._from_op(*dispatch("ngram_propose_tree", backend, tokens, *args))

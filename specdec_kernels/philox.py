@@ -15,7 +15,7 @@ product into 16-bit halves so nothing overflows.
 
 import torch
 
-from . import _checks
+from . import _checks  # (it imports this module back; only used at call time)
 
 MASK32 = 0xFFFFFFFF
 PHILOX_M0 = 0xD2511F53
@@ -95,11 +95,13 @@ def row_seeds(seed, batch_size: int, device) -> torch.Tensor:
     if seed is None:
         seed = int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64))
     if isinstance(seed, torch.Tensor):
-        _checks.tensor("seed", seed, dims=1, dtypes=(torch.int64,))
-        _checks.shape("seed", seed, (batch_size,))
-        want = torch.device(device)
-        if seed.device.type != want.type or (want.index is not None and seed.device.index != want.index):
-            _checks.fail("seed", f"expected a tensor on {device} (like target_logits), got {seed.device}")
+        want = device if isinstance(device, torch.device) else torch.device(device)
+        got = seed.device
+        if not (seed.dim() == 1 and seed.dtype == torch.int64 and seed.shape[0] == batch_size and got == want):
+            _checks.tensor("seed", seed, dims=1, dtypes=(torch.int64,))
+            _checks.shape("seed", seed, (batch_size,))
+            if got.type != want.type or (want.index is not None and got.index != want.index):
+                _checks.fail("seed", f"expected a tensor on {device} (like target_logits), got {got}")
         return seed
     _checks.int_arg("seed", seed)
     return seeds_from_int(seed, batch_size, device)

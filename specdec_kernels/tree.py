@@ -27,7 +27,7 @@ def tree_mask(parents: torch.Tensor, *, backend: Optional[str] = None) -> torch.
         one of its ancestors. Padding nodes see only themselves.
     """
     args = _checks.tree_mask(parents)
-    mask = dispatch("tree_mask", backend, parents.device, *args)
+    mask = dispatch("tree_mask", backend, parents, *args)
     return mask if parents.dim() == 2 else mask[0]
 
 
@@ -41,7 +41,7 @@ def pack_tree_mask(mask: torch.Tensor, *, backend: Optional[str] = None) -> torc
         int64 [B, T, ceil(T/64)] (or [T, ceil(T/64)]): bit j % 64 of word j // 64 is mask[..., j].
     """
     args = _checks.pack_tree_mask(mask)
-    packed = dispatch("pack_tree_mask", backend, mask.device, *args)
+    packed = dispatch("pack_tree_mask", backend, mask, *args)
     return packed if mask.dim() == 3 else packed[0]
 
 
@@ -58,6 +58,14 @@ class TokenTree:
 
     def __post_init__(self):
         self.tokens, self.parents = _checks.token_tree(self.tokens, self.parents)
+
+    @classmethod
+    def _from_op(cls, tokens: torch.Tensor, parents: torch.Tensor) -> "TokenTree":
+        """A tree an op returned ([B, T] tokens and int64 parents, valid by construction):
+        not checked again, which would cost more than the op on short histories."""
+        tree = object.__new__(cls)
+        tree.tokens, tree.parents = tokens, parents
+        return tree
 
     @property
     def batch_size(self) -> int:

@@ -36,4 +36,4 @@ def tree_attention(
         and to tree key j iff tree_mask[b, i, j].
     """
     args = _checks.tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale)
-    return dispatch("tree_attention", backend, q.device, *args)
+    return dispatch("tree_attention", backend, q, *args)

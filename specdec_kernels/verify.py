@@ -63,7 +63,7 @@ def verify(
         the target's argmax chain (lowest id on ties).
     """
     args = _checks.verify(target_logits, tree_tokens, parents, draft_probs, temperature, top_k, top_p, seed)
-    return VerifyOutput(*dispatch("verify", backend, target_logits.device, *args))
+    return VerifyOutput(*dispatch("verify", backend, target_logits, *args))
 
 
 def verify_chain(
@@ -99,4 +99,4 @@ def verify_chain(
         # Node i's children (draft i) were drawn from draft_probs[:, i]; the last node has none.
         tree_draft_probs = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, vocab)], dim=1)
     args = (target_logits, tree_tokens, parents, tree_draft_probs) + sampling
-    return VerifyOutput(*dispatch("verify", backend, target_logits.device, *args))
+    return VerifyOutput(*dispatch("verify", backend, target_logits, *args))
