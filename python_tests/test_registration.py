@@ -553,3 +553,65 @@ def test_dispatch_decision_is_cached_per_op_device_backend():
     for _ in range(2):  # a bad backend raises every time
         with pytest.raises(ValueError, match="backend"):
             sk.tree_mask(parents, backend="nope")
+
+
+# ----------------------------------------------------------------------------- CUDA tensors on the reference
+
+
+def test_cuda_fallback_to_reference_warns_once():
+    """A GPU user whose build lacks the CUDA kernels (and whose Triton path is off) is told once,
+    with what is missing and how to fix it, instead of silently running the slow reference. The
+    dispatch decision is made for device type "cuda" directly, so this runs without a GPU."""
+    code = """
+        import warnings, torch
+        import specdec_kernels as sk
+        from specdec_kernels import _extension
+        cuda = torch.device("cuda")
+        ops = [op for op in _extension.OPS if "CUDA" not in _extension.COMPILED[op]]
+        if not ops:
+            print("SKIP every op has a compiled CUDA kernel")
+            raise SystemExit
+        sk.config.triton_by_default = False
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for op in ops:
+                assert _extension._resolve(op, "cuda", None, cuda) is getattr(sk.reference, op)
+            _extension._cuda_python_kernel(ops[0])  # the torch.ops route (compiled graphs) warns through the same flag
+        ours = [w for w in caught if "plain-torch reference" in str(w.message)]
+        assert len(ours) == 1, [str(w.message) for w in caught]
+        message = str(ours[0].message)
+        assert ours[0].category is RuntimeWarning and ops[0] in message, message
+        assert "pip install" in message and ("without CUDA kernels" in message or "unavailable" in message), message
+        if ops[0] in _extension.TRITON_OPS:
+            assert ("triton_by_default" in message) if _extension.HAS_TRITON else ("pip install triton" in message)
+        assert _extension._resolve("tree_mask", "cpu", None, torch.device("cpu")) is not None  # CPU: no warning
+        print("OK")
+    """
+    result = _run_python(code)
+    assert result.returncode == 0, result.stderr
+    if result.stdout.startswith("SKIP"):
+        pytest.skip(result.stdout.strip())
+    assert "OK" in result.stdout
+
+
+def test_cuda_fallback_warning_names_the_triton_switch_for_triton_ops():
+    """For an op with a Triton kernel, turning the switch on removes the fallback (no warning)."""
+    code = """
+        import warnings, torch
+        from specdec_kernels import _extension, config
+        if "CUDA" in _extension.COMPILED["verify"] or not _extension.HAS_TRITON:
+            print("SKIP compiled CUDA verify, or no triton")
+            raise SystemExit
+        _extension.triton_kernel = lambda op: ("triton", op)  # not imported: no GPU here
+        config.triton_by_default = True
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert _extension._resolve("verify", "cuda", None, torch.device("cuda")) == ("triton", "verify")
+        assert not [w for w in caught if "plain-torch reference" in str(w.message)]
+        print("OK")
+    """
+    result = _run_python(code)
+    assert result.returncode == 0, result.stderr
+    if result.stdout.startswith("SKIP"):
+        pytest.skip(result.stdout.strip())
+    assert "OK" in result.stdout

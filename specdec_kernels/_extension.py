@@ -13,6 +13,7 @@ import functools
 import importlib
 import importlib.util
 import os
+import sys
 import warnings
 
 import torch
@@ -76,13 +77,55 @@ def _triton_by_default(op: str) -> bool:
     return op in TRITON_OPS and HAS_TRITON and config.triton_by_default
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_warned_cuda_reference = False
+
+
+def _warn_cuda_reference(op: str) -> None:
+    """Once per process: CUDA tensors are about to run the plain-torch reference of `op`,
+    which is correct but slow; say what is missing and how to get the fast path."""
+    global _warned_cuda_reference
+    if _warned_cuda_reference:
+        return
+    _warned_cuda_reference = True
+    missing, fixes = [], []
+    if _C is None:
+        missing.append(f"the compiled extension specdec_kernels._C is unavailable ({LOAD_ERROR})")
+        fixes.append("build it where torch has CUDA and nvcc is on the PATH: pip install --no-build-isolation -e .")
+    elif "CUDA" not in COMPILED[op]:
+        missing.append("specdec_kernels._C was built without CUDA kernels")
+        fixes.append("rebuild it where torch has CUDA and nvcc is on the PATH (CUDA_HOME set): "
+                     "pip install --no-build-isolation -e .")
+    if op in TRITON_OPS:
+        if not HAS_TRITON:
+            missing.append("triton is not installed (its Triton kernel would run instead)")
+            fixes.append("pip install triton")
+        elif not config.triton_by_default:
+            missing.append("its Triton kernel is switched off by default (not yet verified on a GPU)")
+            fixes.append("set specdec_kernels.config.triton_by_default = True (or SPECDEC_ENABLE_UNVERIFIED_TRITON=1)")
+    # Point the warning at the user's call, not at this package's frames.
+    frame, level = sys._getframe(), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(
+        f"specdec_kernels: {op} got CUDA tensors and runs the plain-torch reference (correct but slow), "
+        f"because {'; and '.join(missing)}. To get the fast kernels: {'; '.join(fixes)}. "
+        "(Other ops may fall back too; this warning is shown once per process.)",
+        RuntimeWarning,
+        stacklevel=level,
+    )
+
+
 def _cuda_python_kernel(op: str):
     """The CUDA kernel registered for `op` when `_C` has no compiled one: it reads
     `config.triton_by_default` at each call, so the setting can change at run time."""
     reference_kernel = getattr(reference, op)
 
     def kernel(*args):
-        return (triton_kernel(op) if _triton_by_default(op) else reference_kernel)(*args)
+        if _triton_by_default(op):
+            return triton_kernel(op)(*args)
+        _warn_cuda_reference(op)
+        return reference_kernel(*args)
 
     kernel.__name__ = f"python_cuda_{op}"
     return kernel
@@ -123,8 +166,10 @@ def _resolve(op: str, device_type: str, backend, device: torch.device):
     if backend is None:
         if device_type.upper() in COMPILED[op] or (_C is not None and device_type not in ("cpu", "cuda")):
             return getattr(torch.ops.specdec, op).default  # compiled kernel (or meta/fake for other devices)
-        if device_type == "cuda" and _triton_by_default(op):
-            return triton_kernel(op)
+        if device_type == "cuda":
+            if _triton_by_default(op):
+                return triton_kernel(op)
+            _warn_cuda_reference(op)
         # The Python kernel we registered for this key, called directly: no trip through the
         # dispatcher and back into Python.
         return getattr(reference, op)
