@@ -25,6 +25,9 @@ Tensor = torch.Tensor
 INT_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NGRAM_POLICIES = ("earliest", "latest")
+# |sum - 1| allowed for a row of draft probabilities: 16-bit probabilities carry about three
+# significant digits (bf16 rounds 0.998 to 0.996 or 1.0), fp32 ones about seven.
+DRAFT_PROBS_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 _has_cuda: Optional[bool] = None  # torch.cuda.is_available(), asked once (it costs ~1 us)
 _is_compiling = torch.compiler.is_compiling
@@ -276,6 +279,36 @@ def _draft_probs_meta(draft_probs, expected_shape, target_logits):
     same_device("target_logits", target_logits, draft_probs=draft_probs)
 
 
+def draft_prob_values(draft_probs: Tensor, rows: Optional[Tensor]):
+    """draft_probs[rows] ([B, T] bool, None: all) are distributions: no NaN, nothing negative,
+    each sums to 1 within DRAFT_PROBS_TOLERANCE (a value check)."""
+    picked = draft_probs.reshape(-1, draft_probs.shape[-1]) if rows is None else draft_probs[rows]
+    if picked.numel() == 0:
+        return
+    picked = picked.float()
+    tol = DRAFT_PROBS_TOLERANCE[draft_probs.dtype]
+    where = torch.nonzero(rows) if rows is not None else None
+
+    def row_name(r: int) -> str:
+        b, i = (int(v) for v in where[r]) if where is not None else divmod(r, draft_probs.shape[1])
+        return f"draft_probs[{b}, {i}]"
+
+    nan = picked.isnan().any(-1)
+    if nan.any():
+        fail("draft_probs", f"{row_name(int(torch.nonzero(nan)[0, 0]))} holds NaN; every node with children "
+             "needs the distribution its children were drawn from")
+    negative = (picked < 0).any(-1)
+    if negative.any():
+        fail("draft_probs", f"{row_name(int(torch.nonzero(negative)[0, 0]))} has negative entries; expected "
+             "probabilities (>= 0, summing to 1), not logits")
+    total = picked.sum(-1, dtype=torch.float64)
+    off = (total - 1).abs() > tol
+    if off.any():
+        r = int(torch.nonzero(off)[0, 0])
+        fail("draft_probs", f"{row_name(r)} sums to {float(total[r]):.6g}, expected 1 within {tol:g} (a "
+             "distribution, e.g. a softmax; not logits or scores)")
+
+
 def _distinct_siblings(tree_tokens, parents, drafted):
     """Deterministic drafts need distinct siblings: the target picks one token per node."""
     same_parent = parents[:, :, None] == parents[:, None, :]
@@ -357,6 +390,11 @@ def verify(target_logits, tree_tokens, parents, draft_probs, temperature, top_k,
         token_ids("tree_tokens", tree_tokens, drafted, vocab)
         if draft_probs is None:
             _distinct_siblings(tree_tokens, rows, drafted)
+        else:
+            # Only the rows children were drawn from are read: the nodes with children.
+            has_children = torch.zeros(batch, num_nodes + 1, dtype=torch.bool, device=rows.device)
+            has_children.scatter_(1, torch.where(drafted, rows, num_nodes), True)
+            draft_prob_values(draft_probs, has_children[:, :num_nodes])
     sampled = sampling(target_logits, temperature, top_k, top_p, seed, batch)
     return (target_logits, as_dtype(tree_tokens, torch.int64), rows, draft_probs) + sampled
 
@@ -372,6 +410,8 @@ def verify_chain(target_logits, draft_tokens, draft_probs):
         _draft_probs_meta(draft_probs, (batch, k, vocab), target_logits)
     if checking_values():
         token_ids("draft_tokens", draft_tokens, torch.ones_like(draft_tokens, dtype=torch.bool), vocab)
+        if draft_probs is not None:
+            draft_prob_values(draft_probs, None)  # draft i was drawn from draft_probs[:, i]: every row
     return batch, k, vocab
 
 

@@ -49,7 +49,12 @@ def verify(
         parents: int [B, T] or [T]; see `specdec_kernels.tree`.
         draft_probs: [B, T, V] or None. Given: the children of node i were drawn
             independently from draft_probs[b, i] (siblings may repeat). None: the children
-            are deterministic proposals and siblings must be distinct.
+            are deterministic proposals and siblings must be distinct. The row of every
+            node with children must be a probability distribution: no NaN, no negative
+            entry, summing to 1 within 1e-3 (fp32) or 1e-2 (bf16 / fp16), else ValueError
+            (value checks on). Rows of nodes without children (leaves, padding) are not
+            used and may hold anything. With value checks off, a bad row is read as the
+            reference reads it (NaN and negative entries as 0, the sum as given).
         temperature: float or [B]; rows with 0 are greedy.
         top_k: None, int or int [B] (0 = off), applied to the target like sequential sampling.
         top_p: None, float or [B] in (0, 1] (1 = off), applied after top-k.
@@ -83,7 +88,7 @@ def verify_chain(
         target_logits: [B, K+1, V]; target_logits[:, i] follows the root and the first i drafts.
         draft_tokens: int [B, K].
         draft_probs: [B, K, V] (draft_probs[:, i]: the distribution draft token i was sampled
-            from) or None.
+            from) or None; every row a distribution, as in `verify`.
         temperature, top_k, top_p, seed, backend: as in `verify`.
 
     Returns:
