@@ -936,6 +936,8 @@ BAD_INPUTS = [
     ("tokens-bool", dict(tree_tokens=torch.zeros(B, T, dtype=torch.bool)), "tree_tokens"),
     ("tokens-too-big", dict(tree_tokens=torch.tensor([[1, 2, 3, 4, -1], [1, 2, 7, 4, -1], [1, 2, 3, 4, -1]])), "tree_tokens"),
     ("tokens-negative", dict(tree_tokens=torch.tensor([[1, 2, 3, -1, -1]] * B)), "tree_tokens"),
+    ("root-token-too-big", dict(tree_tokens=torch.tensor([[1, 2, 3, 4, -1], [V, 2, 3, 4, -1], [1, 2, 3, 4, -1]])), "tree_tokens"),
+    ("root-token-negative", dict(tree_tokens=torch.tensor([[-1, 2, 3, 4, -1]] * B)), "tree_tokens"),
     ("parents-shape", dict(parents=torch.tensor([-1, 0, 0, 1])), "parents"),
     ("parents-batch", dict(parents=torch.tensor([[-1, 0, 0, 1, -1]] * (B + 1))), "parents"),
     ("parents-3d", dict(parents=torch.tensor([[-1, 0, 0, 1, -1]] * B)[:, :, None]), "parents"),
@@ -1047,6 +1049,13 @@ def test_bad_draft_probs_accepted_with_value_checks_off():
     with specdec_kernels.config.value_checks(False):
         out = call(draft_probs=q, seed=3, backend="reference")
     check_invariants(out, good_inputs()["tree_tokens"], good_inputs()["parents"], V)
+
+
+def test_padding_tokens_are_not_checked():
+    """Padding nodes (parent -1 after the root) may hold any id, -1 or out of the vocabulary."""
+    tokens = torch.tensor([[1, 2, 3, 4, -1], [1, 2, 3, 4, V + 9], [1, 2, 3, 4, -5]])
+    out = call(tree_tokens=tokens, seed=4)
+    check_invariants(out, tokens, good_inputs()["parents"], V)
 
 
 def test_unknown_backend_raises():

@@ -385,9 +385,10 @@ def verify(target_logits, tree_tokens, parents, draft_probs, temperature, top_k,
     if rows.shape[0] != batch:
         rows = rows.expand(batch, -1)  # one tree shared by every row
     if checking_values():
-        drafted = real_nodes(rows)
+        real = real_nodes(rows)
+        token_ids("tree_tokens", tree_tokens, real, vocab)  # the root too: it is a token of the sequence
+        drafted = real.clone()
         drafted[:, 0] = False
-        token_ids("tree_tokens", tree_tokens, drafted, vocab)
         if draft_probs is None:
             _distinct_siblings(tree_tokens, rows, drafted)
         else:
