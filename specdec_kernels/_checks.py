@@ -458,16 +458,33 @@ def compact_kv_cache_(caches, cache_seqlens, accepted_nodes, num_accepted):
 
 
 def _accepted_paths(caches, cache_seqlens, accepted_nodes, num_accepted):
-    """Prefixes and the tree fit in every cache; each row's path holds node ids in [0, T)."""
-    num_nodes = accepted_nodes.shape[1]
-    min_len = min(cache.shape[1] for cache in caches)
-    if ((cache_seqlens < 0) | (cache_seqlens + num_nodes > min_len)).any():
-        fail("cache_seqlens", f"expected 0 <= cache_seqlens and cache_seqlens + T ({num_nodes}) <= S ({min_len})")
-    if ((num_accepted < 0) | (num_accepted >= num_nodes)).any():
-        fail("num_accepted", f"expected values in [0, T) = [0, {num_nodes})")
-    on_path = torch.arange(num_nodes, device=accepted_nodes.device)[None, :] <= num_accepted[:, None]
-    if (on_path & ((accepted_nodes < 0) | (accepted_nodes >= num_nodes))).any():
-        fail("accepted_nodes", f"entries on the accepted path must be node ids in [0, {num_nodes})")
+    """Each row's path accepted_nodes[b, :num_accepted[b] + 1] starts at node 0, strictly
+    increases (so every destination cache_seqlens[b] + j is at or before its source, and the
+    moves are exact in any order that goes up the path), and its last node fits in the cache."""
+    batch, width = accepted_nodes.shape
+    cache_len = min(cache.shape[1] for cache in caches)
+    if ((cache_seqlens < 0) | (cache_seqlens >= cache_len)).any():
+        b = int(torch.nonzero((cache_seqlens < 0) | (cache_seqlens >= cache_len))[0, 0])
+        fail("cache_seqlens", f"row {b}: expected 0 <= cache_seqlens < S = {cache_len} (room for the root at least), "
+             f"got {int(cache_seqlens[b])}")
+    if ((num_accepted < 0) | (num_accepted >= width)).any():
+        fail("num_accepted", f"expected values in [0, {width}) (the width of accepted_nodes), got {num_accepted.tolist()}")
+    nodes = accepted_nodes.to(torch.int64)
+    on_path = torch.arange(width, device=nodes.device)[None, :] <= num_accepted[:, None]
+    if (nodes[:, 0] != 0).any():
+        b = int(torch.nonzero(nodes[:, 0] != 0)[0, 0])
+        fail("accepted_nodes", f"row {b}: the accepted path starts at the root, node 0; got {int(nodes[b, 0])}")
+    rising = nodes[:, 1:] > nodes[:, :-1]
+    if (on_path[:, 1:] & ~rising).any():
+        b, j = _first_index(on_path[:, 1:] & ~rising)
+        fail("accepted_nodes", f"row {b}: the accepted path must strictly increase (a path from the root in a "
+             f"topologically ordered tree), got {nodes[b, : int(num_accepted[b]) + 1].tolist()}")
+    last = nodes.gather(1, num_accepted.to(torch.int64)[:, None])[:, 0]  # the largest node on the path
+    beyond = cache_seqlens.to(torch.int64) + last >= cache_len
+    if beyond.any():
+        b = int(torch.nonzero(beyond)[0, 0])
+        fail("accepted_nodes", f"row {b}: node {int(last[b])} is at cache_seqlens + node = "
+             f"{int(cache_seqlens[b]) + int(last[b])}, past the cache (S = {cache_len})")
 
 
 # ============================================================================ n-gram drafting

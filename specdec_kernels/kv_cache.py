@@ -21,15 +21,19 @@ def compact_kv_cache_(
     Args:
         caches: [B, S, H, D] tensors (all layers' keys and values; any strides with a
             contiguous last dim). The tree's entries sit at cache_seqlens[b] + node.
-        cache_seqlens: int32/int64 [B], prefix lengths; cache_seqlens[b] + T <= S.
-        accepted_nodes: int [B, T], the accepted path (`VerifyOutput.accepted_nodes`).
-        num_accepted: int [B] (`VerifyOutput.num_accepted`).
+        cache_seqlens: int32/int64 [B], prefix lengths, 0 <= cache_seqlens[b] < S.
+        accepted_nodes: int [B, W], the accepted path (`VerifyOutput.accepted_nodes`): it
+            starts at node 0 and strictly increases; node ids are bounded by the cache
+            (cache_seqlens[b] + node < S), not by W, so a narrower tensor holding the path
+            is fine. Entries past the path are ignored.
+        num_accepted: int [B] in [0, W) (`VerifyOutput.num_accepted`).
         backend: force an implementation ("reference", "cpu", "cuda"); None picks the best.
 
     Returns:
         The new lengths cache_seqlens + num_accepted + 1 (root and accepted drafts), in
         cache_seqlens' dtype. Entry cache_seqlens[b] + accepted_nodes[b, j] moved to
-        cache_seqlens[b] + j for j <= num_accepted[b]; all in one launch per call.
+        cache_seqlens[b] + j for j <= num_accepted[b]; all in one launch per call. With value
+        checks on, a path that breaks these rules gets a ValueError naming the argument.
     """
     args = _checks.compact_kv_cache_(caches, cache_seqlens, accepted_nodes, num_accepted)
     new_lens = dispatch("compact_kv_cache_", backend, cache_seqlens, *args)
