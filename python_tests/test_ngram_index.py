@@ -340,6 +340,9 @@ INDEX_BAD = [
     ("slot", lambda ix: ix.reset(2, [1])),
     ("prompt_tokens", lambda ix: ix.reset(0, [[1, 2]])),
     ("prompt_tokens", lambda ix: ix.reset(0, [1.5])),
+    ("prompt_tokens", lambda ix: ix.reset(0, [4, -1, 2])),  # -1 is padding, never a token
+    ("accepted_tokens", lambda ix: ix.append([0], [[3, -2]])),
+    ("accepted_tokens", lambda ix: ix.append_and_propose([0, 1], [[1, -1], [-3, 0]], [1, 1])),
 ]
 
 

@@ -503,6 +503,20 @@ def ngram_query(min_n, max_n, num_tokens, policy, *, max_n_limit: Optional[int] 
         fail("policy", f"expected one of {NGRAM_POLICIES}, got {policy!r}")
 
 
+def nonnegative_tokens(name, tokens: Tensor, counts: Optional[Tensor] = None):
+    """tokens[r, :counts[r]] (all of tokens when counts is None) are >= 0: -1 is padding, and no
+    negative id is a token (a value check)."""
+    if tokens.numel() == 0:
+        return
+    if counts is None:
+        bad = tokens < 0
+    else:
+        bad = (tokens < 0) & (torch.arange(tokens.shape[-1], device=tokens.device) < counts[:, None])
+    if bad.any():
+        index = _first_index(bad)
+        fail(name, f"token ids must be >= 0 (-1 is padding, never a token); got {int(tokens[index])} at {list(index)}")
+
+
 def ngram_propose(tokens, lengths, min_n, max_n, num_tokens, policy):
     """`ngram_propose(...)` / `ngram_propose_tree(...)` histories and match arguments ->
     (tokens, int64 lengths, min_n, max_n, num_tokens, policy)."""
@@ -525,6 +539,7 @@ def ngram_propose(tokens, lengths, min_n, max_n, num_tokens, policy):
             bad = bool(((lengths < 0) | (lengths > max_len)).any())
         if bad:
             fail("lengths", f"expected 0 <= lengths[b] <= L = {max_len}")
+        nonnegative_tokens("tokens", tokens, lengths)  # past lengths[b]: ignored, -1 padding allowed
     return tokens, as_dtype(lengths, torch.int64), min_n, max_n, num_tokens, policy
 
 

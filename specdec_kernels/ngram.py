@@ -34,7 +34,8 @@ def ngram_propose(
     s[j+n : min(j+n+num_tokens, N)].
 
     Args:
-        tokens: int32/int64 [B, L] histories (entries past lengths[b] are ignored).
+        tokens: int32/int64 [B, L] histories: token ids >= 0 (ValueError with value checks
+            on; -1 is the padding value, never a token). Entries past lengths[b] are ignored.
         lengths: int [B], 0 <= lengths[b] <= L.
         backend: force an implementation ("reference", "cpu", "cuda"); None picks the best.
 

@@ -123,18 +123,23 @@ class NgramIndex:
     # ------------------------------------------------------------------ updates
 
     def reset(self, slot: int, prompt_tokens) -> None:
-        """Start a new sequence in `slot` with history `prompt_tokens` (1-D int tensor or list)."""
+        """Start a new sequence in `slot` with history `prompt_tokens` (1-D int tensor or list of
+        token ids >= 0; -1 is padding, never a token)."""
         self._check_slot("slot", slot)
         prompt = torch.as_tensor(prompt_tokens)
         if prompt.numel() == 0:
             prompt = prompt.to(torch.int64)
         _checks.tensor("prompt_tokens", prompt, dims=1, dtypes=_checks.INT_DTYPES)
-        self._impl.reset(slot, _cpu_int64(prompt))
+        prompt = _cpu_int64(prompt)
+        if _checks.checking_values():
+            _checks.nonnegative_tokens("prompt_tokens", prompt)
+        self._impl.reset(slot, prompt)
 
     def append(self, slots: Slots, accepted_tokens, counts=None) -> None:
         """Append `accepted_tokens[r, :counts[r]]` to slot `slots[r]` (slots distinct).
 
-        accepted_tokens: int [R, K]; counts: int [R] in [0, K], None for all K.
+        accepted_tokens: int [R, K], ids >= 0 where appended (past counts[r]: ignored, e.g. -1);
+        counts: int [R] in [0, K], None for all K.
         """
         self._impl.append(*self._rows(slots, accepted_tokens, counts))
 
@@ -189,7 +194,11 @@ class NgramIndex:
             counts = counts.to(torch.int64)
         _checks.tensor("counts", counts, dims=1, dtypes=_checks.INT_DTYPES)
         _checks.shape("counts", counts, (slots.shape[0],))
-        return slots, _cpu_int64(tokens), _cpu_int64(counts)  # counts' values: checked by the index
+        tokens, counts = _cpu_int64(tokens), _cpu_int64(counts)  # counts' range: checked by the index
+        if _checks.checking_values() and tokens.shape[0] == counts.shape[0]:
+            # Only the appended tokens: past counts[r] is padding (-1 from verify's outputs).
+            _checks.nonnegative_tokens("accepted_tokens", tokens, counts.clamp(0, tokens.shape[1]))
+        return slots, tokens, counts
 
     def _check_query(self, min_n, max_n, num_tokens, policy) -> int:
         max_n = self.max_n if max_n is None else max_n
