@@ -397,7 +397,7 @@ BAD_INPUTS = [
     ("tree_mask", "packed_words", lambda a: a.update(tree_mask=torch.ones(2, 4, 2, dtype=torch.int64))),
     ("tree_mask", "packed_bool_words", lambda a: a.update(tree_mask=torch.ones(2, 4, 1, dtype=torch.bool))),
     ("tree_mask", "device", lambda a: a.update(tree_mask=a["tree_mask"].to("meta"))),
-    ("cache_seqlens", "int64", lambda a: a.update(cache_seqlens=a["cache_seqlens"].long())),
+    ("cache_seqlens", "int16", lambda a: a.update(cache_seqlens=a["cache_seqlens"].to(torch.int16))),
     ("cache_seqlens", "float", lambda a: a.update(cache_seqlens=a["cache_seqlens"].float())),
     ("cache_seqlens", "2d", lambda a: a.update(cache_seqlens=a["cache_seqlens"][None])),
     ("cache_seqlens", "shape", lambda a: a.update(cache_seqlens=torch.tensor([1, 2, 3], dtype=torch.int32))),
@@ -414,6 +414,16 @@ def test_bad_input(name, case, mutate):
     mutate(args)
     with pytest.raises(ValueError, match=f"^{name}:"):
         tree_attention(**args)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["reference"])
+def test_int64_cache_seqlens(gen, backend):
+    """int64 cache_seqlens (what compact_kv_cache_ returns for int64 input) work like int32 (issue 16)."""
+    args = good_inputs()
+    want = tree_attention(**args, backend=backend)
+    args["cache_seqlens"] = args["cache_seqlens"].long()
+    got = tree_attention(**args, backend=backend)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
 def test_cache_exactly_full_is_fine():

@@ -211,7 +211,7 @@ def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale):
     dtype = (q.dtype,)
     tensor("k_cache", k_cache, 4, dtype)
     tensor("v_cache", v_cache, 4, dtype)
-    tensor("cache_seqlens", cache_seqlens, 1, (torch.int32,))
+    tensor("cache_seqlens", cache_seqlens, 1, INT_DTYPES)
     tensor("tree_mask", tree_mask, (2, 3), (torch.bool, torch.int64))
     batch, num_nodes, num_q_heads, head_dim = q.shape
     if batch == 0:
@@ -256,7 +256,7 @@ def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale):
                 f"(S={cache_len})",
             )
     scale = head_dim**-0.5 if scale is None else float(scale)
-    return q, k_cache, v_cache, mask, cache_seqlens, scale
+    return q, k_cache, v_cache, mask, as_dtype(cache_seqlens, torch.int32), scale  # every kernel reads int32
 
 
 # ============================================================================ verify

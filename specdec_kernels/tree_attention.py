@@ -27,7 +27,7 @@ def tree_attention(
             The tree's keys/values are already written at cache_seqlens[b] + j, j < T.
         tree_mask: bool [B, T, T] or [T, T] (`tree_mask(parents)`), or packed int64
             [B, T, ceil(T/64)] / [T, ceil(T/64)] (`pack_tree_mask`).
-        cache_seqlens: int32 [B], the prefix length of each row; cache_seqlens[b] + T <= S.
+        cache_seqlens: int32 or int64 [B], the prefix length of each row; cache_seqlens[b] + T <= S.
         scale: softmax scale, default D ** -0.5.
         backend: force an implementation ("reference", "cuda", "triton"); None picks the best.
 
