@@ -426,6 +426,34 @@ def test_int64_cache_seqlens(gen, backend):
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+def test_hf_layout_cache_gets_a_transpose_hint():
+    """A Hugging Face [B, H, S, D] cache passed without .transpose(1, 2) (issue 16): the error
+    says so, whether the head counts clash or happen to fit and the "sequence" is too short."""
+    batch, num_nodes, head_dim = 1, 3, 16
+    mask, prefix = tree_mask(torch.tensor([-1, 0, 1])), torch.tensor([20], dtype=torch.int32)
+    for q_heads, kv_heads in ((4, 2), (32, 8), (8, 8)):
+        q = torch.randn(batch, num_nodes, q_heads, head_dim)
+        k = torch.randn(batch, kv_heads, 32, head_dim)  # [B, H, S, D]
+        # 32 query heads over 8: "32 KV heads" fit, and the 8-long "sequence" is what fails.
+        name = "cache_seqlens" if q_heads % 32 == 0 else "k_cache"
+        with pytest.raises(ValueError, match=rf"^{name}:.*k_cache.transpose\(1, 2\)"):
+            tree_attention(q, k, k, mask, prefix)
+        # As a view it works (the documented way).
+        assert tree_attention(q, k.transpose(1, 2), k.transpose(1, 2), mask, prefix).shape == q.shape
+    q = torch.randn(batch, 4, num_nodes, head_dim)  # q in HF layout too: [B, Hq, T, D]
+    k = torch.randn(batch, 32, 1, head_dim)  # a proper [B, S, Hkv, D] cache
+    with pytest.raises(ValueError, match=r"^tree_mask:.*q.transpose\(1, 2\)"):
+        tree_attention(q, k, k, mask, prefix)
+
+
+def test_no_transpose_hint_for_other_head_mismatches():
+    args = good_inputs()  # q heads 4
+    args["k_cache"] = args["v_cache"] = torch.randn(2, 12, 3, 8)  # 3 KV heads, S = 12: not a layout mix-up
+    with pytest.raises(ValueError, match="^k_cache:") as error:
+        tree_attention(**args)
+    assert "transpose" not in str(error.value)
+
+
 def test_cache_exactly_full_is_fine():
     args = good_inputs()
     args["cache_seqlens"] = torch.tensor([8, 0], dtype=torch.int32)  # 8 + T=4 == S=12

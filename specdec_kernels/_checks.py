@@ -205,6 +205,18 @@ def token_tree(tokens, parents):
 # ============================================================================ tree attention
 
 
+def _hf_layout_hint(q, k_cache) -> str:
+    """A hint for the likely mistake of passing a Hugging Face [B, H, S, D] cache as is: read
+    as [B, S, H, D], its head count would fit the queries' and its "sequence" is short."""
+    heads_if_transposed = k_cache.shape[1]
+    if heads_if_transposed > 0 and q.shape[2] % heads_if_transposed == 0 and k_cache.shape[2] != heads_if_transposed:
+        return (
+            f"; if k_cache/v_cache are Hugging Face [B, H, S, D] tensors (H = {heads_if_transposed}), pass "
+            "k_cache.transpose(1, 2) and v_cache.transpose(1, 2) (views, no copy)"
+        )
+    return ""
+
+
 def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale):
     """`tree_attention(...)` -> (q, k_cache, v_cache, [B, T, *] mask, int32 cache_seqlens, float scale)."""
     tensor("q", q, 4, FLOAT_DTYPES)
@@ -227,14 +239,18 @@ def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale):
     if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
         fail(
             "k_cache",
-            f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})",
+            f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads}) (caches are "
+            f"[B, S, Hkv, D], got shape {tuple(k_shape)}){_hf_layout_hint(q, k_cache)}",
         )
     if cache_seqlens.shape[0] != batch:
         shape("cache_seqlens", cache_seqlens, (batch,))
     mask = tree_mask if tree_mask.dim() == 3 else tree_mask.unsqueeze(0).expand(batch, -1, -1)
     mask_cols = num_nodes if tree_mask.dtype == torch.bool else (num_nodes + 63) // 64
     if mask.shape != (batch, num_nodes, mask_cols):
-        shape("tree_mask", mask, (batch, num_nodes, mask_cols))
+        q_hint = ""
+        if tree_mask.dtype == torch.bool and mask.shape[1:] == (q.shape[2], q.shape[2]):
+            q_hint = "; q looks like a Hugging Face [B, H, T, D] tensor: pass q.transpose(1, 2)"
+        shape("tree_mask", mask, (batch, num_nodes, mask_cols), q_hint)
     if not _all_on(q.device, k_cache, v_cache, tree_mask, cache_seqlens):
         same_device("q", q, k_cache=k_cache, v_cache=v_cache, tree_mask=tree_mask, cache_seqlens=cache_seqlens)
     last_dim_contiguous("q", q)
@@ -253,7 +269,7 @@ def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale):
             fail(
                 "cache_seqlens",
                 f"row {b}: prefix {int(cache_seqlens[b])} + T={num_nodes} tree entries must fit in the cache "
-                f"(S={cache_len})",
+                f"(S={cache_len}){_hf_layout_hint(q, k_cache)}",
             )
     scale = head_dim**-0.5 if scale is None else float(scale)
     return q, k_cache, v_cache, mask, as_dtype(cache_seqlens, torch.int32), scale  # every kernel reads int32
