@@ -325,6 +325,51 @@ def test_nan_in_tree_slot_nobody_sees(gen):
         torch.testing.assert_close(out, clean[-1], **TOL_BACKEND[torch.float32])
 
 
+def nan_cases(gen, batch=2, num_nodes=7, q_heads=4, kv_heads=2):
+    """(name, q, k, v, which outputs must be NaN [B, T, Hq, D] bool) for NaN in q, a prefix key,
+    a tree key, a tree value (one dim): NaN in, NaN out for the queries that see it, only them."""
+    q, k, v, parents, prefix = make_case(gen, batch=batch, num_nodes=num_nodes, q_heads=q_heads, kv_heads=kv_heads,
+                                         head_dim=16, kind="random", ragged=False, prefix=torch.tensor([5, 9]))
+    mask = tree_mask(parents)
+    group = q_heads // kv_heads
+    cases = []
+    nan_q, want = q.clone(), torch.zeros(*q.shape, dtype=torch.bool)
+    nan_q[0, 2, 1, 5] = float("nan")
+    want[0, 2, 1] = True
+    cases.append(("q", nan_q, k, v, want))
+    nan_k, want = k.clone(), torch.zeros(*q.shape, dtype=torch.bool)
+    nan_k[1, 3, 0, 0] = float("nan")  # a prefix key of row 1, KV head 0: every query of that head group
+    want[1, :, :group] = True
+    cases.append(("prefix-k", q, nan_k, v, want))
+    j = 3  # tree node 3 of row 0, KV head 1: the queries that have it as an ancestor (or are it)
+    nan_k, want = k.clone(), torch.zeros(*q.shape, dtype=torch.bool)
+    nan_k[0, 5 + j, 1, 7] = float("nan")
+    want[0, mask[0, :, j], group:] = True
+    cases.append(("tree-k", q, nan_k, v, want))
+    nan_v, want = v.clone(), torch.zeros(*q.shape, dtype=torch.bool)
+    nan_v[0, 5 + j, 0, 4] = float("nan")  # one value dim: only that dim of the queries that see node j
+    want[0, mask[0, :, j], :group, 4] = True
+    cases.append(("tree-v", q, k, nan_v, want))
+    return mask, torch.tensor([5, 9], dtype=torch.int32), cases
+
+
+def check_nan_in_nan_out(gen, backend, **kwargs):
+    mask, prefix, cases = nan_cases(gen)
+    for name, q, k, v, want in cases:
+        clean = tree_attention(*[x.nan_to_num(0.0) for x in (q, k, v)], mask, prefix, backend=backend, **kwargs)
+        out = tree_attention(q, k, v, mask, prefix, backend=backend, **kwargs)
+        assert out.isnan()[want].all(), f"{name}: affected outputs must be NaN"
+        assert not out.isnan()[~want].any(), f"{name}: NaN leaked into queries that do not see it"
+        # Only the NaN itself changed (set to 0 in `clean`): unaffected queries that never saw it match.
+        unaffected = ~want.flatten(2).any(-1)
+        torch.testing.assert_close(out[unaffected], clean[unaffected], atol=0, rtol=0, msg=name)
+
+
+def test_nan_in_nan_out_reference(gen):
+    """The documented NaN contract, on the reference (issue 16)."""
+    check_nan_in_nan_out(gen, "reference")
+
+
 @pytest.mark.parametrize("threads", (1, 3))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=str)
 def test_long_prefix_many_nodes(gen, dtype, threads):

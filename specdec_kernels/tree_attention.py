@@ -34,6 +34,14 @@ def tree_attention(
     Returns:
         [B, T, Hq, D] in q's dtype: query i of row b attends to keys 0 .. cache_seqlens[b]-1
         and to tree key j iff tree_mask[b, i, j].
+
+    Non-finite inputs (not checked: it would read the whole cache): NaN in, NaN out for the
+    affected rows. NaN in q[b, i, h], or in a key that query (b, i, h) sees, makes
+    out[b, i, h] NaN; NaN in a value it sees makes those dims of out[b, i, h] NaN. Other
+    queries are unaffected: cache slots a query does not see (past the tree, or tree nodes
+    that are not its ancestors) may hold anything, NaN included. +-inf in a value a query
+    sees counts as NaN; +-inf in q or k gives what IEEE arithmetic gives (a score of +inf or
+    NaN makes the output NaN, -inf a zero weight).
     """
     args = _checks.tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale)
     return dispatch("tree_attention", backend, q, *args)
