@@ -173,7 +173,7 @@ def timeit(fn, budget_s, sets=None, warmup=True):
 
 
 def record(row, name, times):
-    """The median goes in the DESIGN.md fields, the best block beside it (`*_best_us`)."""
+    """The median goes in the row's `ours_us` / `floor_us` / `peers_us` fields, the best block beside it (`*_best_us`)."""
     median, best = (1e6 * x for x in times)
     if name == "ours":
         row["ours_us"], row["ours_best_us"] = median, best
