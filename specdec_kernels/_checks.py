@@ -525,7 +525,7 @@ def ngram_query(min_n, max_n, num_tokens, policy, *, max_n_limit: Optional[int] 
 def nonnegative_tokens(name, tokens: Tensor, counts: Optional[Tensor] = None):
     """tokens[r, :counts[r]] (all of tokens when counts is None) are >= 0: -1 is padding, and no
     negative id is a token (a value check)."""
-    if tokens.numel() == 0:
+    if tokens.numel() == 0 or int(tokens.min()) >= 0:  # one reduction for the common case
         return
     if counts is None:
         bad = tokens < 0
