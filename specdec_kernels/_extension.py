@@ -89,13 +89,16 @@ def _warn_cuda_reference(op: str) -> None:
         return
     _warned_cuda_reference = True
     missing, fixes = [], []
+    # setup.py compiles the CUDA kernels only where torch has CUDA, nvcc is found, and (until
+    # they have run on a GPU) SPECDEC_ENABLE_UNVERIFIED_CUDA=1 is set.
+    build = ("where torch has CUDA and nvcc is found (CUDA_HOME or PATH): "
+             "SPECDEC_ENABLE_UNVERIFIED_CUDA=1 pip install --no-build-isolation -e .")
     if _C is None:
         missing.append(f"the compiled extension specdec_kernels._C is unavailable ({LOAD_ERROR})")
-        fixes.append("build it where torch has CUDA and nvcc is on the PATH: pip install --no-build-isolation -e .")
+        fixes.append(f"build it {build}")
     elif "CUDA" not in COMPILED[op]:
         missing.append("specdec_kernels._C was built without CUDA kernels")
-        fixes.append("rebuild it where torch has CUDA and nvcc is on the PATH (CUDA_HOME set): "
-                     "pip install --no-build-isolation -e .")
+        fixes.append(f"rebuild it {build}")
     if op in TRITON_OPS:
         if not HAS_TRITON:
             missing.append("triton is not installed (its Triton kernel would run instead)")
