@@ -121,10 +121,13 @@ def test_propose_extreme_token_values():
     s = [-(2**63), 2**63 - 1, -1, 0, 2**63 - 1, 4, -1, 5, -(2**63), 2**63 - 1] + [0] * 40
     tokens = torch.tensor([s])
     lens = torch.tensor([len(s)])
-    for policy in POLICIES:
-        kwargs = dict(min_n=1, max_n=3, num_tokens=3, policy=policy)
-        assert_same(ngram_propose(tokens, lens, **kwargs, backend="cpu"),
-                    ngram_propose(tokens, lens, **kwargs, backend="reference"), policy)
+    # Negative ids are rejected by the value checks (-1 is padding); the kernels still match
+    # the reference on them when the checks are off, which is what this is about.
+    with sk.config.value_checks(False):
+        for policy in POLICIES:
+            kwargs = dict(min_n=1, max_n=3, num_tokens=3, policy=policy)
+            assert_same(ngram_propose(tokens, lens, **kwargs, backend="cpu"),
+                        ngram_propose(tokens, lens, **kwargs, backend="reference"), policy)
 
 
 @requires_c

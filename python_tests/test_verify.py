@@ -937,7 +937,7 @@ BAD_INPUTS = [
     ("tokens-too-big", dict(tree_tokens=torch.tensor([[1, 2, 3, 4, -1], [1, 2, 7, 4, -1], [1, 2, 3, 4, -1]])), "tree_tokens"),
     ("tokens-negative", dict(tree_tokens=torch.tensor([[1, 2, 3, -1, -1]] * B)), "tree_tokens"),
     ("root-token-too-big", dict(tree_tokens=torch.tensor([[1, 2, 3, 4, -1], [V, 2, 3, 4, -1], [1, 2, 3, 4, -1]])), "tree_tokens"),
-    ("root-token-negative", dict(tree_tokens=torch.tensor([[-1, 2, 3, 4, -1]] * B)), "tree_tokens"),
+    ("root-token-negative", dict(tree_tokens=torch.tensor([[-2, 2, 3, 4, -1]] * B)), "tree_tokens"),
     ("parents-shape", dict(parents=torch.tensor([-1, 0, 0, 1])), "parents"),
     ("parents-batch", dict(parents=torch.tensor([[-1, 0, 0, 1, -1]] * (B + 1))), "parents"),
     ("parents-3d", dict(parents=torch.tensor([[-1, 0, 0, 1, -1]] * B)[:, :, None]), "parents"),
@@ -1052,8 +1052,9 @@ def test_bad_draft_probs_accepted_with_value_checks_off():
 
 
 def test_padding_tokens_are_not_checked():
-    """Padding nodes (parent -1 after the root) may hold any id, -1 or out of the vocabulary."""
-    tokens = torch.tensor([[1, 2, 3, 4, -1], [1, 2, 3, 4, V + 9], [1, 2, 3, 4, -5]])
+    """Padding nodes (parent -1 after the root) may hold any id, -1 or out of the vocabulary;
+    the root may be -1 (no token: ngram_propose_tree's root for an empty history)."""
+    tokens = torch.tensor([[1, 2, 3, 4, -1], [1, 2, 3, 4, V + 9], [-1, 2, 3, 4, -5]])
     out = call(tree_tokens=tokens, seed=4)
     check_invariants(out, tokens, good_inputs()["parents"], V)
 

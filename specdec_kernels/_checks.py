@@ -404,10 +404,16 @@ def verify(target_logits, tree_tokens, parents, draft_probs, temperature, top_k,
     if rows.shape[0] != batch:
         rows = rows.expand(batch, -1)  # one tree shared by every row
     if checking_values():
-        real = real_nodes(rows)
-        token_ids("tree_tokens", tree_tokens, real, vocab)  # the root too: it is a token of the sequence
-        drafted = real.clone()
+        drafted = real_nodes(rows)
         drafted[:, 0] = False
+        token_ids("tree_tokens", tree_tokens, drafted, vocab)
+        # The root is not read, but it is the sequence's last token: in [0, V), or -1 for "no
+        # token" (what ngram_propose_tree returns for an empty history).
+        root = tree_tokens[:, 0]
+        if ((root < -1) | (root >= vocab)).any():
+            b = int(torch.nonzero((root < -1) | (root >= vocab))[0, 0])
+            fail("tree_tokens", f"root token {int(root[b])} of row {b} is outside the vocabulary [0, {vocab}) "
+                 "(-1: no root token)")
         if draft_probs is None:
             _distinct_siblings(tree_tokens, rows, drafted)
         else:

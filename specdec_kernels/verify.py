@@ -45,9 +45,10 @@ def verify(
 
     Args:
         target_logits: [B, T, V] fp32/bf16/fp16; node i's logits predict the token after node i.
-        tree_tokens: int [B, T]; node 0 is the root (the last emitted token). The root's and
-            every drafted node's token must be in [0, V) (ValueError with value checks on);
-            padding nodes may hold anything (usually -1).
+        tree_tokens: int [B, T]; node 0 is the root (the last emitted token). Every drafted
+            node's token must be in [0, V), the root's in [0, V) or -1 (no token, as
+            `ngram_propose_tree` returns for an empty history; the root is not read);
+            ValueError otherwise, with value checks on. Padding nodes may hold anything.
         parents: int [B, T] or [T]; see `specdec_kernels.tree`.
         draft_probs: [B, T, V] or None. Given: the children of node i were drawn
             independently from draft_probs[b, i] (siblings may repeat). None: the children
