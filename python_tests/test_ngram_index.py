@@ -123,9 +123,13 @@ def test_propose_extreme_token_values():
     big = 2**32
     collisions = [5, big + 5, 5 + 2 * big, 9, big + 5, 1, 5 + 2 * big, 2, big + 5]
     extremes = [-(2**63), 2**63 - 1, -1, 0, 2**63 - 1, 4, -1, 5, -(2**63), 2**63 - 1] + [0] * 40
-    for s in (collisions, extremes):
+    for policy in POLICIES:
+        check_against_reference("cpu", torch.tensor([collisions]), torch.tensor([len(collisions)]), [(1, 3, 3)], policy, ())
+    # Negative ids are rejected by the value checks (-1 is padding); the kernels still match
+    # the reference on them when the checks are off, which is what this is about.
+    with sk.config.value_checks(False):
         for policy in POLICIES:
-            check_against_reference("cpu", torch.tensor([s]), torch.tensor([len(s)]), [(1, 3, 3)], policy, ())
+            check_against_reference("cpu", torch.tensor([extremes]), torch.tensor([len(extremes)]), [(1, 3, 3)], policy, ())
 
 
 @requires_c
@@ -247,6 +251,23 @@ def test_index_stepwise_equals_propose(gen, backend, vocab):
     run_steps(gen, index, num_slots=6, steps=60, vocab=vocab, max_k=6, configs=CONFIGS)
 
 
+def test_reference_index_is_the_python_backend(gen):
+    """The pure-Python index is a reference implementation (specdec_kernels.reference), used
+    directly with the compiled class's interface and as NgramIndex(backend="python")."""
+    assert isinstance(NgramIndex(2, backend="python")._impl, sk.reference.NgramIndex)
+    index = sk.reference.NgramIndex(2, 4)
+    histories = [history(gen, "small_vocab", 40), history(gen, "zipf", 70)]
+    for slot, h in enumerate(histories):
+        index.reset(slot, torch.tensor(h, dtype=torch.int64))
+    for policy in POLICIES:
+        got = index.propose(torch.tensor([1, 0]), 1, 4, 5, policy)
+        want = expected_propose(histories[::-1], min_n=1, max_n=4, num_tokens=5, policy=policy)
+        assert_same(got, want, policy)
+    with pytest.raises(ValueError, match="slots"):
+        index.append(torch.tensor([0, 0]), torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, dtype=torch.int64))
+    assert index.length(0) == len(histories[0])  # rejected before anything was appended
+
+
 @pytest.mark.skipif(not HAS_INDEX, reason="no compiled NgramIndex")
 @pytest.mark.parametrize("hash_bits", (0, 1, 3))
 def test_index_hash_collisions_are_harmless(gen, hash_bits):
@@ -320,6 +341,9 @@ INDEX_BAD = [
     ("slot", lambda ix: ix.reset(2, [1])),
     ("prompt_tokens", lambda ix: ix.reset(0, [[1, 2]])),
     ("prompt_tokens", lambda ix: ix.reset(0, [1.5])),
+    ("prompt_tokens", lambda ix: ix.reset(0, [4, -1, 2])),  # -1 is padding, never a token
+    ("accepted_tokens", lambda ix: ix.append([0], [[3, -2]])),
+    ("accepted_tokens", lambda ix: ix.append_and_propose([0, 1], [[1, -1], [-3, 0]], [1, 1])),
 ]
 
 

@@ -20,7 +20,7 @@ OPS = _extension.OPS
 
 
 # ----------------------------------------------------------------------------- sample inputs
-# The normalised argument forms the public wrappers pass to `run(...)`.
+# The normalised argument forms the public wrappers pass to `dispatch(...)`.
 
 
 def tree_mask_samples(gen):
@@ -482,4 +482,136 @@ def test_import_with_extension_does_not_warn():
         """
     )
     assert result.returncode == 0, result.stderr
+    assert "OK" in result.stdout
+
+
+# ----------------------------------------------------------------------------- config.triton_by_default
+
+
+def test_triton_by_default_is_read_at_run_time(monkeypatch):
+    """Flipping the setting changes the CUDA preference order and what the CUDA kernel registered
+    for ops without a compiled one runs, with no re-import (it used to be fixed at import)."""
+    monkeypatch.setattr(_extension, "HAS_TRITON", True)  # the order as if triton were installed
+    calls = []
+    monkeypatch.setattr(_extension, "triton_kernel", lambda op: lambda *args: calls.append(("triton", op)))
+    monkeypatch.setattr(sk.reference, "verify", lambda *args: calls.append(("reference", "verify")))
+    kernel = _extension._cuda_python_kernel("verify")
+    compiled = ["cuda"] if "CUDA" in _extension.COMPILED["verify"] else []
+    monkeypatch.setattr(sk.config, "triton_by_default", False)
+    assert sk.available_backends("verify", "cuda") == compiled + ["reference", "triton"]
+    kernel()
+    monkeypatch.setattr(sk.config, "triton_by_default", True)
+    assert sk.available_backends("verify", "cuda") == compiled + ["triton", "reference"]
+    kernel()
+    assert calls == [("reference", "verify"), ("triton", "verify")]
+    assert "triton" not in sk.available_backends("tree_mask", "cuda")  # no Triton kernel for it
+
+
+@pytest.mark.parametrize("value, expected", [("1", True), ("0", False), (None, False)])
+def test_triton_by_default_from_environment(value, expected):
+    """SPECDEC_ENABLE_UNVERIFIED_TRITON=1 at import still turns it on (compatibility)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("SPECDEC_ENABLE_UNVERIFIED_TRITON", None)
+    if value is not None:
+        env["SPECDEC_ENABLE_UNVERIFIED_TRITON"] = value
+    result = subprocess.run([sys.executable, "-c", "import specdec_kernels as sk; print(sk.config.triton_by_default)"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(expected)
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+@requires_c
+def test_dispatch_under_fake_tensors_uses_the_fake_implementations(gen):
+    """dispatch calls Python kernels directly (no trip through the dispatcher) only for plain
+    tensors outside any dispatch mode: under FakeTensorMode the ops still go through torch.ops
+    and their fake implementations (shapes only, no data-dependent reference code)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, mask, prefix, _ = attention_inputs(gen, 2, 5, 4, 2, 16)
+    logits, parents = torch.randn(2, 5, 9), random_parents(gen, 2, 5, "random")
+    tokens = torch.zeros(2, 5, dtype=torch.int64)
+    with sk.config.value_checks(False), FakeTensorMode() as mode:
+        fq, fk, fv, fmask, fprefix, flogits, ftokens, fparents = (
+            mode.from_tensor(x) for x in (q, k, v, mask, prefix, logits, tokens, parents))
+        out = sk.tree_attention(fq, fk, fv, fmask, fprefix)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        verified = sk.verify(flogits, ftokens, fparents, temperature=0.0, seed=torch.tensor([1, 2]))
+        assert verified.accepted_nodes.shape == (2, 5) and verified.num_accepted.shape == (2,)
+
+
+def test_dispatch_decision_is_cached_per_op_device_backend():
+    """The kernel for (op, device type, backend, triton setting) is decided once; errors are not cached."""
+    parents = torch.tensor([[-1, 0, 0]])
+    sk.tree_mask(parents)
+    key = ("tree_mask", "cpu", None, sk.config.triton_by_default)
+    assert _extension._KERNELS[key] is _extension._resolve("tree_mask", "cpu", None, parents.device)
+    sk.tree_mask(parents, backend="reference")
+    assert _extension._KERNELS[("tree_mask", "cpu", "reference", sk.config.triton_by_default)] is sk.reference.tree_mask
+    for _ in range(2):  # a bad backend raises every time
+        with pytest.raises(ValueError, match="backend"):
+            sk.tree_mask(parents, backend="nope")
+
+
+# ----------------------------------------------------------------------------- CUDA tensors on the reference
+
+
+def test_cuda_fallback_to_reference_warns_once():
+    """A GPU user whose build lacks the CUDA kernels (and whose Triton path is off) is told once,
+    with what is missing and how to fix it, instead of silently running the slow reference. The
+    dispatch decision is made for device type "cuda" directly, so this runs without a GPU."""
+    code = """
+        import warnings, torch
+        import specdec_kernels as sk
+        from specdec_kernels import _extension
+        cuda = torch.device("cuda")
+        ops = [op for op in _extension.OPS if "CUDA" not in _extension.COMPILED[op]]
+        if not ops:
+            print("SKIP every op has a compiled CUDA kernel")
+            raise SystemExit
+        sk.config.triton_by_default = False
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for op in ops:
+                assert _extension._resolve(op, "cuda", None, cuda) is getattr(sk.reference, op)
+            _extension._cuda_python_kernel(ops[0])  # the torch.ops route (compiled graphs) warns through the same flag
+        ours = [w for w in caught if "plain-torch reference" in str(w.message)]
+        assert len(ours) == 1, [str(w.message) for w in caught]
+        message = str(ours[0].message)
+        assert ours[0].category is RuntimeWarning and ops[0] in message, message
+        assert "pip install" in message and ("without CUDA kernels" in message or "unavailable" in message), message
+        if ops[0] in _extension.TRITON_OPS:
+            assert ("triton_by_default" in message) if _extension.HAS_TRITON else ("pip install triton" in message)
+        assert _extension._resolve("tree_mask", "cpu", None, torch.device("cpu")) is not None  # CPU: no warning
+        print("OK")
+    """
+    result = _run_python(code)
+    assert result.returncode == 0, result.stderr
+    if result.stdout.startswith("SKIP"):
+        pytest.skip(result.stdout.strip())
+    assert "OK" in result.stdout
+
+
+def test_cuda_fallback_warning_names_the_triton_switch_for_triton_ops():
+    """For an op with a Triton kernel, turning the switch on removes the fallback (no warning)."""
+    code = """
+        import warnings, torch
+        from specdec_kernels import _extension, config
+        if "CUDA" in _extension.COMPILED["verify"] or not _extension.HAS_TRITON:
+            print("SKIP compiled CUDA verify, or no triton")
+            raise SystemExit
+        _extension.triton_kernel = lambda op: ("triton", op)  # not imported: no GPU here
+        config.triton_by_default = True
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert _extension._resolve("verify", "cuda", None, torch.device("cuda")) == ("triton", "verify")
+        assert not [w for w in caught if "plain-torch reference" in str(w.message)]
+        print("OK")
+    """
+    result = _run_python(code)
+    assert result.returncode == 0, result.stderr
+    if result.stdout.startswith("SKIP"):
+        pytest.skip(result.stdout.strip())
     assert "OK" in result.stdout

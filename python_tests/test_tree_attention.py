@@ -325,6 +325,51 @@ def test_nan_in_tree_slot_nobody_sees(gen):
         torch.testing.assert_close(out, clean[-1], **TOL_BACKEND[torch.float32])
 
 
+def nan_cases(gen, batch=2, num_nodes=7, q_heads=4, kv_heads=2):
+    """(name, q, k, v, which outputs must be NaN [B, T, Hq, D] bool) for NaN in q, a prefix key,
+    a tree key, a tree value (one dim): NaN in, NaN out for the queries that see it, only them."""
+    q, k, v, parents, prefix = make_case(gen, batch=batch, num_nodes=num_nodes, q_heads=q_heads, kv_heads=kv_heads,
+                                         head_dim=16, kind="random", ragged=False, prefix=torch.tensor([5, 9]))
+    mask = tree_mask(parents)
+    group = q_heads // kv_heads
+    cases = []
+    nan_q, want = q.clone(), torch.zeros(*q.shape, dtype=torch.bool)
+    nan_q[0, 2, 1, 5] = float("nan")
+    want[0, 2, 1] = True
+    cases.append(("q", nan_q, k, v, want))
+    nan_k, want = k.clone(), torch.zeros(*q.shape, dtype=torch.bool)
+    nan_k[1, 3, 0, 0] = float("nan")  # a prefix key of row 1, KV head 0: every query of that head group
+    want[1, :, :group] = True
+    cases.append(("prefix-k", q, nan_k, v, want))
+    j = 3  # tree node 3 of row 0, KV head 1: the queries that have it as an ancestor (or are it)
+    nan_k, want = k.clone(), torch.zeros(*q.shape, dtype=torch.bool)
+    nan_k[0, 5 + j, 1, 7] = float("nan")
+    want[0, mask[0, :, j], group:] = True
+    cases.append(("tree-k", q, nan_k, v, want))
+    nan_v, want = v.clone(), torch.zeros(*q.shape, dtype=torch.bool)
+    nan_v[0, 5 + j, 0, 4] = float("nan")  # one value dim: only that dim of the queries that see node j
+    want[0, mask[0, :, j], :group, 4] = True
+    cases.append(("tree-v", q, k, nan_v, want))
+    return mask, torch.tensor([5, 9], dtype=torch.int32), cases
+
+
+def check_nan_in_nan_out(gen, backend, **kwargs):
+    mask, prefix, cases = nan_cases(gen)
+    for name, q, k, v, want in cases:
+        clean = tree_attention(*[x.nan_to_num(0.0) for x in (q, k, v)], mask, prefix, backend=backend, **kwargs)
+        out = tree_attention(q, k, v, mask, prefix, backend=backend, **kwargs)
+        assert out.isnan()[want].all(), f"{name}: affected outputs must be NaN"
+        assert not out.isnan()[~want].any(), f"{name}: NaN leaked into queries that do not see it"
+        # Only the NaN itself changed (set to 0 in `clean`): unaffected queries that never saw it match.
+        unaffected = ~want.flatten(2).any(-1)
+        torch.testing.assert_close(out[unaffected], clean[unaffected], atol=0, rtol=0, msg=name)
+
+
+def test_nan_in_nan_out_reference(gen):
+    """The documented NaN contract, on the reference (issue 16)."""
+    check_nan_in_nan_out(gen, "reference")
+
+
 @pytest.mark.parametrize("threads", (1, 3))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=str)
 def test_nonfinite_inputs_nan_where_reference_nan(gen, dtype, threads):
@@ -445,7 +490,7 @@ BAD_INPUTS = [
     ("tree_mask", "packed_words", lambda a: a.update(tree_mask=torch.ones(2, 4, 2, dtype=torch.int64))),
     ("tree_mask", "packed_bool_words", lambda a: a.update(tree_mask=torch.ones(2, 4, 1, dtype=torch.bool))),
     ("tree_mask", "device", lambda a: a.update(tree_mask=a["tree_mask"].to("meta"))),
-    ("cache_seqlens", "int64", lambda a: a.update(cache_seqlens=a["cache_seqlens"].long())),
+    ("cache_seqlens", "int16", lambda a: a.update(cache_seqlens=a["cache_seqlens"].to(torch.int16))),
     ("cache_seqlens", "float", lambda a: a.update(cache_seqlens=a["cache_seqlens"].float())),
     ("cache_seqlens", "2d", lambda a: a.update(cache_seqlens=a["cache_seqlens"][None])),
     ("cache_seqlens", "shape", lambda a: a.update(cache_seqlens=torch.tensor([1, 2, 3], dtype=torch.int32))),
@@ -462,6 +507,44 @@ def test_bad_input(name, case, mutate):
     mutate(args)
     with pytest.raises(ValueError, match=f"^{name}:"):
         tree_attention(**args)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["reference"])
+def test_int64_cache_seqlens(gen, backend):
+    """int64 cache_seqlens (what compact_kv_cache_ returns for int64 input) work like int32 (issue 16)."""
+    args = good_inputs()
+    want = tree_attention(**args, backend=backend)
+    args["cache_seqlens"] = args["cache_seqlens"].long()
+    got = tree_attention(**args, backend=backend)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_hf_layout_cache_gets_a_transpose_hint():
+    """A Hugging Face [B, H, S, D] cache passed without .transpose(1, 2) (issue 16): the error
+    says so, whether the head counts clash or happen to fit and the "sequence" is too short."""
+    batch, num_nodes, head_dim = 1, 3, 16
+    mask, prefix = tree_mask(torch.tensor([-1, 0, 1])), torch.tensor([20], dtype=torch.int32)
+    for q_heads, kv_heads in ((4, 2), (32, 8), (8, 8)):
+        q = torch.randn(batch, num_nodes, q_heads, head_dim)
+        k = torch.randn(batch, kv_heads, 32, head_dim)  # [B, H, S, D]
+        # 32 query heads over 8: "32 KV heads" fit, and the 8-long "sequence" is what fails.
+        name = "cache_seqlens" if q_heads % 32 == 0 else "k_cache"
+        with pytest.raises(ValueError, match=rf"^{name}:.*k_cache.transpose\(1, 2\)"):
+            tree_attention(q, k, k, mask, prefix)
+        # As a view it works (the documented way).
+        assert tree_attention(q, k.transpose(1, 2), k.transpose(1, 2), mask, prefix).shape == q.shape
+    q = torch.randn(batch, 4, num_nodes, head_dim)  # q in HF layout too: [B, Hq, T, D]
+    k = torch.randn(batch, 32, 1, head_dim)  # a proper [B, S, Hkv, D] cache
+    with pytest.raises(ValueError, match=r"^tree_mask:.*q.transpose\(1, 2\)"):
+        tree_attention(q, k, k, mask, prefix)
+
+
+def test_no_transpose_hint_for_other_head_mismatches():
+    args = good_inputs()  # q heads 4
+    args["k_cache"] = args["v_cache"] = torch.randn(2, 12, 3, 8)  # 3 KV heads, S = 12: not a layout mix-up
+    with pytest.raises(ValueError, match="^k_cache:") as error:
+        tree_attention(**args)
+    assert "transpose" not in str(error.value)
 
 
 def test_cache_exactly_full_is_fine():

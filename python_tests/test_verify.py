@@ -30,7 +30,7 @@ import torch
 
 import specdec_kernels
 from specdec_kernels import verify, verify_chain
-from specdec_kernels.philox import PURPOSE_ACCEPT, PURPOSE_SAMPLE, seeds_from_int, uniform
+from specdec_kernels.philox import PURPOSE_ACCEPT, PURPOSE_SAMPLE, row_seeds, seeds_from_int, uniform
 
 from conftest import distinct_sibling_tokens, random_parents, randint
 
@@ -863,6 +863,25 @@ def test_int_seed_gives_each_row_its_own_stream(with_probs):
         assert torch.equal(a, b)
 
 
+def test_row_seeds_forms():
+    """philox.row_seeds, the one place a `seed` argument becomes per-row seeds."""
+    batch = 5
+    assert torch.equal(row_seeds(42, batch, "cpu"), seeds_from_int(42, batch, "cpu"))
+    given = torch.tensor([3, -7, 2**62, 0, 1], dtype=torch.int64)
+    assert row_seeds(given, batch, torch.device("cpu")) is given  # used as given, no copy
+    drawn = row_seeds(None, batch, "cpu")
+    assert drawn.dtype == torch.int64 and drawn.shape == (batch,) and len(set(drawn.tolist())) == batch
+    assert not torch.equal(drawn, row_seeds(None, batch, "cpu"))  # a fresh draw each call
+    torch.manual_seed(11)
+    first = row_seeds(None, batch, "cpu")
+    torch.manual_seed(11)
+    assert torch.equal(first, row_seeds(None, batch, "cpu"))  # from torch's global generator
+    for bad in (1.5, True, "7", torch.zeros(batch, dtype=torch.int32), torch.zeros(batch + 1, dtype=torch.int64),
+                torch.zeros(batch, 1, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64, device="meta")):
+        with pytest.raises(ValueError, match="^seed:"):
+            row_seeds(bad, batch, "cpu")
+
+
 # --------------------------------------------------------------------------------------------
 # D. Bad input
 # --------------------------------------------------------------------------------------------
@@ -889,6 +908,15 @@ def test_good_inputs_pass():
 
 
 B, T, V = 3, 5, 7
+
+
+def _bad_probs(spoil):
+    """good_inputs()'s uniform draft probabilities with one row spoiled in place by `spoil`."""
+    q = torch.full((B, T, V), 1.0 / V)
+    spoil(q)
+    return q
+
+
 BAD_INPUTS = [
     # (id, overrides, the argument the error must name)
     ("logits-2d", dict(target_logits=torch.randn(B, V)), "target_logits"),
@@ -908,6 +936,8 @@ BAD_INPUTS = [
     ("tokens-bool", dict(tree_tokens=torch.zeros(B, T, dtype=torch.bool)), "tree_tokens"),
     ("tokens-too-big", dict(tree_tokens=torch.tensor([[1, 2, 3, 4, -1], [1, 2, 7, 4, -1], [1, 2, 3, 4, -1]])), "tree_tokens"),
     ("tokens-negative", dict(tree_tokens=torch.tensor([[1, 2, 3, -1, -1]] * B)), "tree_tokens"),
+    ("root-token-too-big", dict(tree_tokens=torch.tensor([[1, 2, 3, 4, -1], [V, 2, 3, 4, -1], [1, 2, 3, 4, -1]])), "tree_tokens"),
+    ("root-token-negative", dict(tree_tokens=torch.tensor([[-2, 2, 3, 4, -1]] * B)), "tree_tokens"),
     ("parents-shape", dict(parents=torch.tensor([-1, 0, 0, 1])), "parents"),
     ("parents-batch", dict(parents=torch.tensor([[-1, 0, 0, 1, -1]] * (B + 1))), "parents"),
     ("parents-3d", dict(parents=torch.tensor([[-1, 0, 0, 1, -1]] * B)[:, :, None]), "parents"),
@@ -923,6 +953,12 @@ BAD_INPUTS = [
     ("draft-probs-int", dict(draft_probs=torch.ones(B, T, V, dtype=torch.int64)), "draft_probs"),
     ("draft-probs-fp64", dict(draft_probs=torch.full((B, T, V), 0.1, dtype=torch.float64)), "draft_probs"),
     ("duplicate-siblings", dict(tree_tokens=torch.tensor([[1, 2, 2, 4, -1]] * B), draft_probs=None), "tree_tokens"),
+    # Rows of nodes with children (nodes 0 and 1 here) must be distributions (issue 16).
+    ("draft-probs-nan", dict(draft_probs=_bad_probs(lambda q: q[1, 0, 3].fill_(float("nan")))), "draft_probs"),
+    ("draft-probs-negative", dict(draft_probs=_bad_probs(lambda q: q[2, 1, :2].copy_(torch.tensor([-0.1, 0.1 + 2 / V])))), "draft_probs"),
+    ("draft-probs-unnormalised", dict(draft_probs=_bad_probs(lambda q: q[0, 0].mul_(1.1))), "draft_probs"),
+    ("draft-probs-logits", dict(draft_probs=torch.randn(B, T, V)), "draft_probs"),
+    ("draft-probs-inf", dict(draft_probs=_bad_probs(lambda q: q[0, 1, 0].fill_(float("inf")))), "draft_probs"),
     ("temperature-negative", dict(temperature=-0.5), "temperature"),
     ("temperature-negative-row", dict(temperature=torch.tensor([1.0, -1.0, 0.0])), "temperature"),
     ("temperature-nan", dict(temperature=float("nan")), "temperature"),
@@ -977,6 +1013,52 @@ def test_duplicate_siblings_allowed_with_draft_probs():
     check_invariants(out, torch.tensor([[1, 2, 2, 4, -1]] * B), good_inputs()["parents"], V)
 
 
+def test_draft_probs_rows_without_children_may_hold_anything():
+    """Only the rows children were drawn from are checked: leaves and padding are never read."""
+    args = good_inputs()  # children under nodes 0 and 1; nodes 2, 3 are leaves, node 4 padding
+    clean = call(**args, seed=1)
+    spoiled = args["draft_probs"].clone()
+    spoiled[:, 2] = float("nan")
+    spoiled[:, 3] = -1.0
+    spoiled[:, 4] = 7.0
+    out = call(**dict(args, draft_probs=spoiled), seed=1)
+    for x, y in zip(out, clean):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("dtype, off", [(torch.float32, 9e-4), (torch.bfloat16, 0.0), (torch.float16, 0.0)], ids=str)
+def test_draft_probs_tolerance(dtype, off):
+    """Within the documented tolerance (1e-3 fp32, 1e-2 16-bit) a row passes: softmax output
+    rounded to 16 bits, and an fp32 row a little off; just past it, it does not."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.softmax(torch.randn(B, T, 50000, generator=gen) * 3, -1)
+    q[:, :, 0] += off
+    logits = torch.randn(B, T, 50000, generator=gen)
+    tokens = torch.tensor([[1, 2, 3, 4, -1]] * B)
+    parents = good_inputs()["parents"]
+    verify(logits, tokens, parents, draft_probs=q.to(dtype), seed=2)
+    tol = {torch.float32: 1e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}[dtype]
+    q[:, :, 0] += 1.5 * tol
+    with pytest.raises(ValueError, match="draft_probs.*sums to"):
+        verify(logits, tokens, parents, draft_probs=q.to(dtype), seed=2)
+
+
+def test_bad_draft_probs_accepted_with_value_checks_off():
+    """Value checks off: no error, read as the reference reads them (NaN and negatives as 0)."""
+    q = _bad_probs(lambda q: q[:, 0, 3].fill_(float("nan")))
+    with specdec_kernels.config.value_checks(False):
+        out = call(draft_probs=q, seed=3, backend="reference")
+    check_invariants(out, good_inputs()["tree_tokens"], good_inputs()["parents"], V)
+
+
+def test_padding_tokens_are_not_checked():
+    """Padding nodes (parent -1 after the root) may hold any id, -1 or out of the vocabulary;
+    the root may be -1 (no token: ngram_propose_tree's root for an empty history)."""
+    tokens = torch.tensor([[1, 2, 3, 4, -1], [1, 2, 3, 4, V + 9], [-1, 2, 3, 4, -5]])
+    out = call(tree_tokens=tokens, seed=4)
+    check_invariants(out, tokens, good_inputs()["parents"], V)
+
+
 def test_unknown_backend_raises():
     with pytest.raises(ValueError, match="backend"):
         call(backend="nope")
@@ -996,6 +1078,8 @@ def test_reference_backend_accepted():
 
 
 VERIFY_CHAIN_BAD = [
+    ("draft-probs-nan", dict(draft_probs=torch.full((B, T - 1, V), 1.0 / V).index_fill_(2, torch.tensor([2]), float("nan"))), "draft_probs"),
+    ("draft-probs-last-row-unnormalised", dict(draft_probs=torch.cat([torch.full((B, T - 2, V), 1.0 / V), torch.full((B, 1, V), 0.5)], 1)), "draft_probs"),
     ("draft-tokens-shape", dict(draft_tokens=torch.zeros(B, T, dtype=torch.int64)), "draft_tokens"),
     ("draft-tokens-float", dict(draft_tokens=torch.zeros(B, T - 1)), "draft_tokens"),
     ("draft-probs-shape", dict(draft_probs=torch.full((B, T, V), 0.1)), "draft_probs"),

@@ -1,20 +1,31 @@
-"""Settings that change what the ops do at run time.
+"""Settings that change what the ops do at run time (each is read at every call).
 
 check_values: the process-wide default for the input checks that read tensor values (token
     ids in range, parents in topological order, ...). On GPU they cost a device->host sync
     per call; a serving loop that builds its own inputs can turn them off. They are skipped
     automatically under torch.compile and during CUDA-graph capture.
 
-`value_checks(False)` turns them off inside a `with` block for the current thread (or asyncio
-task) only, without touching the process-wide default: `generate` uses it, since it builds
-every op input itself.
+    `value_checks(False)` turns them off inside a `with` block for the current thread (or
+    asyncio task) only, without touching the process-wide default: `generate` uses it, since
+    it builds every op input itself.
+
+triton_by_default: whether CUDA tensors run the Triton kernels (`tree_attention`, `verify`)
+    when the compiled extension has no CUDA kernel for the op (`backend=None`). The Triton
+    kernels are tested against the reference in the Triton interpreter but have not yet been
+    checked on a GPU, so this is off unless the environment variable
+    SPECDEC_ENABLE_UNVERIFIED_TRITON=1 was set when the package was imported (kept for
+    compatibility); set it here at any time instead. Off, such calls run the plain-torch
+    reference. `backend="triton"` always forces the Triton kernel, whatever this says.
 """
 
 import contextlib
 import contextvars
+import os
 from typing import Optional
 
 check_values: bool = True
+
+triton_by_default: bool = os.environ.get("SPECDEC_ENABLE_UNVERIFIED_TRITON") == "1"
 
 _check_values_here: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("specdec_check_values", default=None)
 

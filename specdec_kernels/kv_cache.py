@@ -5,7 +5,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import _checks
-from ._extension import run
+from ._extension import dispatch
 
 
 def compact_kv_cache_(
@@ -21,48 +21,20 @@ def compact_kv_cache_(
     Args:
         caches: [B, S, H, D] tensors (all layers' keys and values; any strides with a
             contiguous last dim). The tree's entries sit at cache_seqlens[b] + node.
-        cache_seqlens: int32/int64 [B], prefix lengths; cache_seqlens[b] + T <= S.
-        accepted_nodes: int [B, T], the accepted path (`VerifyOutput.accepted_nodes`).
-        num_accepted: int [B] (`VerifyOutput.num_accepted`).
+        cache_seqlens: int32/int64 [B], prefix lengths, 0 <= cache_seqlens[b] < S.
+        accepted_nodes: int [B, W], the accepted path (`VerifyOutput.accepted_nodes`): it
+            starts at node 0 and strictly increases; node ids are bounded by the cache
+            (cache_seqlens[b] + node < S), not by W, so a narrower tensor holding the path
+            is fine. Entries past the path are ignored.
+        num_accepted: int [B] in [0, W) (`VerifyOutput.num_accepted`).
         backend: force an implementation ("reference", "cpu", "cuda"); None picks the best.
 
     Returns:
         The new lengths cache_seqlens + num_accepted + 1 (root and accepted drafts), in
         cache_seqlens' dtype. Entry cache_seqlens[b] + accepted_nodes[b, j] moved to
-        cache_seqlens[b] + j for j <= num_accepted[b]; all in one launch per call.
+        cache_seqlens[b] + j for j <= num_accepted[b]; all in one launch per call. With value
+        checks on, a path that breaks these rules gets a ValueError naming the argument.
     """
-    caches = list(caches)
-    if not caches:
-        _checks.fail("caches", "expected at least one [B, S, H, D] cache tensor")
-    _checks.tensor("cache_seqlens", cache_seqlens, dims=1, dtypes=_checks.INT_DTYPES)
-    _checks.tensor("accepted_nodes", accepted_nodes, dims=2, dtypes=_checks.INT_DTYPES)
-    _checks.tensor("num_accepted", num_accepted, dims=1, dtypes=_checks.INT_DTYPES)
-    _checks.nonempty_batch("cache_seqlens", cache_seqlens)
-    batch, num_nodes = accepted_nodes.shape
-    _checks.shape("cache_seqlens", cache_seqlens, (batch,))
-    _checks.shape("num_accepted", num_accepted, (batch,))
-    for i, cache in enumerate(caches):
-        _checks.tensor(f"caches[{i}]", cache, dims=4, dtypes=_checks.FLOAT_DTYPES)
-        _checks.shape(f"caches[{i}]", cache, (batch, None, None, None))
-        _checks.last_dim_contiguous(f"caches[{i}]", cache)
-        _checks.same_device("cache_seqlens", cache_seqlens, **{f"caches[{i}]": cache})
-    _checks.same_device("cache_seqlens", cache_seqlens, accepted_nodes=accepted_nodes, num_accepted=num_accepted)
-    if _checks.checking_values():
-        min_len = min(cache.shape[1] for cache in caches)
-        if ((cache_seqlens < 0) | (cache_seqlens + num_nodes > min_len)).any():
-            _checks.fail("cache_seqlens", f"expected 0 <= cache_seqlens and cache_seqlens + T ({num_nodes}) <= S ({min_len})")
-        if ((num_accepted < 0) | (num_accepted >= num_nodes)).any():
-            _checks.fail("num_accepted", f"expected values in [0, T) = [0, {num_nodes})")
-        on_path = torch.arange(num_nodes, device=accepted_nodes.device)[None, :] <= num_accepted[:, None]
-        if (on_path & ((accepted_nodes < 0) | (accepted_nodes >= num_nodes))).any():
-            _checks.fail("accepted_nodes", f"entries on the accepted path must be node ids in [0, {num_nodes})")
-    new_lens = run(
-        "compact_kv_cache_",
-        backend,
-        cache_seqlens.device,
-        caches,
-        cache_seqlens.to(torch.int32),
-        accepted_nodes.to(torch.int32),
-        num_accepted.to(torch.int32),
-    )
-    return new_lens.to(cache_seqlens.dtype)
+    args = _checks.compact_kv_cache_(caches, cache_seqlens, accepted_nodes, num_accepted)
+    new_lens = dispatch("compact_kv_cache_", backend, cache_seqlens, *args)
+    return new_lens if new_lens.dtype == cache_seqlens.dtype else new_lens.to(cache_seqlens.dtype)

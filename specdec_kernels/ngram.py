@@ -10,35 +10,10 @@ from typing import Optional
 import torch
 
 from . import _checks
-from ._extension import run
+from ._extension import dispatch
 from .tree import TokenTree
 
-POLICIES = ("earliest", "latest")
-
-
-def _check_ngram_args(tokens, lengths, min_n, max_n, num_tokens, policy):
-    _checks.tensor("tokens", tokens, dims=2, dtypes=_checks.INT_DTYPES)
-    _checks.tensor("lengths", lengths, dims=1, dtypes=_checks.INT_DTYPES)
-    _checks.nonempty_batch("tokens", tokens)
-    _checks.shape("lengths", lengths, (tokens.shape[0],))
-    _checks.same_device("tokens", tokens, lengths=lengths)
-    _checks.int_arg("min_n", min_n, minimum=1)
-    _checks.int_arg("max_n", max_n, minimum=1)
-    if min_n > max_n:
-        _checks.fail("min_n", f"expected min_n <= max_n, got min_n={min_n} > max_n={max_n}")
-    _checks.int_arg("num_tokens", num_tokens, minimum=1)
-    if policy not in POLICIES:
-        _checks.fail("policy", f"expected one of {POLICIES}, got {policy!r}")
-    if _checks.checking_values():
-        if lengths.device.type == "cpu" and lengths.shape[0] <= 4096:
-            # Small host tensors: reading the values beats launching three torch ops (the
-            # check is most of a CPU call's overhead otherwise).
-            values = lengths.tolist()
-            bad = min(values) < 0 or max(values) > tokens.shape[1]
-        else:
-            bad = bool(((lengths < 0) | (lengths > tokens.shape[1])).any())
-        if bad:
-            _checks.fail("lengths", f"expected 0 <= lengths[b] <= L = {tokens.shape[1]}")
+POLICIES = _checks.NGRAM_POLICIES
 
 
 def ngram_propose(
@@ -59,15 +34,16 @@ def ngram_propose(
     s[j+n : min(j+n+num_tokens, N)].
 
     Args:
-        tokens: int32/int64 [B, L] histories (entries past lengths[b] are ignored).
+        tokens: int32/int64 [B, L] histories: token ids >= 0 (ValueError with value checks
+            on; -1 is the padding value, never a token). Entries past lengths[b] are ignored.
         lengths: int [B], 0 <= lengths[b] <= L.
         backend: force an implementation ("reference", "cpu", "cuda"); None picks the best.
 
     Returns:
         (draft_tokens [B, num_tokens] in tokens' dtype, -1 padded; draft_lens int32 [B], 0 = no match).
     """
-    _check_ngram_args(tokens, lengths, min_n, max_n, num_tokens, policy)
-    return run("ngram_propose", backend, tokens.device, tokens, lengths.to(torch.int64), min_n, max_n, num_tokens, policy)
+    args = _checks.ngram_propose(tokens, lengths, min_n, max_n, num_tokens, policy)
+    return dispatch("ngram_propose", backend, tokens, *args)
 
 
 def ngram_propose_tree(
@@ -100,22 +76,5 @@ def ngram_propose_tree(
         TokenTree with T = 1 + max_nodes: tokens in tokens' dtype (-1 padded; -1 root for an
         empty history) and parents int64 (-1 for root and padding).
     """
-    _check_ngram_args(tokens, lengths, min_n, max_n, num_tokens, policy)
-    _checks.int_arg("tree_width", tree_width, minimum=1)
-    if max_nodes is None:
-        max_nodes = tree_width * num_tokens
-    _checks.int_arg("max_nodes", max_nodes, minimum=0)
-    tree_tokens, parents = run(
-        "ngram_propose_tree",
-        backend,
-        tokens.device,
-        tokens,
-        lengths.to(torch.int64),
-        min_n,
-        max_n,
-        num_tokens,
-        tree_width,
-        max_nodes,
-        policy,
-    )
-    return TokenTree(tree_tokens, parents)
+    args = _checks.ngram_propose_tree(tokens, lengths, min_n, max_n, num_tokens, tree_width, max_nodes, policy)
+    return TokenTree._from_op(*dispatch("ngram_propose_tree", backend, tokens, *args))

@@ -20,8 +20,9 @@ Per id the index keeps the first and latest end position that is followed by a t
 current suffix's id then gives the earliest / latest match directly.
 
 Backends: "cpu" is the compiled class `torch.classes.specdec.NgramIndex` (rows of one call
-split over threads, GIL released); "python" is a pure-Python implementation of the same
-algorithm, used when specdec_kernels._C is unavailable (slow, but the same results).
+split over threads, GIL released); "python" is `specdec_kernels.reference.NgramIndex`, the
+same algorithm in plain Python, used when specdec_kernels._C is unavailable (slow, but the
+same results). Both take the arguments this wrapper checks and normalises once.
 Memory: about 40 bytes per distinct n-gram (<= max_n per token) plus 8 bytes per token.
 An index is not thread-safe: call it from one thread at a time (its calls release the GIL).
 """
@@ -32,8 +33,9 @@ import torch
 
 from . import _checks
 from ._extension import LOAD_ERROR
+from .reference.ngram_index import NgramIndex as _ReferenceIndex
 
-POLICIES = ("earliest", "latest")
+POLICIES = _checks.NGRAM_POLICIES
 BACKENDS = ("cpu", "python")
 
 Slots = Union[int, Sequence[int], torch.Tensor]
@@ -53,51 +55,6 @@ def _has_compiled_class() -> bool:
     except (RuntimeError, AttributeError):
         return False
     return True
-
-
-class _PyHistoryIndex:
-    """One slot, in plain Python: the algorithm of csrc/include/specdec/ngram_index.h."""
-
-    def __init__(self, max_n: int):
-        self.max_n = max_n
-        self.clear()
-
-    def clear(self):
-        self.tokens = []
-        self.ids = {}  # (prev id, token) -> id; prev id -1 for 1-grams
-        self.first = []  # per id: smallest end e <= N - 2, or -1
-        self.latest = []
-        self.current = [-1] * self.max_n  # current[n - 1]: id of the n-gram ending at N - 1
-
-    def _id(self, prev: int, token: int) -> int:
-        key = (prev, token)
-        found = self.ids.get(key)
-        if found is None:
-            found = self.ids[key] = len(self.first)
-            self.first.append(-1)
-            self.latest.append(-1)
-        return found
-
-    def push(self, token: int):
-        pos = len(self.tokens)
-        for k in range(min(self.max_n, pos)):
-            i = self.current[k]
-            if self.first[i] < 0:
-                self.first[i] = pos - 1
-            self.latest[i] = pos - 1
-        for n in range(min(self.max_n, pos + 1), 1, -1):
-            self.current[n - 1] = self._id(self.current[n - 2], token)
-        self.current[0] = self._id(-1, token)
-        self.tokens.append(token)
-
-    def propose(self, min_n, max_n, num_tokens, latest) -> list:
-        num = len(self.tokens)
-        for n in range(min(max_n, num - 1), max(min_n, 1) - 1, -1):
-            i = self.current[n - 1]
-            if self.first[i] >= 0:
-                start = (self.latest[i] if latest else self.first[i]) + 1
-                return self.tokens[start : start + num_tokens]
-        return []
 
 
 class NgramIndex:
@@ -140,7 +97,7 @@ class NgramIndex:
             # _hash_bits < 64 keeps only that many hash bits: a test hook to force collisions.
             self._impl = torch.classes.specdec.NgramIndex(num_slots, max_n, _hash_bits)
         else:
-            self._slots = [_PyHistoryIndex(max_n) for _ in range(num_slots)]
+            self._impl = _ReferenceIndex(num_slots, max_n)
 
     @staticmethod
     def has_compiled_backend() -> bool:
@@ -152,50 +109,39 @@ class NgramIndex:
     def length(self, slot: int) -> int:
         """Number of tokens in the slot's history."""
         self._check_slot("slot", slot)
-        return self._impl.length(slot) if self.backend == "cpu" else len(self._slots[slot].tokens)
+        return self._impl.length(slot)
 
     def history(self, slot: int) -> torch.Tensor:
         """The slot's history as an int64 tensor (a copy)."""
         self._check_slot("slot", slot)
-        if self.backend == "cpu":
-            return self._impl.history(slot)
-        return torch.tensor(self._slots[slot].tokens, dtype=torch.int64)
+        return self._impl.history(slot)
 
     def memory_bytes(self) -> int:
         """Bytes held by the compiled index (0 for the Python backend: not tracked)."""
-        return self._impl.memory_bytes() if self.backend == "cpu" else 0
+        return self._impl.memory_bytes()
 
     # ------------------------------------------------------------------ updates
 
     def reset(self, slot: int, prompt_tokens) -> None:
-        """Start a new sequence in `slot` with history `prompt_tokens` (1-D int tensor or list)."""
+        """Start a new sequence in `slot` with history `prompt_tokens` (1-D int tensor or list of
+        token ids >= 0; -1 is padding, never a token)."""
         self._check_slot("slot", slot)
         prompt = torch.as_tensor(prompt_tokens)
         if prompt.numel() == 0:
             prompt = prompt.to(torch.int64)
         _checks.tensor("prompt_tokens", prompt, dims=1, dtypes=_checks.INT_DTYPES)
-        if prompt.device.type != "cpu":
-            prompt = prompt.cpu()
-        if self.backend == "cpu":
-            self._impl.reset(slot, prompt.to(torch.int64))
-        else:
-            s = self._slots[slot]
-            s.clear()
-            for t in prompt.tolist():
-                s.push(t)
+        prompt = _cpu_int64(prompt)
+        if _checks.checking_values():
+            _checks.nonnegative_tokens("prompt_tokens", prompt)
+        self._impl.reset(slot, prompt)
 
     def append(self, slots: Slots, accepted_tokens, counts=None) -> None:
         """Append `accepted_tokens[r, :counts[r]]` to slot `slots[r]` (slots distinct).
 
-        accepted_tokens: int [R, K]; counts: int [R] in [0, K], None for all K.
+        accepted_tokens: int [R, K], ids >= 0 where appended (past counts[r]: ignored, e.g. -1);
+        counts: int [R] in [0, K], None for all K.
         """
-        slots, tokens, counts = self._rows(slots, accepted_tokens, counts)
-        if self.backend == "cpu":
-            self._impl.append(slots, tokens, counts)
-        else:
-            for s, row, c in zip(slots.tolist(), tokens.tolist(), counts.tolist()):
-                for t in row[:c]:
-                    self._slots[s].push(t)
+        self._impl.append(*self._rows(slots, accepted_tokens, counts))
 
     # ------------------------------------------------------------------ queries
 
@@ -207,34 +153,18 @@ class NgramIndex:
         defaults to (and may not exceed) the index's max_n.
         """
         max_n = self._check_query(min_n, max_n, num_tokens, policy)
-        slots = self._slot_tensor(slots)
-        if self.backend == "cpu":
-            drafts, lens = self._impl.propose(slots, min_n, max_n, num_tokens, policy)
-            return (drafts if self.dtype == torch.int64 else drafts.to(self.dtype)), lens
-        return self._py_propose(slots.tolist(), min_n, max_n, num_tokens, policy)
+        drafts, lens = self._impl.propose(self._slot_tensor(slots), min_n, max_n, num_tokens, policy)
+        return _checks.as_dtype(drafts, self.dtype), lens
 
     def append_and_propose(self, slots: Slots, accepted_tokens, counts=None, *, min_n: int = 1,
                            max_n: Optional[int] = None, num_tokens: int = 5, policy: str = "earliest"):
         """`append(slots, accepted_tokens, counts)` then `propose(slots, ...)`, in one call."""
         max_n = self._check_query(min_n, max_n, num_tokens, policy)
         slots, tokens, counts = self._rows(slots, accepted_tokens, counts)
-        if self.backend == "cpu":
-            drafts, lens = self._impl.append_and_propose(slots, tokens, counts, min_n, max_n, num_tokens, policy)
-            return (drafts if self.dtype == torch.int64 else drafts.to(self.dtype)), lens
-        self.append(slots, tokens, counts)
-        return self._py_propose(slots.tolist(), min_n, max_n, num_tokens, policy)
+        drafts, lens = self._impl.append_and_propose(slots, tokens, counts, min_n, max_n, num_tokens, policy)
+        return _checks.as_dtype(drafts, self.dtype), lens
 
     # ------------------------------------------------------------------ helpers
-
-    def _py_propose(self, slots, min_n, max_n, num_tokens, policy):
-        drafts = torch.full((len(slots), num_tokens), -1, dtype=self.dtype)
-        lens = torch.zeros(len(slots), dtype=torch.int32)
-        for r, s in enumerate(slots):
-            proposal = self._slots[s].propose(min_n, max_n, num_tokens, policy == "latest")
-            if proposal:
-                drafts[r, : len(proposal)] = torch.tensor(proposal, dtype=self.dtype)
-            lens[r] = len(proposal)
-        return drafts, lens
 
     def _check_slot(self, name, slot):
         _checks.int_arg(name, slot, minimum=0)
@@ -248,12 +178,7 @@ class NgramIndex:
         if slots.numel() == 0:
             slots = slots.to(torch.int64)
         _checks.tensor("slots", slots, dims=1, dtypes=_checks.INT_DTYPES)
-        slots = _cpu_int64(slots)
-        if self.backend == "python":  # the compiled class checks these itself
-            values = slots.tolist()
-            if any(s < 0 or s >= self.num_slots for s in values):
-                _checks.fail("slots", f"expected slots in [0, {self.num_slots}), got {values}")
-        return slots
+        return _cpu_int64(slots)  # slot values: checked by the index (compiled or reference)
 
     def _rows(self, slots, accepted_tokens, counts):
         slots = self._slot_tensor(slots)
@@ -269,25 +194,13 @@ class NgramIndex:
             counts = counts.to(torch.int64)
         _checks.tensor("counts", counts, dims=1, dtypes=_checks.INT_DTYPES)
         _checks.shape("counts", counts, (slots.shape[0],))
-        tokens, counts = _cpu_int64(tokens), _cpu_int64(counts)
-        if self.backend == "python":
-            values = slots.tolist()
-            if len(set(values)) != len(values):
-                _checks.fail("slots", f"expected distinct slots when appending, got {values}")
-            if ((counts < 0) | (counts > tokens.shape[1])).any():
-                _checks.fail("counts", f"expected 0 <= counts[r] <= K = {tokens.shape[1]}, got {counts.tolist()}")
+        tokens, counts = _cpu_int64(tokens), _cpu_int64(counts)  # counts' range: checked by the index
+        if _checks.checking_values() and tokens.shape[0] == counts.shape[0]:
+            # Only the appended tokens: past counts[r] is padding (-1 from verify's outputs).
+            _checks.nonnegative_tokens("accepted_tokens", tokens, counts.clamp(0, tokens.shape[1]))
         return slots, tokens, counts
 
     def _check_query(self, min_n, max_n, num_tokens, policy) -> int:
-        if max_n is None:
-            max_n = self.max_n
-        _checks.int_arg("min_n", min_n, minimum=1)
-        _checks.int_arg("max_n", max_n, minimum=1)
-        if min_n > max_n:
-            _checks.fail("min_n", f"expected min_n <= max_n, got min_n={min_n} > max_n={max_n}")
-        if max_n > self.max_n:
-            _checks.fail("max_n", f"expected max_n <= the index's max_n = {self.max_n}, got {max_n}")
-        _checks.int_arg("num_tokens", num_tokens, minimum=1)
-        if policy not in POLICIES:
-            _checks.fail("policy", f"expected one of {POLICIES}, got {policy!r}")
+        max_n = self.max_n if max_n is None else max_n
+        _checks.ngram_query(min_n, max_n, num_tokens, policy, max_n_limit=self.max_n)
         return max_n

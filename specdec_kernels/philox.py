@@ -15,6 +15,8 @@ product into 16-bit halves so nothing overflows.
 
 import torch
 
+from . import _checks  # (it imports this module back; only used at call time)
+
 MASK32 = 0xFFFFFFFF
 PHILOX_M0 = 0xD2511F53
 PHILOX_M1 = 0xCD9E8D57
@@ -81,3 +83,25 @@ def seeds_from_int(seed: int, batch_size: int, device) -> torch.Tensor:
     zero = torch.zeros_like(rows)
     w0, w1, _, _ = philox4x32_10(rows, zero, zero + 2, zero, (seed & MASK32).expand_as(rows), ((seed >> 32) & MASK32).expand_as(rows))
     return (w1 << 32) | w0
+
+
+def row_seeds(seed, batch_size: int, device) -> torch.Tensor:
+    """int64 [B] per-row seeds on `device`, from what a caller passes as `seed`.
+
+    seed: None (a fresh random int64 from torch's global generator, then as an int), an int
+    (`seeds_from_int`: each row its own stream), or an int64 [B] tensor on `device` (used as
+    given: row b's seed, so a row's draws do not depend on the batch it is in).
+    """
+    if seed is None:
+        seed = int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64))
+    if isinstance(seed, torch.Tensor):
+        want = device if isinstance(device, torch.device) else torch.device(device)
+        got = seed.device
+        if not (seed.dim() == 1 and seed.dtype == torch.int64 and seed.shape[0] == batch_size and got == want):
+            _checks.tensor("seed", seed, dims=1, dtypes=(torch.int64,))
+            _checks.shape("seed", seed, (batch_size,))
+            if got.type != want.type or (want.index is not None and got.index != want.index):
+                _checks.fail("seed", f"expected a tensor on {device} (like target_logits), got {got}")
+        return seed
+    _checks.int_arg("seed", seed)
+    return seeds_from_int(seed, batch_size, device)

@@ -11,8 +11,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import _checks
-from . import reference
-from ._extension import run
+from ._extension import dispatch
 from .trie import merge_sequences
 
 
@@ -27,8 +26,8 @@ def tree_mask(parents: torch.Tensor, *, backend: Optional[str] = None) -> torch.
         bool [B, T, T] ([T, T] for a [T] input): [b, i, j] is true iff node j is node i or
         one of its ancestors. Padding nodes see only themselves.
     """
-    parents_2d = _checks.parents_2d(parents)
-    mask = run("tree_mask", backend, parents_2d.device, parents_2d.contiguous())
+    args = _checks.tree_mask(parents)
+    mask = dispatch("tree_mask", backend, parents, *args)
     return mask if parents.dim() == 2 else mask[0]
 
 
@@ -41,9 +40,8 @@ def pack_tree_mask(mask: torch.Tensor, *, backend: Optional[str] = None) -> torc
     Returns:
         int64 [B, T, ceil(T/64)] (or [T, ceil(T/64)]): bit j % 64 of word j // 64 is mask[..., j].
     """
-    _checks.tensor("mask", mask, dims=(2, 3), dtypes=(torch.bool,))
-    mask_3d = mask if mask.dim() == 3 else mask.unsqueeze(0)
-    packed = run("pack_tree_mask", backend, mask.device, mask_3d.contiguous())
+    args = _checks.pack_tree_mask(mask)
+    packed = dispatch("pack_tree_mask", backend, mask, *args)
     return packed if mask.dim() == 3 else packed[0]
 
 
@@ -59,12 +57,15 @@ class TokenTree:
     parents: torch.Tensor
 
     def __post_init__(self):
-        _checks.tensor("tokens", self.tokens, dims=2, dtypes=_checks.INT_DTYPES)
-        batch, num_nodes = self.tokens.shape
-        parents = _checks.parents_2d(self.parents)  # a [T] input becomes [1, T]
-        _checks.shape("parents", parents, (batch if self.parents.dim() == 2 else 1, num_nodes))
-        self.parents = parents.expand(batch, -1)
-        _checks.same_device("tokens", self.tokens, parents=self.parents)
+        self.tokens, self.parents = _checks.token_tree(self.tokens, self.parents)
+
+    @classmethod
+    def _from_op(cls, tokens: torch.Tensor, parents: torch.Tensor) -> "TokenTree":
+        """A tree an op returned ([B, T] tokens and int64 parents, valid by construction):
+        not checked again, which would cost more than the op on short histories."""
+        tree = object.__new__(cls)
+        tree.tokens, tree.parents = tokens, parents
+        return tree
 
     @property
     def batch_size(self) -> int:

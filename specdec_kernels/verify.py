@@ -10,8 +10,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from . import _checks
-from ._extension import run
-from .philox import seeds_from_int
+from ._extension import dispatch
 
 Scalar = Union[int, float]
 
@@ -30,20 +29,6 @@ class VerifyOutput(NamedTuple):
     output_tokens: torch.Tensor
 
 
-def _row_seeds(seed, batch: int, device) -> torch.Tensor:
-    """int64 [B] per-row seeds: from a [B] tensor as given, from an int (each row its own
-    stream), or drawn from torch's global generator when None."""
-    if seed is None:
-        seed = int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64))
-    if isinstance(seed, torch.Tensor):
-        _checks.tensor("seed", seed, dims=1, dtypes=(torch.int64,))
-        _checks.shape("seed", seed, (batch,))
-        _checks.on_device("seed", seed, device, "target_logits")
-        return seed
-    _checks.int_arg("seed", seed)
-    return seeds_from_int(seed, batch, device)
-
-
 def verify(
     target_logits: torch.Tensor,
     tree_tokens: torch.Tensor,
@@ -60,11 +45,19 @@ def verify(
 
     Args:
         target_logits: [B, T, V] fp32/bf16/fp16; node i's logits predict the token after node i.
-        tree_tokens: int [B, T]; node 0 is the root (the last emitted token).
+        tree_tokens: int [B, T]; node 0 is the root (the last emitted token). Every drafted
+            node's token must be in [0, V), the root's in [0, V) or -1 (no token, as
+            `ngram_propose_tree` returns for an empty history; the root is not read);
+            ValueError otherwise, with value checks on. Padding nodes may hold anything.
         parents: int [B, T] or [T]; see `specdec_kernels.tree`.
         draft_probs: [B, T, V] or None. Given: the children of node i were drawn
             independently from draft_probs[b, i] (siblings may repeat). None: the children
-            are deterministic proposals and siblings must be distinct.
+            are deterministic proposals and siblings must be distinct. The row of every
+            node with children must be a probability distribution: no NaN, no negative
+            entry, summing to 1 within 1e-3 (fp32) or 1e-2 (bf16 / fp16), else ValueError
+            (value checks on). Rows of nodes without children (leaves, padding) are not
+            used and may hold anything. With value checks off, a bad row is read as the
+            reference reads it (NaN and negative entries as 0, the sum as given).
         temperature: float or [B]; rows with 0 are greedy.
         top_k: None, int or int [B] (0 = off), applied to the target like sequential sampling.
         top_p: None, float or [B] in (0, 1] (1 = off), applied after top-k.
@@ -77,72 +70,8 @@ def verify(
         distributed exactly as sequential sampling from the warped target; greedy rows emit
         the target's argmax chain (lowest id on ties).
     """
-    _checks.tensor("target_logits", target_logits, dims=3, dtypes=_checks.FLOAT_DTYPES)
-    _checks.nonempty_batch("target_logits", target_logits)
-    batch, num_nodes, vocab = target_logits.shape
-    if num_nodes == 0 or vocab == 0:
-        _checks.fail("target_logits", f"expected T >= 1 nodes and V >= 1 tokens, got shape {tuple(target_logits.shape)}")
-    device = target_logits.device
-    _checks.tensor("tree_tokens", tree_tokens, dims=2, dtypes=_checks.INT_DTYPES)
-    _checks.shape("tree_tokens", tree_tokens, (batch, num_nodes))
-    _checks.tensor("parents", parents, dims=(1, 2), dtypes=_checks.INT_DTYPES)
-    _checks.shape("parents", parents, (batch, num_nodes)[2 - parents.dim() :])
-    if draft_probs is not None:
-        _checks.tensor("draft_probs", draft_probs, dims=3, dtypes=_checks.FLOAT_DTYPES)
-        _checks.shape("draft_probs", draft_probs, (batch, num_nodes, vocab))
-    _checks.same_device("target_logits", target_logits, tree_tokens=tree_tokens, parents=parents, draft_probs=draft_probs)
-    _checks.last_dim_contiguous("target_logits", target_logits)
-
-    parents_2d = _checks.parents_2d(parents).expand(batch, -1)
-    real = _checks.real_nodes(parents_2d)
-    drafted = real.clone()
-    drafted[:, 0] = False
-    _checks.token_ids("tree_tokens", tree_tokens, drafted, vocab)
-
-    temperature = _checks.per_row("temperature", temperature, batch, device, torch.float32, default=1.0)
-    top_k = _checks.per_row("top_k", top_k, batch, device, torch.int64, default=0, integral=True)
-    top_p = _checks.per_row("top_p", top_p, batch, device, torch.float32, default=1.0)
-    seed = _row_seeds(seed, batch, device)
-    if _checks.checking_values():
-        if not torch.isfinite(temperature).all() or (temperature < 0).any():
-            _checks.fail("temperature", "expected finite values >= 0 (0 = greedy)")
-        if (top_k < 0).any():
-            _checks.fail("top_k", "expected values >= 0 (0 = off)")
-        if not ((top_p > 0) & (top_p <= 1)).all():
-            _checks.fail("top_p", "expected values in (0, 1] (1 = off)")
-        if draft_probs is None:
-            _check_distinct_siblings(tree_tokens, parents_2d, drafted)
-
-    accepted_nodes, num_accepted, output_tokens = run(
-        "verify",
-        backend,
-        device,
-        target_logits,
-        tree_tokens.to(torch.int64),
-        parents_2d,
-        draft_probs,
-        temperature,
-        top_k,
-        top_p,
-        seed,
-    )
-    return VerifyOutput(accepted_nodes, num_accepted, output_tokens)
-
-
-def _check_distinct_siblings(tree_tokens, parents_2d, drafted):
-    """Deterministic drafts need distinct siblings: the target picks one token per node."""
-    same_parent = parents_2d[:, :, None] == parents_2d[:, None, :]
-    same_token = tree_tokens[:, :, None] == tree_tokens[:, None, :]
-    both = drafted[:, :, None] & drafted[:, None, :]
-    earlier = torch.ones_like(same_parent).triu(diagonal=1)
-    repeated = same_parent & same_token & both & earlier
-    if repeated.any():
-        b, i, j = (int(v) for v in torch.nonzero(repeated)[0])
-        _checks.fail(
-            "tree_tokens",
-            f"row {b}: sibling nodes {i} and {j} both hold token {int(tree_tokens[b, i])}; with "
-            "draft_probs=None siblings must be distinct (pass draft_probs if they were sampled)",
-        )
+    args = _checks.verify(target_logits, tree_tokens, parents, draft_probs, temperature, top_k, top_p, seed)
+    return VerifyOutput(*dispatch("verify", backend, target_logits, *args))
 
 
 def verify_chain(
@@ -162,36 +91,20 @@ def verify_chain(
         target_logits: [B, K+1, V]; target_logits[:, i] follows the root and the first i drafts.
         draft_tokens: int [B, K].
         draft_probs: [B, K, V] (draft_probs[:, i]: the distribution draft token i was sampled
-            from) or None.
+            from) or None; every row a distribution, as in `verify`.
         temperature, top_k, top_p, seed, backend: as in `verify`.
 
     Returns:
         VerifyOutput with T = K + 1, as `verify` on the chain tree.
     """
-    _checks.tensor("target_logits", target_logits, dims=3, dtypes=_checks.FLOAT_DTYPES)
-    _checks.tensor("draft_tokens", draft_tokens, dims=2, dtypes=_checks.INT_DTYPES)
-    batch, num_nodes, vocab = target_logits.shape
-    k = num_nodes - 1
-    _checks.shape("draft_tokens", draft_tokens, (batch, k))
-    _checks.same_device("target_logits", target_logits, draft_tokens=draft_tokens)
-    _checks.token_ids("draft_tokens", draft_tokens, torch.ones_like(draft_tokens, dtype=torch.bool), vocab)
-    # The chain as a tree: node i + 1 is draft i; the root token is not used by verify.
-    tree_tokens = torch.cat([draft_tokens.new_zeros(batch, 1), draft_tokens], dim=1)
-    parents = torch.arange(-1, k, device=draft_tokens.device)
+    batch, k, vocab = _checks.verify_chain(target_logits, draft_tokens, draft_probs)
+    sampling = _checks.sampling(target_logits, temperature, top_k, top_p, seed, batch)
+    # The chain as a tree: node i + 1 is draft i; the root token is not read by verify.
+    tree_tokens = torch.cat([draft_tokens.new_zeros(batch, 1), draft_tokens], dim=1).to(torch.int64)
+    parents = torch.arange(-1, k, device=draft_tokens.device).expand(batch, -1)
     tree_draft_probs = None
     if draft_probs is not None:
-        _checks.tensor("draft_probs", draft_probs, dims=3, dtypes=_checks.FLOAT_DTYPES)
-        _checks.shape("draft_probs", draft_probs, (batch, k, vocab))
         # Node i's children (draft i) were drawn from draft_probs[:, i]; the last node has none.
         tree_draft_probs = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, vocab)], dim=1)
-    return verify(
-        target_logits,
-        tree_tokens,
-        parents,
-        draft_probs=tree_draft_probs,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        backend=backend,
-    )
+    args = (target_logits, tree_tokens, parents, tree_draft_probs) + sampling
+    return VerifyOutput(*dispatch("verify", backend, target_logits, *args))

@@ -1,6 +1,6 @@
 """Shared pieces of the benchmarks: run metadata, the timers, the table format, JSON and plots.
 
-Timing rules (DESIGN.md "Conventions"):
+Timing rules (timing lives in benchmarks, never in timed tests):
 - GPU: CUDA events around each call, a few warm-up calls first, the median reported; the
   inputs rotate over several copies (or L2 is flushed) so that a call never finds its inputs
   in a cache the previous call warmed.
@@ -90,7 +90,8 @@ def device_slug(device) -> str:
 
 
 def metadata(benchmark: str, device, backend: Optional[str], **extra) -> dict:
-    """The header of a results JSON (DESIGN.md schema) plus versions, threads and `extra`."""
+    """The header of a results JSON (benchmark, device, backend, torch/triton versions, commit,
+    date; each row holds config, ours_us, floor_us and peers_us) plus threads and `extra`."""
     return {
         "benchmark": benchmark,
         "device": device_name(device),

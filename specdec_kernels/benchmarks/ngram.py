@@ -171,7 +171,7 @@ def timeit(fn, budget_s, sets=None, warmup=True) -> common.Timing:
 
 
 def record(row, name, timing):
-    """The median goes in the DESIGN.md fields, the best block beside it (`*_best_us`)."""
+    """The median goes in the row's `ours_us` / `floor_us` / `peers_us` fields, the best block beside it (`*_best_us`)."""
     if name in ("ours", "floor"):
         row[f"{name}_us"], row[f"{name}_best_us"] = timing.median_us, timing.best_us
     else:

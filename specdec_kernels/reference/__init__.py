@@ -7,11 +7,13 @@ Each function takes already-validated, already-normalised inputs (the public API
 
 from .kv_cache import compact_kv_cache_
 from .ngram import ngram_propose, ngram_propose_tree
+from .ngram_index import NgramIndex
 from .tree import pack_tree_mask, tree_mask, unpack_tree_mask
 from .tree_attention import tree_attention
 from .verify import verify
 
 __all__ = [
+    "NgramIndex",
     "compact_kv_cache_",
     "ngram_propose",
     "ngram_propose_tree",

@@ -6,17 +6,21 @@ import torch
 def compact_kv_cache_(caches, cache_seqlens, accepted_nodes, num_accepted) -> torch.Tensor:
     """Move the accepted path's entries from L_b + accepted_nodes[b, j] to L_b + j, j <= num_accepted[b].
 
+    Node ids are bounded by the cache (L_b + node < S), not by the width of accepted_nodes.
     Every source row is gathered before anything is written, so a slot that is both a source
-    and a destination is safe. Slots past the accepted path are written back unchanged, which
+    and a destination is safe. Positions past the accepted path copy a slot onto itself (at
+    most the last slot, S - 1, so a wide accepted_nodes never indexes past the cache), which
     keeps the op free of data-dependent shapes (no host sync). Returns L + num_accepted + 1.
     """
-    num_nodes = accepted_nodes.shape[1]
+    width = accepted_nodes.shape[1]
     prefix = cache_seqlens.to(torch.int64)[:, None]
-    j = torch.arange(num_nodes, device=accepted_nodes.device)
-    on_path = j[None, :] <= num_accepted.to(torch.int64)[:, None]  # [B, T]
-    src = prefix + torch.where(on_path, accepted_nodes.to(torch.int64), j[None, :])
-    dst = prefix + j[None, :]
+    j = torch.arange(width, device=accepted_nodes.device)
+    on_path = j[None, :] <= num_accepted.to(torch.int64)[:, None]  # [B, W]
+    on_path_src = prefix + accepted_nodes.to(torch.int64)
     for cache in caches:
+        unchanged = (prefix + j[None, :]).clamp(max=cache.shape[1] - 1)  # off the path: in place
+        src = torch.where(on_path, on_path_src, unchanged)
+        dst = torch.where(on_path, prefix + j[None, :], unchanged)
         heads, dim = cache.shape[2], cache.shape[3]
         src_idx = src[:, :, None, None].expand(-1, -1, heads, dim)
         dst_idx = dst[:, :, None, None].expand(-1, -1, heads, dim)

@@ -13,9 +13,10 @@ Each split keeps an fp32 online softmax (exp2, scale folded with log2 e) and wri
 normalised partial output and log-sum-exp; `_combine_kernel` merges the splits. With one
 split the first kernel writes the output directly.
 
-Slots a query may not see are never loaded into its sum: loads past L_b give 0, and tree
-values no row of the tile sees are zeroed, so garbage (even NaN) in unused cache slots does
-not leak into the output, matching the reference.
+Slots a query may not see are never loaded into its sum: loads past L_b give 0, and
+non-finite tree values enter the product as 0 and are put back as NaN only in the rows that
+see them, so garbage (even NaN) in unused cache slots does not leak into the output, and NaN
+in the inputs a query sees makes its output NaN: the reference's contract.
 """
 
 import functools
@@ -116,13 +117,18 @@ def _split_kernel(
                     mask=row_ok[:, None] & col_ok[None, :], other=0,
                 ) != 0
             visible = visible & row_ok[:, None] & col_ok[None, :]
-            seen = tl.max(visible.to(tl.int32), 0) != 0  # key seen by some row of this tile
             keys = prefix_len + tree_cols
             kv_mask = col_ok[:, None] & dim_ok[None, :]
             k = tl.load(k_base + keys[:, None] * stride_ks + dims[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_base + keys[:, None] * stride_vs + dims[None, :], mask=kv_mask, other=0.0)
-            v = tl.where(seen[:, None], v, 0.0).to(v.dtype)
+            # A zero probability times NaN is NaN: non-finite tree values enter the product as
+            # 0 and come back as NaN only in the rows that see them (NaN in, NaN out, no leak
+            # into rows for which the node is not an ancestor).
+            v_bad = (v != v) | (tl.abs(v.to(tl.float32)) == float("inf"))
+            v = tl.where(v_bad, 0.0, v).to(v.dtype)
             m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, PRECISION)
+            sees_bad = tl.dot(visible.to(tl.float32), v_bad.to(tl.float32), input_precision="ieee") > 0.0
+            acc = tl.where(sees_bad, float("nan"), acc)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # padding rows of the tile see nothing
@@ -132,7 +138,8 @@ def _split_kernel(
         )
     else:
         # Partials: [B, Hkv, NUM_SPLITS, M_pad, BLOCK_D] fp32 outputs and [.., M_pad] log2-sum-exp2.
-        has_mass = l_i > 0.0
+        # A NaN sum (NaN in q or a key) counts as mass: its NaN must reach the combined output.
+        has_mass = (l_i > 0.0) | (l_i != l_i)
         out = acc / tl.where(has_mass, l_i, 1.0)[:, None]
         lse = tl.where(has_mass, m_i + tl.math.log2(tl.where(has_mass, l_i, 1.0)), float("-inf"))
         num_kv_heads = tl.num_programs(1)
