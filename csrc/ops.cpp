@@ -40,4 +40,11 @@ TORCH_LIBRARY(specdec, m) {
   m.def(
       "ngram_propose_tree(Tensor tokens, Tensor lengths, int min_n, int max_n, int num_tokens, "
       "int tree_width, int max_nodes, str policy) -> (Tensor, Tensor)");
+  // Paged KV caches: k/v (every cache) [num_pages, page_size, H, D], block_table int32 [B, P].
+  m.def(
+      "tree_attention_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tree_mask, Tensor cache_seqlens, "
+      "Tensor block_table, float scale) -> Tensor");
+  m.def(
+      "compact_kv_cache_paged_(Tensor(a!)[] caches, Tensor cache_seqlens, Tensor accepted_nodes, "
+      "Tensor num_accepted, Tensor block_table) -> Tensor");
 }

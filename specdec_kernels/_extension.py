@@ -27,9 +27,11 @@ OPS = (
     "compact_kv_cache_",
     "ngram_propose",
     "ngram_propose_tree",
+    "tree_attention_paged",
+    "compact_kv_cache_paged_",
 )
 BACKENDS = ("reference", "cpu", "cuda", "triton")
-TRITON_OPS = frozenset({"tree_attention", "verify"})  # ops with a kernel in specdec_kernels/triton/<op>.py
+TRITON_OPS = frozenset({"tree_attention", "verify", "tree_attention_paged"})  # ops with a kernel in specdec_kernels/triton/<op>.py
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # without importing it
 # The Triton kernels have only run in the interpreter, never on a GPU: until a GPU run has
 # checked them, CUDA tensors use them by default only when this is set (backend="triton"

@@ -14,6 +14,7 @@ def compact_kv_cache_(
     accepted_nodes: torch.Tensor,
     num_accepted: torch.Tensor,
     *,
+    block_table: Optional[torch.Tensor] = None,
     backend: Optional[str] = None,
 ) -> torch.Tensor:
     """In place, move each row's accepted tree entries right after its prefix, in every cache.
@@ -24,6 +25,10 @@ def compact_kv_cache_(
         cache_seqlens: int32/int64 [B], prefix lengths; cache_seqlens[b] + T <= S.
         accepted_nodes: int [B, T], the accepted path (`VerifyOutput.accepted_nodes`).
         num_accepted: int [B] (`VerifyOutput.num_accepted`).
+        block_table: int32 [B, P] for paged caches (None: dense caches). Then every cache is
+            a pool of pages [num_pages, page_size, H, D] (one page size for all) and token s of
+            row b is at [block_table[b, s // page_size], s % page_size]. Rows may share pages
+            for reading, but the slots of each row's tree must be its own (checked).
         backend: force an implementation ("reference", "cpu", "cuda"); None picks the best.
 
     Returns:
@@ -31,6 +36,10 @@ def compact_kv_cache_(
         cache_seqlens' dtype. Entry cache_seqlens[b] + accepted_nodes[b, j] moved to
         cache_seqlens[b] + j for j <= num_accepted[b]; all in one launch per call.
     """
+    if block_table is not None:
+        from . import _paged
+
+        return _paged.compact_kv_cache_(caches, cache_seqlens, accepted_nodes, num_accepted, block_table, backend)
     caches = list(caches)
     if not caches:
         _checks.fail("caches", "expected at least one [B, S, H, D] cache tensor")

@@ -15,6 +15,7 @@ def tree_attention(
     tree_mask: torch.Tensor,
     cache_seqlens: torch.Tensor,
     *,
+    block_table: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     backend: Optional[str] = None,
 ) -> torch.Tensor:
@@ -28,6 +29,12 @@ def tree_attention(
         tree_mask: bool [B, T, T] or [T, T] (`tree_mask(parents)`), or packed int64
             [B, T, ceil(T/64)] / [T, ceil(T/64)] (`pack_tree_mask`).
         cache_seqlens: int32 [B], the prefix length of each row; cache_seqlens[b] + T <= S.
+        block_table: int32 [B, P] for paged caches (None: dense caches). Then k_cache and
+            v_cache are pools of pages [num_pages, page_size, Hkv, D] (any page size >= 1) and
+            token s of row b is at [block_table[b, s // page_size], s % page_size]; pages in any
+            order, shared between rows for reading. Row b uses its first
+            ceil((cache_seqlens[b] + T) / page_size) entries (page ids in [0, num_pages)); the
+            rest are padding, never read. Same result as the dense op on the gathered cache.
         scale: softmax scale, default D ** -0.5.
         backend: force an implementation ("reference", "cuda", "triton"); None picks the best.
 
@@ -35,6 +42,10 @@ def tree_attention(
         [B, T, Hq, D] in q's dtype: query i of row b attends to keys 0 .. cache_seqlens[b]-1
         and to tree key j iff tree_mask[b, i, j].
     """
+    if block_table is not None:
+        from . import _paged
+
+        return _paged.tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, block_table, scale, backend)
     _checks.tensor("q", q, dims=4, dtypes=_checks.FLOAT_DTYPES)
     _checks.tensor("k_cache", k_cache, dims=4, dtypes=(q.dtype,))
     _checks.tensor("v_cache", v_cache, dims=4, dtypes=(q.dtype,))
