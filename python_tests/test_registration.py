@@ -14,6 +14,7 @@ import specdec_kernels as sk
 from specdec_kernels import _extension
 
 from conftest import HAS_C, randint, random_parents, requires_c
+from test_paged import paged_attention_samples, paged_compact_samples
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPS = _extension.OPS
@@ -119,6 +120,8 @@ SAMPLES = {
     "compact_kv_cache_": compact_samples,
     "ngram_propose": ngram_propose_samples,
     "ngram_propose_tree": ngram_propose_tree_samples,
+    "tree_attention_paged": paged_attention_samples,
+    "compact_kv_cache_paged_": paged_compact_samples,
 }
 
 
