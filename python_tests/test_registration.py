@@ -347,6 +347,12 @@ def _public_call(op, gen, backend):
         return sk.ngram_propose(*ngram_tokens(gen), backend=backend)
     if op == "ngram_propose_tree":
         return sk.ngram_propose_tree(*ngram_tokens(gen), backend=backend)
+    if op == "tree_attention_paged":
+        q, k, v, mask, prefix, table, scale = next(paged_attention_samples(gen))
+        return sk.tree_attention(q, k, v, mask, prefix, block_table=table, scale=scale, backend=backend)
+    if op == "compact_kv_cache_paged_":
+        (caches, prefix, accepted, num_accepted, table), = paged_compact_samples(gen)
+        return sk.compact_kv_cache_(caches, prefix, accepted, num_accepted, block_table=table, backend=backend)
     raise AssertionError(op)
 
 
