@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <type_traits>
 #include <utility>
 
 #include "checks_paged.h"
@@ -145,7 +146,9 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   // Ranges start on page boundaries where pages are read in place, so no range begins with
   // a stub of a page.
   int64_t chunk = (max_keys + parts - 1) / parts;
-  if (p.tiles_in_place()) chunk = (chunk + p.page_size - 1) / p.page_size * p.page_size;
+  if constexpr (std::is_same<Storage, float>::value) {
+    if (p.tiles_in_place()) chunk = (chunk + p.page_size - 1) / p.page_size * p.page_size;
+  }
   const int64_t size = p.partial_size();
   at::Tensor partials = at::empty({units * parts * size}, q.options().dtype(at::kFloat));
   float* partial_data = partials.mutable_data_ptr<float>();

@@ -407,14 +407,21 @@ struct TreeAttentionProblem {
     return v + row_offset(b, s, v_stride_b, v_stride_s) + kv_head * v_stride_h;
   }
   // Whether fp32 tiles are read in place (rows one stride apart): always for a dense cache;
-  // for a paged one when pages hold >= 16 keys, with tiles cut at page ends (smaller pages
-  // would make tiles too short, so their rows are copied like 16-bit ones).
-  bool tiles_in_place() const { return block_table == nullptr || page_size >= kMinInPlacePage; }
+  // for a paged one, tiles are then cut at page ends, and every extra cut costs one more
+  // pass over the accumulators ([M][D] loads and stores), while copying the rows of a full
+  // tile costs a pass over 2 * kTileKeys rows of D. So pages of >= kMinInPlacePage keys are
+  // read in place when (cuts per tile - 1) * M <= 2 * kTileKeys (a few query rows: T = 1 or
+  // a small tree), else copied like 16-bit rows; smaller pages are always copied.
+  bool tiles_in_place() const {
+    constexpr int64_t tile = attention_detail::kTileKeys;
+    if (block_table == nullptr || page_size >= tile) return true;
+    return page_size >= kMinInPlacePage && (tile / page_size - 1) * rows() <= 2 * tile;
+  }
   // Keys of the tile starting at `first` (before `end`): up to a full tile, and, for paged
   // tiles read in place, no further than the end of first's page.
-  int64_t tile_keys(int64_t first, int64_t end, int64_t full_tile) const {
+  int64_t tile_keys(int64_t first, int64_t end, int64_t full_tile, bool in_place) const {
     int64_t last = std::min(end, first + full_tile);
-    if (block_table != nullptr && page_size >= kMinInPlacePage) last = std::min(last, (first / page_size + 1) * page_size);
+    if (block_table != nullptr && in_place) last = std::min(last, (first / page_size + 1) * page_size);
     return last - first;
   }
 
@@ -497,14 +504,15 @@ void attend_keys(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_he
   // fp32 rows as wide as the vectors are used in place; others are converted (and padded)
   // into the scratch tiles. Row addresses come from p.key_row / p.value_row (dense or paged).
   constexpr bool kFloat = std::is_same<Scalar, float>::value;
-  const bool in_place = kFloat && dp == head_dim && p.tiles_in_place();
+  const bool keys_in_place = kFloat && p.tiles_in_place();
+  const bool in_place = keys_in_place && dp == head_dim;
   bool hidden[kTileKeys];
   for (int64_t first = key_begin, count = 0; first < key_end; first += count) {
-    count = p.tile_keys(first, key_end, kTileKeys);
+    count = p.tile_keys(first, key_end, kTileKeys, keys_in_place);
     const float* keys = s.keys;
     int64_t key_stride = head_dim;
     if constexpr (kFloat) {
-      if (p.tiles_in_place()) {
+      if (keys_in_place) {
         keys = p.key_row(b, kv_head, first);
         key_stride = p.k_stride_s;
       }
