@@ -421,7 +421,10 @@ struct TreeAttentionProblem {
   // tiles read in place, no further than the end of first's page.
   int64_t tile_keys(int64_t first, int64_t end, int64_t full_tile, bool in_place) const {
     int64_t last = std::min(end, first + full_tile);
-    if (block_table != nullptr && in_place) last = std::min(last, (first / page_size + 1) * page_size);
+    if (block_table != nullptr && in_place) {
+      const int64_t page = page_shift >= 0 ? first >> page_shift : first / page_size;  // no division for 16/32/64
+      last = std::min(last, (page + 1) * page_size);
+    }
     return last - first;
   }
 
