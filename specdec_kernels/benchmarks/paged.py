@@ -15,7 +15,9 @@ Methods (each checked against the dense reference before timing):
 Both go through the public API with value checks off (config.value_checks(False)), as
 `generate` calls them, so the times are the kernels plus the wrapper's metadata checks.
 
-Timing: the two methods alternate in short blocks of calls (dense block, paged block, ...,
+Timing: with one thread (--threads 1) the clock is the process's CPU time (time.process_time),
+which leaves out the time it waits for a core when other processes load the machine; with
+more threads, wall time. The two methods alternate in short blocks of calls (dense block, paged block, ...,
 each about 5 ms) for --min-time seconds each, so load from other processes on a shared
 machine hits both alike; each block gives one per-call time. We report per method the
 median and the best (lowest) block, and paged / dense for both: on a loaded machine the
@@ -83,8 +85,9 @@ def make_inputs(batch, num_nodes, prefix, q_heads, kv_heads, head_dim, page_size
     return tuple(map(to, (q, k, v, k_pool, v_pool, mask, seqlens, table)))
 
 
-def time_alternating(calls, min_time):
-    """{name: (median_us, best_us)} of callables timed in alternating blocks (see the docstring)."""
+def time_alternating(calls, min_time, clock):
+    """{name: (median_us, best_us)} of callables timed in alternating blocks (see the docstring),
+    by `clock` (time.perf_counter: wall time; time.process_time: this process's CPU time)."""
     for call in calls.values():
         call()  # warm-up: scratch buffers, first-call allocations
     number = 1
@@ -97,10 +100,10 @@ def time_alternating(calls, min_time):
     deadline = time.perf_counter() + min_time * len(calls)
     while time.perf_counter() < deadline or min(len(s) for s in samples.values()) < 5:
         for name, call in calls.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(number):
                 call()
-            samples[name].append((time.perf_counter() - t0) / number * 1e6)
+            samples[name].append((clock() - t0) / number * 1e6)
     return {name: (sorted(s)[len(s) // 2], min(s)) for name, s in samples.items()}
 
 
@@ -129,6 +132,10 @@ def main(argv=None) -> int:
         configs = [dict(shape=name, heads=heads, B=b, T=t, prefix=p)
                    for name, heads in shapes.items() for b in BATCHES for p in PREFIXES for t in NODES]
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    # One thread: CPU time of the process, which leaves out the time it waits for a core on a
+    # shared machine (and equals the kernel's work); several threads: wall time.
+    cpu_time = device.type == "cpu" and torch.get_num_threads() == 1
+    clock = time.process_time if cpu_time else time.perf_counter
     print(f"{common.device_name(device)}, {torch.get_num_threads()} threads, backend {backend}, page size "
           f"{args.page_size}, {str(dtype).replace('torch.', '')}; load average {load}", flush=True)
     rows, table_rows = [], []
@@ -150,7 +157,7 @@ def main(argv=None) -> int:
                 if not err <= tol:
                     raise AssertionError(f"{name} {cfg}: max abs error {err:.3g} > {tol}")
             times = time_gpu(calls, device) if device.type == "cuda" else time_alternating(
-                calls, 0.05 if args.smoke else args.min_time)
+                calls, 0.05 if args.smoke else args.min_time, clock)
         (paged_us, paged_best), (dense_us, dense_best) = times["paged"], times["dense"]
         rows.append({
             "config": {"shape": cfg["shape"], "B": cfg["B"], "T": cfg["T"], "prefix": cfg["prefix"], "Hq": q_heads,
@@ -173,6 +180,7 @@ def main(argv=None) -> int:
         return 0
     result = common.metadata(
         "paged", device, backend, page_size=args.page_size, load_average_at_start=load,
+        clock="process CPU time (one thread)" if cpu_time else "wall time",
         load_average_at_end=os.getloadavg() if hasattr(os, "getloadavg") else None,
         stat=("CPU: median (ours_us, peers_us) and best (*_best_us) per-call time over alternating blocks of "
               "dense and paged calls (each block about 5 ms), value checks off; peers_us.dense = the dense op "
