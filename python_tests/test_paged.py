@@ -17,8 +17,8 @@ import specdec_kernels as sk
 from specdec_kernels import compact_kv_cache_, config, pack_tree_mask, tree_attention, tree_mask
 from specdec_kernels.reference.tree_attention import gather_pages
 
-from conftest import (HAS_C, HAS_CUDA, INTERPRETER_SKIP, import_interpreted_kernels, randint, random_parents,
-                      requires_c, requires_cuda, triton_interpret_env)
+from conftest import (INTERPRETER_SKIP, import_interpreted_kernels, randint, random_parents, requires_c, requires_cuda,
+                      triton_interpret_env)
 from test_kv_cache import make_paths
 from test_tree_attention import TOL_BACKEND
 

@@ -29,7 +29,6 @@ than 16); not in --smoke mode.
 
 import argparse
 import os
-import sys
 import time
 
 import torch
