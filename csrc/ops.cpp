@@ -56,4 +56,11 @@ TORCH_LIBRARY(specdec, m) {
       .def("append", &specdec::NgramIndex::append)
       .def("propose", &specdec::NgramIndex::propose)
       .def("append_and_propose", &specdec::NgramIndex::append_and_propose);
+  // Paged KV caches: k/v (every cache) [num_pages, page_size, H, D], block_table int32 [B, P].
+  m.def(
+      "tree_attention_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tree_mask, Tensor cache_seqlens, "
+      "Tensor block_table, float scale) -> Tensor");
+  m.def(
+      "compact_kv_cache_paged_(Tensor(a!)[] caches, Tensor cache_seqlens, Tensor accepted_nodes, "
+      "Tensor num_accepted, Tensor block_table) -> Tensor");
 }

@@ -14,6 +14,7 @@ import specdec_kernels as sk
 from specdec_kernels import _extension
 
 from conftest import HAS_C, randint, random_parents, requires_c
+from test_paged import paged_attention_samples, paged_compact_samples
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPS = _extension.OPS
@@ -119,6 +120,8 @@ SAMPLES = {
     "compact_kv_cache_": compact_samples,
     "ngram_propose": ngram_propose_samples,
     "ngram_propose_tree": ngram_propose_tree_samples,
+    "tree_attention_paged": paged_attention_samples,
+    "compact_kv_cache_paged_": paged_compact_samples,
 }
 
 
@@ -344,6 +347,12 @@ def _public_call(op, gen, backend):
         return sk.ngram_propose(*ngram_tokens(gen), backend=backend)
     if op == "ngram_propose_tree":
         return sk.ngram_propose_tree(*ngram_tokens(gen), backend=backend)
+    if op == "tree_attention_paged":
+        q, k, v, mask, prefix, table, scale = next(paged_attention_samples(gen))
+        return sk.tree_attention(q, k, v, mask, prefix, block_table=table, scale=scale, backend=backend)
+    if op == "compact_kv_cache_paged_":
+        (caches, prefix, accepted, num_accepted, table), = paged_compact_samples(gen)
+        return sk.compact_kv_cache_(caches, prefix, accepted, num_accepted, block_table=table, backend=backend)
     raise AssertionError(op)
 
 

@@ -576,3 +576,68 @@ def ngram_propose_tree(tokens, lengths, min_n, max_n, num_tokens, tree_width, ma
         max_nodes = tree_width * num_tokens
     int_arg("max_nodes", max_nodes, minimum=0)
     return tokens, lengths, min_n, max_n, num_tokens, tree_width, max_nodes, policy
+# ----------------------------------------------------------------------------- paged caches
+# A paged cache is [num_pages, page_size, H, D]; block_table int32 [B, P] maps row b's token
+# s to page block_table[b, s // page_size], slot s % page_size. Only the pages a row uses
+# (its first ceil(num_tokens[b] / page_size) entries) are checked: the entries after them are
+# padding, as in vLLM's block tables, and no backend reads them.
+
+
+def block_table(table, *, batch, device, like: str):
+    """Metadata of a block table: int32 [batch, P], P >= 1, on `device`."""
+    tensor("block_table", table, dims=2, dtypes=(torch.int32,))
+    shape("block_table", table, (batch, None))
+    if table.shape[1] == 0:
+        fail("block_table", f"expected at least one page column, got shape {tuple(table.shape)}")
+    on_device("block_table", table, device, like)
+
+
+def block_table_pages(table, num_tokens, page_size: int, num_pages: int, *, what: str):
+    """Values: row b's first ceil(num_tokens[b] / page_size) entries exist and are page ids in
+    [0, num_pages). `what` says what num_tokens counts, for the message."""
+    if not checking_values():
+        return
+    pages_needed = (num_tokens.to(torch.int64) + page_size - 1) // page_size  # [B]
+    num_cols = table.shape[1]
+    short = pages_needed > num_cols
+    if short.any():
+        b = int(torch.nonzero(short)[0, 0])
+        fail(
+            "block_table",
+            f"row {b} needs {int(pages_needed[b])} pages of {page_size} slots for {what} = "
+            f"{int(num_tokens[b])} tokens, but the table has {num_cols} columns",
+        )
+    used = torch.arange(num_cols, device=table.device)[None, :] < pages_needed[:, None]
+    bad = used & ((table < 0) | (table >= num_pages))
+    if bad.any():
+        b, j = (int(v) for v in torch.nonzero(bad)[0])
+        fail(
+            "block_table",
+            f"block_table[{b}, {j}] = {int(table[b, j])} (used by row {b}) is not a page id in [0, {num_pages})",
+        )
+
+
+def block_table_writes_exclusive(table, cache_seqlens, num_nodes: int, page_size: int):
+    """Values: the slots compaction writes (each row's tree, positions L_b .. L_b + T - 1) are
+    used by no other position of any row. Pages may be shared for reading (a common prefix),
+    but a slot written for one row and read by another would change that row's cache, and two
+    rows writing one slot would race."""
+    if not checking_values():
+        return
+    batch, num_cols = table.shape
+    lengths = cache_seqlens.to(torch.int64)
+    num_tokens = lengths + num_nodes  # [B]
+    pos = torch.arange(num_cols * page_size, device=table.device)
+    used = pos[None, :] < num_tokens[:, None]  # [B, S]
+    slots = table.to(torch.int64).gather(1, (pos // page_size)[None, :].expand(batch, -1)) * page_size + pos % page_size
+    ids, counts = torch.unique(slots[used], return_counts=True)
+    tree = used & (pos[None, :] >= lengths[:, None])
+    shared = counts[torch.searchsorted(ids, slots[tree])] > 1
+    if shared.any():
+        b, s = (int(v) for v in torch.nonzero(tree)[int(torch.nonzero(shared)[0, 0])])
+        fail(
+            "block_table",
+            f"row {b}'s tree slot at position {s} (page {int(table[b, s // page_size])}, slot {s % page_size}) is "
+            "also used by another position; the pages a row's tree occupies must be its own "
+            "(shared pages are for reading only)",
+        )

@@ -28,9 +28,11 @@ OPS = (
     "compact_kv_cache_",
     "ngram_propose",
     "ngram_propose_tree",
+    "tree_attention_paged",
+    "compact_kv_cache_paged_",
 )
 BACKENDS = ("reference", "cpu", "cuda", "triton")
-TRITON_OPS = frozenset({"tree_attention", "verify"})  # ops with a kernel in specdec_kernels/triton/<op>.py
+TRITON_OPS = frozenset({"tree_attention", "verify", "tree_attention_paged"})  # ops with a kernel in specdec_kernels/triton/<op>.py
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # without importing it
 
 

@@ -49,3 +49,13 @@ def _ngram_propose_tree_fake(tokens, lengths, min_n, max_n, num_tokens, tree_wid
     tree_tokens = tokens.new_empty((batch, 1 + max_nodes))
     parents = tokens.new_empty((batch, 1 + max_nodes), dtype=torch.int64)
     return tree_tokens, parents
+
+
+@torch.library.register_fake("specdec::tree_attention_paged")
+def _tree_attention_paged_fake(q, k_cache, v_cache, tree_mask, cache_seqlens, block_table, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("specdec::compact_kv_cache_paged_")
+def _compact_kv_cache_paged_fake(caches, cache_seqlens, accepted_nodes, num_accepted, block_table):
+    return torch.empty_like(cache_seqlens)

@@ -14,6 +14,7 @@ def compact_kv_cache_(
     accepted_nodes: torch.Tensor,
     num_accepted: torch.Tensor,
     *,
+    block_table: Optional[torch.Tensor] = None,
     backend: Optional[str] = None,
 ) -> torch.Tensor:
     """In place, move each row's accepted tree entries right after its prefix, in every cache.
@@ -27,6 +28,10 @@ def compact_kv_cache_(
             (cache_seqlens[b] + node < S), not by W, so a narrower tensor holding the path
             is fine. Entries past the path are ignored.
         num_accepted: int [B] in [0, W) (`VerifyOutput.num_accepted`).
+        block_table: int32 [B, P] for paged caches (None: dense caches). Then every cache is
+            a pool of pages [num_pages, page_size, H, D] (one page size for all) and token s of
+            row b is at [block_table[b, s // page_size], s % page_size]. Rows may share pages
+            for reading, but the slots of each row's tree must be its own (checked).
         backend: force an implementation ("reference", "cpu", "cuda"); None picks the best.
 
     Returns:
@@ -35,6 +40,10 @@ def compact_kv_cache_(
         cache_seqlens[b] + j for j <= num_accepted[b]; all in one launch per call. With value
         checks on, a path that breaks these rules gets a ValueError naming the argument.
     """
+    if block_table is not None:
+        from . import _paged
+
+        return _paged.compact_kv_cache_(caches, cache_seqlens, accepted_nodes, num_accepted, block_table, backend)
     args = _checks.compact_kv_cache_(caches, cache_seqlens, accepted_nodes, num_accepted)
     new_lens = dispatch("compact_kv_cache_", backend, cache_seqlens, *args)
     return new_lens if new_lens.dtype == cache_seqlens.dtype else new_lens.to(cache_seqlens.dtype)

@@ -15,6 +15,7 @@ def tree_attention(
     tree_mask: torch.Tensor,
     cache_seqlens: torch.Tensor,
     *,
+    block_table: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     backend: Optional[str] = None,
 ) -> torch.Tensor:
@@ -28,6 +29,12 @@ def tree_attention(
         tree_mask: bool [B, T, T] or [T, T] (`tree_mask(parents)`), or packed int64
             [B, T, ceil(T/64)] / [T, ceil(T/64)] (`pack_tree_mask`).
         cache_seqlens: int32 or int64 [B], the prefix length of each row; cache_seqlens[b] + T <= S.
+        block_table: int32 [B, P] for paged caches (None: dense caches). Then k_cache and
+            v_cache are pools of pages [num_pages, page_size, Hkv, D] (any page size >= 1) and
+            token s of row b is at [block_table[b, s // page_size], s % page_size]; pages in any
+            order, shared between rows for reading. Row b uses its first
+            ceil((cache_seqlens[b] + T) / page_size) entries (page ids in [0, num_pages)); the
+            rest are padding, never read. Same result as the dense op on the gathered cache.
         scale: softmax scale, default D ** -0.5.
         backend: force an implementation ("reference", "cuda", "triton"); None picks the best.
 
@@ -43,5 +50,9 @@ def tree_attention(
     sees counts as NaN; +-inf in q or k gives what IEEE arithmetic gives (a score of +inf or
     NaN makes the output NaN, -inf a zero weight).
     """
+    if block_table is not None:
+        from . import _paged
+
+        return _paged.tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, block_table, scale, backend)
     args = _checks.tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale)
     return dispatch("tree_attention", backend, q, *args)

@@ -7,6 +7,7 @@ from an installed package as well as from a checkout).
 | `ngram`           | n-gram drafting on the CPU against numba / HF / reference peers            |
 | `tree_attention`  | tree attention on the GPU against SDPA with a dense mask, Flex, FlashInfer |
 | `verify`          | batched verification on the GPU against torch-native, FlashInfer, reference |
+| `paged`           | paged tree attention against the dense op on the same logical cache (CPU/GPU) |
 | `kernels`         | runs each per-op benchmark's `main(argv)` (the `specdec bench kernels` command) |
 | `e2e`             | end-to-end decoding on the four workloads against HF `generate` (a package: `models`, `runner`, `report`) |
 

@@ -5,20 +5,22 @@ Each function takes already-validated, already-normalised inputs (the public API
 `specdec_kernels` does that once for every backend).
 """
 
-from .kv_cache import compact_kv_cache_
+from .kv_cache import compact_kv_cache_, compact_kv_cache_paged_
 from .ngram import ngram_propose, ngram_propose_tree
 from .ngram_index import NgramIndex
 from .tree import pack_tree_mask, tree_mask, unpack_tree_mask
-from .tree_attention import tree_attention
+from .tree_attention import tree_attention, tree_attention_paged
 from .verify import verify
 
 __all__ = [
     "NgramIndex",
     "compact_kv_cache_",
+    "compact_kv_cache_paged_",
     "ngram_propose",
     "ngram_propose_tree",
     "pack_tree_mask",
     "tree_attention",
+    "tree_attention_paged",
     "tree_mask",
     "unpack_tree_mask",
     "verify",

@@ -27,3 +27,27 @@ def compact_kv_cache_(caches, cache_seqlens, accepted_nodes, num_accepted) -> to
         moved = cache.gather(1, src_idx)
         cache.scatter_(1, dst_idx, moved)
     return (cache_seqlens + num_accepted + 1).to(cache_seqlens.dtype)
+
+
+def compact_kv_cache_paged_(caches, cache_seqlens, accepted_nodes, num_accepted, block_table) -> torch.Tensor:
+    """compact_kv_cache_ on paged caches [num_pages, page_size, H, D] (token s of row b at
+    [block_table[b, s // page_size], s % page_size]).
+
+    The same moves as the dense reference, with logical positions L_b + j mapped to (page,
+    slot) through the block table: every source is gathered before anything is written, and
+    slots past the accepted path are written back unchanged. Returns L + num_accepted + 1.
+    """
+    num_nodes = accepted_nodes.shape[1]
+    prefix = cache_seqlens.to(torch.int64)[:, None]
+    j = torch.arange(num_nodes, device=accepted_nodes.device)
+    on_path = j[None, :] <= num_accepted.to(torch.int64)[:, None]  # [B, T]
+    src = prefix + torch.where(on_path, accepted_nodes.to(torch.int64), j[None, :])
+    dst = prefix + j[None, :]
+    table = block_table.to(torch.int64)
+    for cache in caches:
+        page_size = cache.shape[1]
+        src_page, src_slot = table.gather(1, src // page_size), src % page_size
+        dst_page, dst_slot = table.gather(1, dst // page_size), dst % page_size
+        moved = cache[src_page, src_slot]  # [B, T, H, D], a copy: gathered before any write
+        cache[dst_page, dst_slot] = moved
+    return (cache_seqlens + num_accepted + 1).to(cache_seqlens.dtype)

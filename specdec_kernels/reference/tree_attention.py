@@ -43,3 +43,32 @@ def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale: float) 
         ob = ob.masked_fill(sees_bad[:, :, None, :], float("nan"))
         out[b] = ob.reshape(num_nodes, num_q_heads, head_dim).to(q.dtype)
     return out
+
+
+def gather_pages(cache, block_table, num_tokens) -> torch.Tensor:
+    """Dense [B, P * page_size, H, D] copy of each row's pages of a paged cache.
+
+    cache [num_pages, page_size, H, D]; block_table int [B, P]; num_tokens int [B]: row b's
+    positions 0 .. num_tokens[b] - 1 are read, so only its first ceil(num_tokens[b] /
+    page_size) table entries must be page ids; the entries past them may be anything
+    (padding) and are read as page 0, whose slots the callers never let a query see.
+    """
+    page_size = cache.shape[1]
+    num_cols = block_table.shape[1]
+    pages_used = (num_tokens.to(torch.int64) + page_size - 1) // page_size  # [B]
+    used = torch.arange(num_cols, device=block_table.device)[None, :] < pages_used[:, None]
+    pages = torch.where(used, block_table.to(torch.int64), 0)
+    return cache[pages].flatten(1, 2)  # [B, P, page_size, H, D] -> [B, P * page_size, H, D]
+
+
+def tree_attention_paged(q, k_cache, v_cache, tree_mask, cache_seqlens, block_table, scale: float) -> torch.Tensor:
+    """tree_attention over paged caches: k/v_cache [num_pages, page_size, Hkv, D], token s of
+    row b at [block_table[b, s // page_size], s % page_size].
+
+    Gathers each row's pages into a dense cache and runs the dense reference on it, so the
+    paged op is by construction the dense op on the same logical cache.
+    """
+    num_tokens = cache_seqlens.to(torch.int64) + q.shape[1]
+    k_dense = gather_pages(k_cache, block_table, num_tokens)
+    v_dense = gather_pages(v_cache, block_table, num_tokens)
+    return tree_attention(q, k_dense, v_dense, tree_mask, cache_seqlens, scale)

@@ -20,7 +20,7 @@ import torch
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # opt-in maximum per block: A100, H100
 ELEMENT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
-# (arch, dtype, head_dim, rows = T * group, packed mask, splits)
+# (arch, dtype, head_dim, rows = T * group, packed mask, splits[, page size of a paged cache])
 SPLIT_CASES = [
     (90, torch.bfloat16, 128, 64 * 4, True, 8),
     (90, torch.bfloat16, 128, 4, False, 33),
@@ -30,6 +30,10 @@ SPLIT_CASES = [
     (80, torch.bfloat16, 128, 16 * 4, True, 4),
     (80, torch.float32, 128, 4, False, 4),
     (80, torch.float32, 256, 64, True, 2),
+    (90, torch.bfloat16, 128, 64 * 4, True, 8, 16),  # paged caches (tree_attention_paged)
+    (90, torch.float16, 64, 11 * 3, False, 1, 3),
+    (80, torch.bfloat16, 128, 16 * 4, True, 4, 64),
+    (80, torch.float32, 64, 4, True, 2, 32),
 ]
 COMBINE_CASES = [(90, torch.bfloat16, 128, 33), (80, torch.float32, 256, 2)]
 # verify: (arch, logits dtype, draft_probs dtype or None, vocab, nodes)
@@ -59,19 +63,21 @@ def _compile(kernel, pointer_types, constexprs, arch, **options):
     return triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def check_split(arch, dtype, head_dim, rows, packed, num_splits):
+def check_split(arch, dtype, head_dim, rows, packed, num_splits, page_size=0):
     from . import tree_attention as ta
 
     block_m, block_n, block_d, num_warps, num_stages = ta.launch_config(dtype, head_dim, rows)
     elt = ELEMENT[dtype]
     pointers = {"q_ptr": f"*{elt}", "k_ptr": f"*{elt}", "v_ptr": f"*{elt}", "mask_ptr": "*i64" if packed else "*u8",
-                "seqlens_ptr": "*i32", "out_ptr": f"*{elt}", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+                "seqlens_ptr": "*i32", "out_ptr": f"*{elt}", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
+                "bt_ptr": "*i32"}
     constexprs = dict(GROUP=4, NUM_SPLITS=num_splits, NUM_M_BLOCKS=-(-rows // block_m), BLOCK_M=block_m,
                       BLOCK_N=block_n, BLOCK_D=block_d, PACKED=packed,
-                      PRECISION="ieee" if dtype == torch.float32 else None)
+                      PRECISION="ieee" if dtype == torch.float32 else None,
+                      PAGED=page_size > 0, PAGE_SIZE=max(1, page_size))
     compiled = _compile(ta._split_kernel, pointers, constexprs, arch, num_warps=num_warps, num_stages=num_stages)
     return dict(kernel="split", arch=arch, dtype=ELEMENT[dtype], head_dim=head_dim, rows=rows, packed=packed,
-                splits=num_splits, block=[block_m, block_n, block_d], num_warps=num_warps, num_stages=num_stages,
+                splits=num_splits, page_size=page_size or None, block=[block_m, block_n, block_d], num_warps=num_warps, num_stages=num_stages,
                 shared=compiled.metadata.shared, shared_limit=SHARED_LIMIT[arch])
 
 

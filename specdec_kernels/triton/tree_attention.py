@@ -17,6 +17,12 @@ Slots a query may not see are never loaded into its sum: loads past L_b give 0, 
 non-finite tree values enter the product as 0 and are put back as NaN only in the rows that
 see them, so garbage (even NaN) in unused cache slots does not leak into the output, and NaN
 in the inputs a query sees makes its output NaN: the reference's contract.
+
+Paged caches (PAGED): K and V are pools of pages [num_pages, page_size, Hkv, D] and key s of
+row b is at page block_table[b, s // PAGE_SIZE], slot s % PAGE_SIZE; each tile looks up the
+page of every key it loads (a gather from the block table row, which stays in L1), so page
+sizes need not divide the tile and pages may come in any order. PAGE_SIZE is a constexpr:
+powers of two (16, 32, 64) compile to shifts and masks.
 """
 
 import functools
@@ -48,17 +54,33 @@ def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, PRECISION: tl.conste
 
 
 @triton.jit
+def _kv_offsets(keys, key_ok, bt_row_ptr, stride_kp, stride_ks, stride_vp, stride_vs,
+                PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Element offsets of the K and V rows of `keys` (a [BLOCK_N] vector of positions) from the
+    row's base pointers: position * stride in a dense cache; page * page stride + slot * stride
+    in a paged one (page ids of masked-off keys are not loaded: page 0 stands in)."""
+    if PAGED:
+        page = tl.load(bt_row_ptr + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+        slot = keys % PAGE_SIZE
+        return page * stride_kp + slot * stride_ks, page * stride_vp + slot * stride_vs
+    else:
+        return keys * stride_ks, keys * stride_vs
+
+
+@triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, seqlens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, seqlens_ptr, out_ptr, part_o_ptr, part_lse_ptr, bt_ptr,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_mb, stride_mt, stride_mw,
     stride_ob, stride_ot, stride_oh,
+    stride_btb,
     num_nodes, head_dim, qk_scale,
     GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_M_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PACKED: tl.constexpr, PRECISION: tl.constexpr,
+    PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 1,
 ):
     pid0 = tl.program_id(0)
     split = pid0 % NUM_SPLITS
@@ -78,8 +100,13 @@ def _split_kernel(
         q_ptr + b * stride_qb + node[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
         mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
     )
-    k_base = k_ptr + b * stride_kb + kv_head * stride_kh
-    v_base = v_ptr + b * stride_vb + kv_head * stride_vh
+    if PAGED:  # stride_kb / stride_vb are page strides; rows are found through the block table
+        k_base = k_ptr + kv_head * stride_kh
+        v_base = v_ptr + kv_head * stride_vh
+    else:
+        k_base = k_ptr + b * stride_kb + kv_head * stride_kh
+        v_base = v_ptr + b * stride_vb + kv_head * stride_vh
+    bt_row = bt_ptr + b * stride_btb
 
     prefix_len = tl.load(seqlens_ptr + b)
     chunk = tl.cdiv(tl.cdiv(prefix_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -96,8 +123,9 @@ def _split_kernel(
         keys = start + cols
         key_ok = keys < hi
         kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_base + keys[:, None] * stride_ks + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + keys[:, None] * stride_vs + dims[None, :], mask=kv_mask, other=0.0)
+        k_off, v_off = _kv_offsets(keys, key_ok, bt_row, stride_kb, stride_ks, stride_vb, stride_vs, PAGED, PAGE_SIZE)
+        k = tl.load(k_base + k_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         m_i, l_i, acc = _attend_tile(q, k, v, key_ok[None, :], m_i, l_i, acc, qk_scale, PRECISION)
 
     # Tree: keys L_b + j, j < T, visible per the ancestor mask; done by the last split.
@@ -119,8 +147,9 @@ def _split_kernel(
             visible = visible & row_ok[:, None] & col_ok[None, :]
             keys = prefix_len + tree_cols
             kv_mask = col_ok[:, None] & dim_ok[None, :]
-            k = tl.load(k_base + keys[:, None] * stride_ks + dims[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_base + keys[:, None] * stride_vs + dims[None, :], mask=kv_mask, other=0.0)
+            k_off, v_off = _kv_offsets(keys, col_ok, bt_row, stride_kb, stride_ks, stride_vb, stride_vs, PAGED, PAGE_SIZE)
+            k = tl.load(k_base + k_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
             # A zero probability times NaN is NaN: non-finite tree values enter the product as
             # 0 and come back as NaN only in the rows that see them (NaN in, NaN out, no leak
             # into rows for which the node is not an ancestor).
@@ -218,16 +247,24 @@ def choose_num_splits(batch: int, num_kv_heads: int, num_m_blocks: int, rows: in
     return max(1, min(want, by_length, by_partials, 64))
 
 
-def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale: float, *, num_splits=None) -> torch.Tensor:
+def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale: float, *, num_splits=None,
+                   block_table=None) -> torch.Tensor:
     """Same normalised arguments and result as `specdec_kernels.reference.tree_attention`.
 
     q [B, T, Hq, D]; k/v_cache [B, S, Hkv, D] (any strides, contiguous last dim); tree_mask
     bool [B, T, T] (stride-0 batch fine) or packed int64 [B, T, ceil(T/64)]; cache_seqlens
     int32 [B]. Returns a contiguous [B, T, Hq, D] tensor in q's dtype. `num_splits` overrides
-    the split heuristic (tests).
+    the split heuristic (tests). With block_table (int32 [B, P], validated by the caller)
+    k/v_cache are paged pools [num_pages, page_size, Hkv, D], as in
+    `reference.tree_attention_paged`.
     """
     batch, num_nodes, num_q_heads, head_dim = q.shape
     cache_len, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    paged = block_table is not None
+    if paged:
+        page_size = k_cache.shape[1]
+        cache_len = block_table.shape[1] * page_size  # the logical capacity of each row
+        block_table = block_table.contiguous()  # page ids read with stride 1 along a row
     group = num_q_heads // num_kv_heads
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"q: the Triton tree_attention supports head dims up to {MAX_HEAD_DIM}, got {head_dim}")
@@ -265,15 +302,18 @@ def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale: float, 
     qk_scale = float(scale) * 1.4426950408889634  # log2(e): the kernels use exp2
     _split_kernel[(num_m_blocks * num_splits, num_kv_heads, batch)](
         q, k_cache, v_cache, tree_mask, cache_seqlens, out, part_o, part_lse,
+        block_table if paged else cache_seqlens,  # unread when not paged
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         tree_mask.stride(0), tree_mask.stride(1), tree_mask.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
+        block_table.stride(0) if paged else 0,
         num_nodes, head_dim, qk_scale,
         GROUP=group, NUM_SPLITS=num_splits, NUM_M_BLOCKS=num_m_blocks,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         PACKED=packed, PRECISION=precision,
+        PAGED=paged, PAGE_SIZE=page_size if paged else 1,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

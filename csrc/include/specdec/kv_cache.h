@@ -89,5 +89,39 @@ inline void compact_row(const KvCacheView& cache, int64_t b, int32_t prefix, con
   }
 }
 
+// ----------------------------------------------------------------------------- paged caches
+// A paged cache is a pool of pages [num_pages, page_size, H, D]: in its KvCacheView,
+// stride_b is the page stride, stride_s the slot stride and seq_len the page size. Position s
+// of row b is slot s % page_size of page pages[s / page_size], pages = that row's block table
+// entries (checked by the caller for every position the row uses).
+
+// Byte offset of row b's position `pos` in a paged cache.
+inline int64_t paged_offset(const KvCacheView& cache, const int32_t* pages, int64_t pos) {
+  const int64_t page_size = cache.seq_len;
+  const int64_t page = pos / page_size;
+  return pages[page] * cache.stride_b + (pos - page * page_size) * cache.stride_s;
+}
+
+// compact_row on a paged cache: the same moves (every source copied to `scratch` before any
+// destination is written), each position found through the row's block table `pages`.
+inline void compact_row_paged(const KvCacheView& cache, const int32_t* pages, int32_t prefix, const int32_t* path,
+                              int32_t path_len, char* scratch) {
+  const int64_t row_bytes = static_cast<int64_t>(cache.heads) * cache.head_bytes;
+  for (int32_t j = 0; j < path_len; ++j) {
+    if (path[j] == j) continue;
+    const char* src = cache.data + paged_offset(cache, pages, static_cast<int64_t>(prefix) + path[j]);
+    for (int32_t h = 0; h < cache.heads; ++h) {
+      std::memcpy(scratch + j * row_bytes + h * cache.head_bytes, src + h * cache.stride_h, cache.head_bytes);
+    }
+  }
+  for (int32_t j = 0; j < path_len; ++j) {
+    if (path[j] == j) continue;
+    char* dst = cache.data + paged_offset(cache, pages, static_cast<int64_t>(prefix) + j);
+    for (int32_t h = 0; h < cache.heads; ++h) {
+      std::memcpy(dst + h * cache.stride_h, scratch + j * row_bytes + h * cache.head_bytes, cache.head_bytes);
+    }
+  }
+}
+
 }  // namespace cpu
 }  // namespace specdec

@@ -119,7 +119,35 @@ struct TreeAttentionParams {
   int32_t num_splits;   // KV splits of the prefix (mma path)
   int32_t num_m_tiles;  // ceil(num_nodes * group / kBlockM) (mma path)
   float scale_log2;     // softmax scale * log2(e)
+  // Paged caches (kernels instantiated with kPaged): k / v are pools of pages [num_pages,
+  // page_size, Hkv, D], k_stride_b / v_stride_b their page strides, and key s of row b is in
+  // page block_table[b * block_table_stride + s / page_size], slot s % page_size. The glue
+  // checks every page id a row uses (Python, unless value checks are off: ids are clamped to
+  // [0, num_pages) so a bad table cannot read outside the pool); cache_len is the logical
+  // capacity P * page_size.
+  const int32_t* block_table;
+  int64_t block_table_stride;
+  int32_t num_pages;
+  int32_t page_size;
+  int32_t page_shift;  // log2(page_size) for a power of two, else -1
 };
+
+// Element offset of key `key` of row b from the row's base pointer (which already holds
+// b * stride_b in a dense cache, and only the head offset in a paged one). Positions fit in
+// int32 (S is checked), so the page lookup divides in 32 bits, or shifts for 16 / 32 / 64.
+template <bool kPaged>
+__device__ __forceinline__ int64_t kv_row_offset(const TreeAttentionParams& p, int64_t b, int64_t key,
+                                                 int64_t stride_page, int64_t stride_s) {
+  if constexpr (kPaged) {
+    const int32_t pos = static_cast<int32_t>(key);
+    const int32_t page = p.page_shift >= 0 ? pos >> p.page_shift : pos / p.page_size;
+    const int32_t slot = pos - page * p.page_size;
+    const int64_t id = min(max(__ldg(p.block_table + b * p.block_table_stride + page), 0), p.num_pages - 1);
+    return id * stride_page + static_cast<int64_t>(slot) * stride_s;
+  } else {
+    return key * stride_s;
+  }
+}
 
 // ------------------------------------------------------------------------------- element types
 
@@ -272,7 +300,7 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
   return row * kHeadDim + ((chunk ^ (row & 7)) << 3);
 }
 
-template <typename Elem, int kHeadDim, int kWarps>
+template <typename Elem, int kHeadDim, int kWarps, bool kPaged = false>
 __global__ void __launch_bounds__(kWarps * 32, 1) tree_attention_mma_kernel(const TreeAttentionParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // the host sends GPUs below sm_80 to the fallback kernel
@@ -308,8 +336,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) tree_attention_mma_kernel(cons
   const bool warp_active = row0 + warp * 16 < num_rows;
 
   const Elem* q_base = static_cast<const Elem*>(p.q) + b * p.q_stride_b;
-  const Elem* k_base = static_cast<const Elem*>(p.k) + b * p.k_stride_b + kv_head * p.k_stride_h;
-  const Elem* v_base = static_cast<const Elem*>(p.v) + b * p.v_stride_b + kv_head * p.v_stride_h;
+  // Paged: k/v_stride_b are page strides, applied per key through the block table.
+  const Elem* k_base = static_cast<const Elem*>(p.k) + (kPaged ? 0 : b * p.k_stride_b) + kv_head * p.k_stride_h;
+  const Elem* v_base = static_cast<const Elem*>(p.v) + (kPaged ? 0 : b * p.v_stride_b) + kv_head * p.v_stride_h;
 
   // This split's prefix keys [lo, hi): equal chunks rounded up to whole tiles.
   const int64_t prefix_len = clamp_prefix(p.seqlens[b], p.cache_len, num_nodes);
@@ -344,8 +373,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1) tree_attention_mma_kernel(cons
       const int c = idx % kChunks;
       const bool valid = start + r < end;
       const int64_t key = valid ? start + r : start;  // `start` is always a readable key
-      cp_async_16(sk + swizzle<kHeadDim>(r, c), k_base + key * p.k_stride_s + c * 8, valid);
-      cp_async_16(sv + swizzle<kHeadDim>(r, c), v_base + key * p.v_stride_s + c * 8, valid);
+      const Elem* k_row = k_base + kv_row_offset<kPaged>(p, b, key, p.k_stride_b, p.k_stride_s);
+      const Elem* v_row = v_base + kv_row_offset<kPaged>(p, b, key, p.v_stride_b, p.v_stride_s);
+      cp_async_16(sk + swizzle<kHeadDim>(r, c), k_row + c * 8, valid);
+      cp_async_16(sv + swizzle<kHeadDim>(r, c), v_row + c * 8, valid);
     }
   };
 
@@ -615,7 +646,7 @@ __global__ void __launch_bounds__(kTreeAttnCombineWarps * 32) tree_attention_com
 
 // One warp per (row b, node, query head); lane l holds dims l, l + 32, ... (up to 256).
 // grid = (ceil(T * Hq / kTreeAttnSimtWarps), B). Only visible keys are read.
-template <typename Elem>
+template <typename Elem, bool kPaged = false>
 __global__ void __launch_bounds__(kTreeAttnSimtWarps * 32) tree_attention_simt_kernel(const TreeAttentionParams p) {
   using Ops = ElemOps<Elem>;
   constexpr int kPerLane = kTreeAttnMaxHeadDim / 32;
@@ -630,8 +661,8 @@ __global__ void __launch_bounds__(kTreeAttnSimtWarps * 32) tree_attention_simt_k
   const int dim = p.head_dim;
 
   const Elem* q = static_cast<const Elem*>(p.q) + b * p.q_stride_b + node * p.q_stride_t + head * p.q_stride_h;
-  const Elem* k = static_cast<const Elem*>(p.k) + b * p.k_stride_b + kv_head * p.k_stride_h;
-  const Elem* v = static_cast<const Elem*>(p.v) + b * p.v_stride_b + kv_head * p.v_stride_h;
+  const Elem* k = static_cast<const Elem*>(p.k) + (kPaged ? 0 : b * p.k_stride_b) + kv_head * p.k_stride_h;
+  const Elem* v = static_cast<const Elem*>(p.v) + (kPaged ? 0 : b * p.v_stride_b) + kv_head * p.v_stride_h;
   float qr[kPerLane], acc[kPerLane];
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
@@ -641,7 +672,7 @@ __global__ void __launch_bounds__(kTreeAttnSimtWarps * 32) tree_attention_simt_k
   }
   float row_max = -INFINITY, row_sum = 0.f;
   auto attend = [&](int64_t key) {
-    const Elem* kr = k + key * p.k_stride_s;
+    const Elem* kr = k + kv_row_offset<kPaged>(p, b, key, p.k_stride_b, p.k_stride_s);
     float dot = 0.f;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
@@ -657,7 +688,7 @@ __global__ void __launch_bounds__(kTreeAttnSimtWarps * 32) tree_attention_simt_k
     const float prob = exp2f(score - ref);
     row_max = mx;
     row_sum = row_sum * alpha + prob;
-    const Elem* vr = v + key * p.v_stride_s;
+    const Elem* vr = v + kv_row_offset<kPaged>(p, b, key, p.v_stride_b, p.v_stride_s);
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
       const int d = lane + 32 * i;
@@ -706,10 +737,10 @@ inline int tree_attention_num_splits(int64_t batch, int64_t num_kv_heads, int64_
 
 // Launches the tensor-core kernel (and the combine when p.num_splits > 1). p.num_m_tiles
 // must be ceil(rows / (16 * kWarps)); part_o / part_lse sized for p.num_splits.
-template <typename Elem, int kHeadDim, int kWarps>
+template <typename Elem, int kHeadDim, int kWarps, bool kPaged = false>
 cudaError_t launch_tree_attention_mma(const TreeAttentionParams& p, cudaStream_t stream) {
   using Cfg = MmaTileConfig<Elem, kHeadDim, kWarps>;
-  auto kernel = tree_attention_mma_kernel<Elem, kHeadDim, kWarps>;
+  auto kernel = tree_attention_mma_kernel<Elem, kHeadDim, kWarps, kPaged>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Cfg::kSmemBytes));
   if (err != cudaSuccess) return err;
@@ -725,12 +756,12 @@ cudaError_t launch_tree_attention_mma(const TreeAttentionParams& p, cudaStream_t
   return cudaGetLastError();
 }
 
-template <typename Elem>
+template <typename Elem, bool kPaged = false>
 cudaError_t launch_tree_attention_simt(const TreeAttentionParams& p, cudaStream_t stream) {
   const int64_t warps = static_cast<int64_t>(p.num_nodes) * p.num_q_heads;
   const dim3 grid(static_cast<unsigned int>((warps + kTreeAttnSimtWarps - 1) / kTreeAttnSimtWarps),
                   static_cast<unsigned int>(p.batch));
-  tree_attention_simt_kernel<Elem><<<grid, kTreeAttnSimtWarps * 32, 0, stream>>>(p);
+  tree_attention_simt_kernel<Elem, kPaged><<<grid, kTreeAttnSimtWarps * 32, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -739,16 +770,17 @@ cudaError_t launch_tree_attention_simt(const TreeAttentionParams& p, cudaStream_
 inline bool tree_attention_mma_head_dim(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
 
 // The tensor-core launch for a 16-bit Elem, by head dim and warps (tree_attention_mma_warps).
-template <typename Elem>
+template <typename Elem, bool kPaged = false>
 cudaError_t launch_tree_attention_mma_dispatch(const TreeAttentionParams& p, int warps, cudaStream_t stream) {
   switch (p.head_dim) {
     case 64:
-      return warps == 8 ? launch_tree_attention_mma<Elem, 64, 8>(p, stream) : launch_tree_attention_mma<Elem, 64, 4>(p, stream);
+      return warps == 8 ? launch_tree_attention_mma<Elem, 64, 8, kPaged>(p, stream)
+                        : launch_tree_attention_mma<Elem, 64, 4, kPaged>(p, stream);
     case 128:
-      return warps == 8 ? launch_tree_attention_mma<Elem, 128, 8>(p, stream)
-                        : launch_tree_attention_mma<Elem, 128, 4>(p, stream);
+      return warps == 8 ? launch_tree_attention_mma<Elem, 128, 8, kPaged>(p, stream)
+                        : launch_tree_attention_mma<Elem, 128, 4, kPaged>(p, stream);
     case 256:
-      return launch_tree_attention_mma<Elem, 256, 4>(p, stream);
+      return launch_tree_attention_mma<Elem, 256, 4, kPaged>(p, stream);
     default:
       return cudaErrorInvalidValue;
   }

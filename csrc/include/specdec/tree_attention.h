@@ -328,6 +328,48 @@ struct TreeAttentionProblem {
   int64_t num_nodes, num_q_heads, num_kv_heads, head_dim;
   float scale;
   Scalar* out;
+  // Paged caches (block_table != nullptr): k and v are pools of pages [num_pages, page_size,
+  // Hkv, D], so k_stride_b / v_stride_b are page strides, and key s of row b lives in page
+  // block_table[b * block_table_stride + s / page_size], slot s % page_size (the caller
+  // checked every page id a row uses).
+  const int32_t* block_table = nullptr;
+  int64_t block_table_stride = 0, page_size = 0;
+  int page_shift = -1;  // log2(page_size) for a power of two (shift, no division)
+  static constexpr int64_t kMinInPlacePage = 16;  // smallest page whose fp32 rows are read in place
+
+  // Element offset of key (value) s of row b from k (v), for the KV head at offset 0.
+  int64_t row_offset(int64_t b, int64_t s, int64_t stride_b, int64_t stride_s) const {
+    if (block_table == nullptr) return b * stride_b + s * stride_s;
+    const int64_t page = page_shift >= 0 ? s >> page_shift : s / page_size;
+    return block_table[b * block_table_stride + page] * stride_b + (s - page * page_size) * stride_s;
+  }
+  const Scalar* key_row(int64_t b, int64_t kv_head, int64_t s) const {
+    return k + row_offset(b, s, k_stride_b, k_stride_s) + kv_head * k_stride_h;
+  }
+  const Scalar* value_row(int64_t b, int64_t kv_head, int64_t s) const {
+    return v + row_offset(b, s, v_stride_b, v_stride_s) + kv_head * v_stride_h;
+  }
+  // Whether fp32 tiles are read in place (rows one stride apart): always for a dense cache;
+  // for a paged one, tiles are then cut at page ends, and every extra cut costs one more
+  // pass over the accumulators ([M][D] loads and stores), while copying the rows of a full
+  // tile costs a pass over 2 * kTileKeys rows of D. So pages of >= kMinInPlacePage keys are
+  // read in place when (cuts per tile - 1) * M <= 2 * kTileKeys (a few query rows: T = 1 or
+  // a small tree), else copied like 16-bit rows; smaller pages are always copied.
+  bool tiles_in_place() const {
+    constexpr int64_t tile = attention_detail::kTileKeys;
+    if (block_table == nullptr || page_size >= tile) return true;
+    return page_size >= kMinInPlacePage && (tile / page_size - 1) * rows() <= 2 * tile;
+  }
+  // Keys of the tile starting at `first` (before `end`): up to a full tile, and, for paged
+  // tiles read in place, no further than the end of first's page.
+  int64_t tile_keys(int64_t first, int64_t end, int64_t full_tile, bool in_place) const {
+    int64_t last = std::min(end, first + full_tile);
+    if (block_table != nullptr && in_place) {
+      const int64_t page = page_shift >= 0 ? first >> page_shift : first / page_size;  // no division for 16/32/64
+      last = std::min(last, (page + 1) * page_size);
+    }
+    return last - first;
+  }
 
   int64_t group() const { return num_q_heads / num_kv_heads; }
   int64_t rows() const { return num_nodes * group(); }               // M: queries per (row, KV head)
@@ -405,24 +447,24 @@ void attend_keys(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_he
   std::fill(s.values, s.values + kTileKeys * dp, 0.0f);  // the padding columns stay 0
 
   const int64_t prefix_len = p.cache_seqlens[b];
-  const Scalar* k_rows = p.k + b * p.k_stride_b + kv_head * p.k_stride_h;
-  const Scalar* v_rows = p.v + b * p.v_stride_b + kv_head * p.v_stride_h;
   // fp32 rows as wide as the vectors are used in place; others are converted (and padded)
-  // into the scratch tiles.
+  // into the scratch tiles. Row addresses come from p.key_row / p.value_row (dense or paged).
   constexpr bool kFloat = std::is_same<Scalar, float>::value;
-  const bool in_place = kFloat && dp == head_dim;
+  const bool keys_in_place = kFloat && p.tiles_in_place();
+  const bool in_place = keys_in_place && dp == head_dim;
   bool hidden[kTileKeys];
-  for (int64_t first = key_begin; first < key_end; first += kTileKeys) {
-    const int64_t count = std::min(kTileKeys, key_end - first);
+  for (int64_t first = key_begin, count = 0; first < key_end; first += count) {
+    count = p.tile_keys(first, key_end, kTileKeys, keys_in_place);
     const float* keys = s.keys;
     int64_t key_stride = head_dim;
     if constexpr (kFloat) {
-      keys = k_rows + first * p.k_stride_s;
-      key_stride = p.k_stride_s;
-    } else {
-      for (int64_t n = 0; n < count; ++n) {
-        load_row(k_rows + (first + n) * p.k_stride_s, head_dim, s.keys + n * head_dim);
+      if (keys_in_place) {
+        keys = p.key_row(b, kv_head, first);
+        key_stride = p.k_stride_s;
       }
+    }
+    if (keys == s.keys) {
+      for (int64_t n = 0; n < count; ++n) load_row(p.key_row(b, kv_head, first + n), head_dim, s.keys + n * head_dim);
     }
     tile_scores(s.queries_t, mp, lanes, keys, key_stride, count, head_dim, s.scores);
 
@@ -449,7 +491,7 @@ void attend_keys(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_he
     int64_t value_stride = dp;
     if constexpr (kFloat) {
       if (in_place && !any_hidden) {
-        values = v_rows + first * p.v_stride_s;
+        values = p.value_row(b, kv_head, first);
         value_stride = p.v_stride_s;
       }
     }
@@ -458,7 +500,7 @@ void attend_keys(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_he
         if (hidden[n]) {
           std::fill_n(s.values + n * dp, head_dim, 0.0f);
         } else {
-          load_row(v_rows + (first + n) * p.v_stride_s, head_dim, s.values + n * dp);
+          load_row(p.value_row(b, kv_head, first + n), head_dim, s.values + n * dp);
         }
       }
     }

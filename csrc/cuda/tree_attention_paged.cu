@@ -1,0 +1,220 @@
+// CUDA glue for tree_attention_paged (tree attention over paged KV caches): the dense glue
+// (tree_attention.cu) with paged checks, launching the kPaged instantiations of the kernels in
+// include/specdec/tree_attention.cuh. No host sync (page ids are validated by Python; the
+// kernels clamp them), so the op captures into CUDA graphs. NOT YET RUN ON A GPU: it compiles
+// (tools/compile_check.sh, sm_80 / sm_90a) and python_tests/test_paged.py has its GPU tests.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+#include "checks_paged.h"
+#include "specdec/tree.cuh"
+#include "specdec/tree_attention.cuh"
+
+namespace specdec {
+namespace {
+
+constexpr const char* kOp = "tree_attention_paged";
+
+// Whether every row the tensor-core kernel copies with 16-byte cp.async is 16-byte aligned:
+// the base address and each outer stride (in 2-byte elements) a multiple of 16 bytes.
+bool rows_aligned(const at::Tensor& t) {
+  if (reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 != 0) return false;
+  for (int64_t dim = 0; dim < 3; ++dim) {
+    if (t.size(dim) > 1 && (t.stride(dim) * t.element_size()) % 16 != 0) return false;
+  }
+  return true;
+}
+
+template <typename Elem>
+cudaError_t launch(const cuda::TreeAttentionParams& params, bool use_mma, int warps, cudaStream_t stream) {
+  if constexpr (std::is_same_v<Elem, float>) {
+    return cuda::launch_tree_attention_simt<float, true>(params, stream);
+  } else {
+    return use_mma ? cuda::launch_tree_attention_mma_dispatch<Elem, true>(params, warps, stream)
+                   : cuda::launch_tree_attention_simt<Elem, true>(params, stream);
+  }
+}
+
+at::Tensor tree_attention_paged_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                     const at::Tensor& tree_mask, const at::Tensor& cache_seqlens,
+                                     const at::Tensor& block_table, double scale) {
+  TORCH_CHECK(q.dim() == 4, kOp, ": q must be a 4-D [B, T, Hq, D] tensor, got shape ", q.sizes());
+  const at::ScalarType dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, kOp,
+              ": q must be float32, float16 or bfloat16, got ", dtype);
+  TORCH_CHECK(q.is_cuda(), kOp, ": q must be a CUDA tensor, got ", q.device());
+  check_tensor(kOp, "k_cache", k_cache, 4, dtype);
+  check_tensor(kOp, "v_cache", v_cache, 4, dtype);
+  check_tensor(kOp, "cache_seqlens", cache_seqlens, 1, at::kInt);
+  const at::Device device = q.device();
+  check_device(kOp, "k_cache", k_cache, device);
+  check_device(kOp, "v_cache", v_cache, device);
+  check_device(kOp, "tree_mask", tree_mask, device);
+  check_device(kOp, "cache_seqlens", cache_seqlens, device);
+  check_block_table(kOp, block_table, q.size(0), device);
+
+  const int64_t batch = q.size(0);
+  const int64_t num_nodes = q.size(1);
+  const int64_t num_q_heads = q.size(2);
+  const int64_t head_dim = q.size(3);
+  TORCH_CHECK(num_nodes >= 1, kOp, ": q must hold T >= 1 tree nodes, got shape ", q.sizes());
+  TORCH_CHECK(k_cache.size(0) >= 1 && k_cache.size(1) >= 1, kOp,
+              ": k_cache must be a [num_pages, page_size, Hkv, D] pool with at least one page of at least one slot, "
+              "got shape ",
+              k_cache.sizes());
+  check_size(kOp, "k_cache", k_cache, 3, head_dim, "D (q.size(3))");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), kOp, ": v_cache must have k_cache's shape ", k_cache.sizes(),
+              ", got ", v_cache.sizes());
+  const int64_t page_size = k_cache.size(1);
+  const int64_t cache_len = block_table.size(1) * page_size;  // each row's logical capacity
+  const int64_t num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(num_kv_heads > 0 && num_q_heads % num_kv_heads == 0, kOp, ": query heads (", num_q_heads,
+              ") must be a multiple of KV heads (", num_kv_heads, ")");
+  TORCH_CHECK(cache_len >= num_nodes, kOp, ": block_table must hold the T = ", num_nodes,
+              " tree entries, got capacity P * page_size = ", cache_len);
+  check_size(kOp, "cache_seqlens", cache_seqlens, 0, batch, "B (q.size(0))");
+  TORCH_CHECK(head_dim >= 1 && head_dim <= cuda::kTreeAttnMaxHeadDim, kOp, ": q: the CUDA kernel supports head dims 1 .. ",
+              cuda::kTreeAttnMaxHeadDim, ", got ", head_dim);
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"q", q}, {"k_cache", k_cache},
+                                {"v_cache", v_cache}}) {
+    TORCH_CHECK(t.stride(3) == 1 || t.size(3) <= 1, kOp, ": ", name,
+                " needs a contiguous last dim (stride 1), got strides ", t.strides());
+  }
+
+  TORCH_CHECK(tree_mask.dim() == 2 || tree_mask.dim() == 3, kOp,
+              ": tree_mask must be [B, T, T] / [T, T] (bool) or [B, T, W] / [T, W] (packed int64), got shape ",
+              tree_mask.sizes());
+  const bool packed_input = tree_mask.scalar_type() == at::kLong;
+  TORCH_CHECK(packed_input || tree_mask.scalar_type() == at::kBool, kOp,
+              ": tree_mask must be bool or packed int64, got ", tree_mask.scalar_type());
+  const int64_t words = (num_nodes + 63) / 64;
+  const at::Tensor mask = tree_mask.dim() == 3 ? tree_mask : tree_mask.unsqueeze(0).expand({batch, -1, -1});
+  check_size(kOp, "tree_mask", mask, 0, batch, "B (q.size(0))");
+  check_size(kOp, "tree_mask", mask, 1, num_nodes, "T (q.size(1))");
+  check_size(kOp, "tree_mask", mask, 2, packed_input ? words : num_nodes,
+             packed_input ? "ceil(T / 64) (packed words)" : "T (q.size(1))");
+
+  check_fits_int32(kOp, "P * page_size (block_table.size(1) * k_cache.size(1))", cache_len);
+  check_fits_int32(kOp, "num_pages (k_cache.size(0))", k_cache.size(0));
+  check_fits_int32(kOp, "T * Hq (q.size(1) * q.size(2))", num_nodes * num_q_heads);
+  TORCH_CHECK(batch <= 65535 && num_kv_heads <= 65535, kOp, ": batch size (", batch, ") and KV heads (",
+              num_kv_heads, ") must be at most 65535 (grid dimensions)");
+
+  const c10::cuda::CUDAGuard guard(device);
+  at::Tensor out = q.new_empty({batch, num_nodes, num_q_heads, head_dim});  // contiguous
+  if (batch == 0) return out;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+
+  // Packed ancestor words: as given, or packed on the device from the bool mask (once when
+  // every row shares it, as after expand, and read with batch stride 0).
+  at::Tensor packed = mask;
+  int64_t mask_stride_b = mask.size(0) == 1 ? 0 : mask.stride(0);
+  if (!packed_input) {
+    const bool shared = mask.size(0) == 1 || mask.stride(0) == 0;
+    const at::Tensor src = shared ? mask.narrow(0, 0, 1) : mask;
+    packed = mask.new_empty({src.size(0), num_nodes, words}, mask.options().dtype(at::kLong));
+    // bool is read as its byte, so the kernel never loads a bool that is not 0 or 1.
+    C10_CUDA_CHECK(cuda::launch_pack_tree_mask(reinterpret_cast<const uint8_t*>(src.const_data_ptr<bool>()),
+                                               src.stride(0), src.stride(1), src.stride(2), src.size(0), num_nodes,
+                                               num_nodes, packed.mutable_data_ptr<int64_t>(), stream));
+    mask_stride_b = shared ? 0 : packed.stride(0);
+  }
+  const at::Tensor seqlens = cache_seqlens.contiguous();
+  const at::Tensor table = block_table.contiguous();
+
+  cuda::TreeAttentionParams params{};
+  params.q = q.const_data_ptr();
+  params.k = k_cache.const_data_ptr();
+  params.v = v_cache.const_data_ptr();
+  params.mask = packed.const_data_ptr<int64_t>();
+  params.seqlens = seqlens.const_data_ptr<int32_t>();
+  params.out = out.mutable_data_ptr();
+  params.q_stride_b = q.stride(0);
+  params.q_stride_t = q.stride(1);
+  params.q_stride_h = q.stride(2);
+  params.k_stride_b = k_cache.stride(0);
+  params.k_stride_s = k_cache.stride(1);
+  params.k_stride_h = k_cache.stride(2);
+  params.v_stride_b = v_cache.stride(0);
+  params.v_stride_s = v_cache.stride(1);
+  params.v_stride_h = v_cache.stride(2);
+  params.mask_stride_b = mask_stride_b;
+  params.mask_stride_t = packed.stride(1);
+  params.mask_stride_w = packed.stride(2);
+  params.out_stride_b = out.stride(0);
+  params.out_stride_t = out.stride(1);
+  params.out_stride_h = out.stride(2);
+  params.batch = static_cast<int32_t>(batch);
+  params.num_nodes = static_cast<int32_t>(num_nodes);
+  params.num_q_heads = static_cast<int32_t>(num_q_heads);
+  params.num_kv_heads = static_cast<int32_t>(num_kv_heads);
+  params.head_dim = static_cast<int32_t>(head_dim);
+  params.group = static_cast<int32_t>(num_q_heads / num_kv_heads);
+  params.cache_len = static_cast<int32_t>(cache_len);
+  params.num_splits = 1;
+  params.num_m_tiles = 1;
+  params.scale_log2 = static_cast<float>(scale * 1.4426950408889634);  // log2(e): the kernels use exp2
+  params.block_table = table.const_data_ptr<int32_t>();
+  params.block_table_stride = table.stride(0);
+  params.num_pages = static_cast<int32_t>(k_cache.size(0));
+  params.page_size = static_cast<int32_t>(page_size);
+  params.page_shift = -1;
+  if ((page_size & (page_size - 1)) == 0) {
+    params.page_shift = 0;
+    while ((int64_t{1} << params.page_shift) < page_size) ++params.page_shift;
+  }
+
+  // Tensor cores for 16-bit inputs with D in {64, 128, 256} and 16-byte aligned rows on
+  // sm_80+; everything else takes the (slow, exact-fp32-math) fallback kernel.
+  // Device attributes are host-side queries (no sync, fine during graph capture).
+  int cc_major = 0, num_sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, device.index()));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device.index()));
+  const bool use_mma = dtype != at::kFloat && cuda::tree_attention_mma_head_dim(static_cast<int>(head_dim)) &&
+                       cc_major >= 8 && rows_aligned(q) && rows_aligned(k_cache) && rows_aligned(v_cache);
+  int warps = 4;
+  at::Tensor workspace;
+  if (use_mma) {
+    const int64_t rows = num_nodes * params.group;
+    warps = cuda::tree_attention_mma_warps(static_cast<int>(head_dim), rows);
+    const int64_t m_tiles = (rows + 16 * warps - 1) / (16 * warps);
+    const int splits =
+        cuda::tree_attention_num_splits(batch, num_kv_heads, m_tiles, rows, cache_len, num_sms);
+    params.num_m_tiles = static_cast<int32_t>(m_tiles);
+    params.num_splits = splits;
+    if (splits > 1) {
+      // part_o [B, Hkv, splits, rows, D] then part_lse [B, Hkv, splits, rows], fp32.
+      const int64_t parts = batch * num_kv_heads * splits * rows;
+      workspace = q.new_empty({parts * (head_dim + 1)}, q.options().dtype(at::kFloat));
+      params.part_o = workspace.mutable_data_ptr<float>();
+      params.part_lse = params.part_o + parts * head_dim;
+    }
+  }
+
+  cudaError_t err;
+  if (dtype == at::kHalf) {
+    err = launch<__half>(params, use_mma, warps, stream);
+  } else if (dtype == at::kBFloat16) {
+    err = launch<__nv_bfloat16>(params, use_mma, warps, stream);
+  } else {
+    err = launch<float>(params, use_mma, warps, stream);
+  }
+  C10_CUDA_CHECK(err);
+  return out;
+}
+
+}  // namespace
+}  // namespace specdec
+
+TORCH_LIBRARY_IMPL(specdec, CUDA, m) { m.impl("tree_attention_paged", &specdec::tree_attention_paged_cuda); }

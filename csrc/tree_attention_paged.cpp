@@ -1,0 +1,200 @@
+// CPU kernel for tree_attention_paged (tree attention over paged KV caches): checks, work
+// split and threading here, loops in include/specdec/tree_attention.h (the dense kernel's,
+// with rows found through the block table). The split mirrors tree_attention.cpp.
+#include <ATen/Config.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <numeric>
+#include <type_traits>
+#include <utility>
+
+#include "checks_paged.h"
+#include "specdec/tree_attention.h"
+
+namespace specdec {
+namespace {
+
+constexpr const char* kOp = "tree_attention_paged";
+constexpr int64_t kMinChunkKeys = 128;  // as in tree_attention.cpp
+
+cpu::TreeAttentionScratch& thread_scratch() {
+  static thread_local cpu::TreeAttentionScratch scratch;
+  return scratch;
+}
+
+int64_t parallel_threads() {
+#if AT_PARALLEL_OPENMP && !defined(_OPENMP)
+  return 1;
+#else
+  return at::get_num_threads();
+#endif
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& tree_mask, const at::Tensor& cache_seqlens, const at::Tensor& block_table) {
+  TORCH_CHECK(q.dim() == 4, kOp, ": q must be a 4-D [B, T, Hq, D] tensor, got shape ", q.sizes());
+  const at::ScalarType dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, kOp,
+              ": q must have dtype float32, bfloat16 or float16, got ", dtype);
+  check_tensor(kOp, "k_cache", k_cache, 4, dtype);
+  check_tensor(kOp, "v_cache", v_cache, 4, dtype);
+  TORCH_CHECK(tree_mask.dim() == 3, kOp,
+              ": tree_mask must be a 3-D [B, T, T] bool or [B, T, ceil(T/64)] int64 tensor, got shape ",
+              tree_mask.sizes());
+  TORCH_CHECK(tree_mask.scalar_type() == at::kBool || tree_mask.scalar_type() == at::kLong, kOp,
+              ": tree_mask must have dtype bool or int64 (packed), got ", tree_mask.scalar_type());
+  check_tensor(kOp, "cache_seqlens", cache_seqlens, 1, at::kInt);
+  const at::Device cpu(at::kCPU);
+  check_device(kOp, "q", q, cpu);
+  check_device(kOp, "k_cache", k_cache, cpu);
+  check_device(kOp, "v_cache", v_cache, cpu);
+  check_device(kOp, "tree_mask", tree_mask, cpu);
+  check_device(kOp, "cache_seqlens", cache_seqlens, cpu);
+
+  const int64_t batch = q.size(0);
+  const int64_t num_nodes = q.size(1);
+  check_block_table(kOp, block_table, batch, cpu);
+  TORCH_CHECK(k_cache.size(0) >= 1 && k_cache.size(1) >= 1, kOp,
+              ": k_cache must be a [num_pages, page_size, Hkv, D] pool with at least one page of at least one slot, "
+              "got shape ",
+              k_cache.sizes());
+  check_size(kOp, "k_cache", k_cache, 3, q.size(3), "D (q.size(3))");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), kOp, ": v_cache must have k_cache's shape ", k_cache.sizes(),
+              ", got ", v_cache.sizes());
+  const int64_t num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(num_kv_heads > 0 && q.size(2) % num_kv_heads == 0, kOp, ": query heads (", q.size(2),
+              ") must be a multiple of KV heads (", num_kv_heads, ")");
+  const int64_t mask_cols = tree_mask.scalar_type() == at::kBool ? num_nodes : (num_nodes + 63) / 64;
+  check_size(kOp, "tree_mask", tree_mask, 0, batch, "B (q.size(0))");
+  check_size(kOp, "tree_mask", tree_mask, 1, num_nodes, "T (q.size(1))");
+  check_size(kOp, "tree_mask", tree_mask, 2, mask_cols, tree_mask.scalar_type() == at::kBool ? "T" : "ceil(T / 64)");
+  check_size(kOp, "cache_seqlens", cache_seqlens, 0, batch, "B (q.size(0))");
+  const std::pair<const char*, const at::Tensor*> tensors[] = {{"q", &q}, {"k_cache", &k_cache}, {"v_cache", &v_cache}};
+  for (const auto& [name, t] : tensors) {
+    TORCH_CHECK(t->stride(3) == 1 || t->size(3) <= 1, kOp, ": ", name,
+                " needs a contiguous last dim (stride 1), got strides ", t->strides());
+  }
+}
+
+template <typename Storage, typename TorchScalar>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tree_mask,
+         const int32_t* lengths, const at::Tensor& table, double scale, at::Tensor& out) {
+  static_assert(sizeof(Storage) == sizeof(TorchScalar), "storage type must match the torch type bit for bit");
+  cpu::TreeAttentionProblem<Storage> p;
+  p.q = reinterpret_cast<const Storage*>(q.const_data_ptr<TorchScalar>());
+  p.q_stride_b = q.stride(0);
+  p.q_stride_t = q.stride(1);
+  p.q_stride_h = q.stride(2);
+  p.k = reinterpret_cast<const Storage*>(k.const_data_ptr<TorchScalar>());
+  p.k_stride_b = k.stride(0);  // page stride
+  p.k_stride_s = k.stride(1);
+  p.k_stride_h = k.stride(2);
+  p.v = reinterpret_cast<const Storage*>(v.const_data_ptr<TorchScalar>());
+  p.v_stride_b = v.stride(0);
+  p.v_stride_s = v.stride(1);
+  p.v_stride_h = v.stride(2);
+  if (tree_mask.scalar_type() == at::kBool) {
+    p.mask.dense = tree_mask.const_data_ptr<bool>();
+  } else {
+    p.mask.packed = tree_mask.const_data_ptr<int64_t>();
+  }
+  p.mask.stride_b = tree_mask.stride(0);
+  p.mask.stride_t = tree_mask.stride(1);
+  p.mask.stride_col = tree_mask.stride(2);
+  p.cache_seqlens = lengths;
+  p.num_nodes = q.size(1);
+  p.num_q_heads = q.size(2);
+  p.num_kv_heads = k.size(2);
+  p.head_dim = q.size(3);
+  p.scale = static_cast<float>(scale);
+  p.out = reinterpret_cast<Storage*>(out.mutable_data_ptr<TorchScalar>());
+  p.block_table = table.const_data_ptr<int32_t>();
+  p.block_table_stride = table.stride(0);
+  p.page_size = k.size(1);
+  if ((p.page_size & (p.page_size - 1)) == 0) {
+    p.page_shift = 0;
+    while ((int64_t{1} << p.page_shift) < p.page_size) ++p.page_shift;
+  }
+
+  // The same split as the dense kernel (tree_attention.cpp): one unit per (row, KV head),
+  // each row's keys cut into `parts` ranges when there are too few units for the threads.
+  const int64_t batch = q.size(0);
+  const int64_t units = batch * p.num_kv_heads;
+  const int64_t threads = parallel_threads();
+  int64_t max_keys = 0;
+  for (int64_t b = 0; b < batch; ++b) max_keys = std::max(max_keys, p.num_keys(b));
+  int64_t parts = units >= 4 * threads ? 1 : threads / std::gcd(units, threads);
+  parts = std::max<int64_t>(1, std::min(parts, max_keys / kMinChunkKeys));
+
+  if (parts == 1) {
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+      cpu::TreeAttentionScratch& scratch = thread_scratch();
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t b = u / p.num_kv_heads;
+        cpu::attend_keys(p, b, u % p.num_kv_heads, 0, p.num_keys(b), scratch);
+        cpu::write_output(p, b, u % p.num_kv_heads, scratch);
+      }
+    });
+    return;
+  }
+  // Ranges start on page boundaries where pages are read in place, so no range begins with
+  // a stub of a page.
+  int64_t chunk = (max_keys + parts - 1) / parts;
+  if constexpr (std::is_same<Storage, float>::value) {
+    if (p.tiles_in_place()) chunk = (chunk + p.page_size - 1) / p.page_size * p.page_size;
+  }
+  const int64_t size = p.partial_size();
+  at::Tensor partials = at::empty({units * parts * size}, q.options().dtype(at::kFloat));
+  float* partial_data = partials.mutable_data_ptr<float>();
+  at::parallel_for(0, units * parts, 1, [&](int64_t begin, int64_t end) {
+    cpu::TreeAttentionScratch& scratch = thread_scratch();
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t u = task / parts;
+      const int64_t b = u / p.num_kv_heads;
+      const int64_t first = std::min(p.num_keys(b), (task % parts) * chunk);
+      const int64_t last = std::min(p.num_keys(b), first + chunk);
+      cpu::attend_keys(p, b, u % p.num_kv_heads, first, last, scratch);
+      cpu::save_partial(p, scratch, partial_data + task * size);
+    }
+  });
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    cpu::TreeAttentionScratch& scratch = thread_scratch();
+    for (int64_t u = begin; u < end; ++u) {
+      cpu::combine_partials(p, u / p.num_kv_heads, u % p.num_kv_heads, partial_data + u * parts * size, parts, scratch);
+    }
+  });
+}
+
+at::Tensor tree_attention_paged_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                    const at::Tensor& tree_mask, const at::Tensor& cache_seqlens,
+                                    const at::Tensor& block_table, double scale) {
+  check_inputs(q, k_cache, v_cache, tree_mask, cache_seqlens, block_table);
+  at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous, like every backend
+  if (out.numel() == 0) return out;
+  // The kernel reads every position below L_b + T through the table, so each page id it
+  // will use is checked here (about (L_b + T) / page_size reads per row).
+  const at::Tensor lengths = cache_seqlens.contiguous();
+  const at::Tensor table = block_table.contiguous();
+  const int32_t* length_data = lengths.const_data_ptr<int32_t>();
+  check_block_table_pages(kOp, table.const_data_ptr<int32_t>(), table.stride(0), table.size(1), length_data, q.size(0),
+                          q.size(1), k_cache.size(1), k_cache.size(0));
+  switch (q.scalar_type()) {
+    case at::kFloat: run<float, float>(q, k_cache, v_cache, tree_mask, length_data, table, scale, out); break;
+    case at::kBFloat16:
+      run<cpu::BFloat16Bits, at::BFloat16>(q, k_cache, v_cache, tree_mask, length_data, table, scale, out);
+      break;
+    default: run<cpu::HalfBits, at::Half>(q, k_cache, v_cache, tree_mask, length_data, table, scale, out); break;
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace specdec
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("tree_attention_paged", &specdec::tree_attention_paged_cpu); }
