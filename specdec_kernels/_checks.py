@@ -589,7 +589,8 @@ def block_table(table, *, batch, device, like: str):
     shape("block_table", table, (batch, None))
     if table.shape[1] == 0:
         fail("block_table", f"expected at least one page column, got shape {tuple(table.shape)}")
-    on_device("block_table", table, device, like)
+    if table.device != device:
+        fail("block_table", f"expected a tensor on {device} (like {like}), got {table.device}")
 
 
 def block_table_pages(table, num_tokens, page_size: int, num_pages: int, *, what: str):
