@@ -217,6 +217,33 @@ def test_bad_inputs(target):
         sk.generate(target, ids, attention_mask=mask, max_new_tokens=2, temperature=-1.0)
 
 
+def test_bad_input_ids(target):
+    """Token ids must be integers inside the target's vocabulary (padding positions excepted)."""
+    ids, mask = left_pad(repetitive_prompts(2))
+    with pytest.raises(ValueError, match="input_ids"):
+        sk.generate(target, ids.float(), attention_mask=mask, max_new_tokens=2)
+    for bad in (VOCAB, -1):
+        wrong = ids.clone()
+        wrong[0, -1] = bad
+        with pytest.raises(ValueError, match="input_ids"):
+            sk.generate(target, wrong, attention_mask=mask, max_new_tokens=2)
+    padded = ids.clone()
+    padded[1, 0] = VOCAB + 5  # under attention_mask 0: never read
+    assert mask[1, 0] == 0
+    out = sk.generate(target, padded, attention_mask=mask, max_new_tokens=3)
+    assert torch.equal(out.sequences[:, ids.shape[1]:], hf_greedy(target, ids, mask, 3)[:, ids.shape[1]:])
+
+
+def test_timing_split_only_when_asked(target):
+    ids, mask = left_pad(repetitive_prompts(2))
+    plain = sk.generate(target, ids, attention_mask=mask, drafter=sk.NgramDrafter(), max_new_tokens=8)
+    timed = sk.generate(target, ids, attention_mask=mask, drafter=sk.NgramDrafter(), max_new_tokens=8, timing=True)
+    assert torch.equal(plain.sequences, timed.sequences)
+    assert plain.stats.time_verify == 0.0 and plain.stats.time_total > 0
+    assert timed.stats.time_verify > 0 and timed.stats.time_draft > 0
+    assert timed.stats.time_draft + timed.stats.time_verify + timed.stats.time_accept <= timed.stats.time_total
+
+
 # ----------------------------------------------------------------------------- sampling
 
 SMALL_VOCAB = 8
