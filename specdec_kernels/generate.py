@@ -18,6 +18,7 @@ import torch
 from . import config
 from .drafters import Drafter, Sampling
 from .philox import seeds_from_int
+from .planner import Planner
 from .verify import verify
 
 _GOLDEN = 0x9E3779B97F4A7C15  # step -> seed offset (odd 64-bit constant)
@@ -32,6 +33,12 @@ class GenerateStats:
     tokens_per_step: tokens emitted per (step, unfinished row), the mean speculation gain.
     acceptance_per_depth: [d] = fraction of (step, unfinished row) pairs whose accepted path
         reached depth d + 1 (d + 1 drafted tokens accepted).
+    nodes_per_step: mean verified draft nodes per (step, unfinished row).
+    trace: one dict per step: rows (in the batch), width (tree nodes per row, root included,
+        padding too), nodes_per_row and accepted_per_row (means over the rows), seconds (the
+        step's wall time, drafting to bookkeeping). Plot width or nodes_per_row against
+        accepted_per_row to see what the planner chose against what was accepted.
+    time_plan: host seconds the adaptive planner spent (inside time_draft when timing).
     time_prefill / time_total: seconds. time_draft / time_verify / time_accept: the split of
         the steps' time (only with generate(..., timing=True), else 0); verify includes the
         target's tree forward, accept the cache compaction and bookkeeping.
@@ -41,6 +48,9 @@ class GenerateStats:
     new_tokens: List[int] = field(default_factory=list)
     tokens_per_step: float = 0.0
     acceptance_per_depth: List[float] = field(default_factory=list)
+    nodes_per_step: float = 0.0
+    trace: List[dict] = field(default_factory=list)
+    time_plan: float = 0.0
     time_prefill: float = 0.0
     time_draft: float = 0.0
     time_verify: float = 0.0
@@ -206,6 +216,7 @@ def generate(
     eos_token_id: Union[None, int, Sequence[int]] = None,
     attention_mask: Optional[torch.Tensor] = None,
     streamer=None,
+    adaptive: Union[bool, Planner] = True,
     timing: bool = False,
 ) -> GenerateOutput:
     """Speculative decoding with `target` (a transformers causal LM), lossless.
@@ -225,6 +236,12 @@ def generate(
         attention_mask: [B, L], 1 for prompt tokens, 0 for left padding (default all ones).
         streamer: optional, HF streamer protocol (batch size 1): `put(prompt ids)`, then
             `put(new ids)` after every step, then `end()`.
+        adaptive: True: each step a `Planner` picks how many draft nodes each row verifies
+            (0: plain decoding for that row) for the most expected tokens per second, from a
+            cost model of the target forward measured on this device (once per model,
+            device and dtype; cached on disk) and each row's acceptance; drafters are asked
+            for no more. False: the drafter's fixed size. A `Planner` instance: that planner
+            (its settings, or a given cost model). No effect without a drafter.
         timing: split stats.time_total into draft / verify / accept. On a GPU that costs a
             device synchronisation per phase and step, so it is off unless asked for.
 
@@ -247,6 +264,13 @@ def generate(
         generator = torch.Generator(device).manual_seed(int(seeds.sum()) & (2**63 - 1))
         sampling = Sampling(float(temperature), top_k, top_p, generator)
 
+    planner = None
+    if not isinstance(adaptive, (bool, Planner)):
+        raise ValueError(f"adaptive: expected True, False or a Planner, got {type(adaptive).__name__}")
+    if adaptive is not False and drafter.max_nodes > 0:
+        planner = adaptive if isinstance(adaptive, Planner) else Planner()
+    with_hidden = drafter.needs_hidden_states
+
     stats = GenerateStats()
     capacity = prompt_len + max_new_tokens + 1 + drafter.max_nodes
     rows = _Rows(_left_align(input_ids, lengths, capacity), lengths, seeds, max_new_tokens)
@@ -257,31 +281,60 @@ def generate(
     # on GPU (one per layer per step) and about 0.2 ms per tree-attention call on CPU.
     with hf.use_tree_attention(target, *drafter.models), config.value_checks(False):
         cache = hf.TreeKVCache.for_model(target, batch, capacity)
-        hf.prefill(target, cache, rows.history, rows.lengths)
+        hidden = hf.prefill(target, cache, rows.history, rows.lengths, return_hidden=with_hidden)
         drafter.start(rows.history, rows.lengths, capacity)
+        if with_hidden:
+            drafter.observe(hidden)
+        if planner is not None:
+            planner.start(target, batch, drafter.max_nodes, device)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         t0 = clock(device)
         stats.time_prefill = t0 - t_start
+        step_start, trace = time.perf_counter(), []
         try:
             while not bool(rows.done.all()):
-                # Draft: a token tree per row, rooted at the row's last token.
-                draft = drafter.propose(rows.history, rows.lengths, sampling)
+                if trace:  # the step before, drafting to bookkeeping (done.all() waited for it)
+                    now = time.perf_counter()
+                    trace[-1]["seconds"], step_start = now - step_start, now
+                    if planner is not None:
+                        planner.observe_time(trace[-1]["seconds"])
+                # Plan and draft: a token tree per row, rooted at the row's last token.
+                budget = None
+                if planner is not None:
+                    t_plan, prefix = time.perf_counter(), float(rows.lengths.double().mean())
+                    budget = planner.budget(prefix)
+                    stats.time_plan += time.perf_counter() - t_plan
+                draft = drafter.propose(rows.history, rows.lengths, sampling, budget)
+                if planner is not None:
+                    t_plan = time.perf_counter()
+                    draft = planner.select(draft, prefix)
+                    stats.time_plan += time.perf_counter() - t_plan
                 tree, depths = draft.tree, draft.tree.depths
                 max_depth = max(max_depth, int(depths.max()))
                 t1 = clock(device)
                 # Verify: one target forward over every tree node (position = prefix length +
                 # depth), then lossless acceptance.
                 positions = cache.seqlens.long()[:, None] + depths.clamp(min=0)
-                logits = hf.forward(target, cache, tree.tokens, positions, tree.mask())
+                logits = hf.forward(target, cache, tree.tokens, positions, tree.mask(), return_hidden=with_hidden)
+                if with_hidden:
+                    logits, hidden = logits
                 out = verify(logits, tree.tokens, tree.parents, draft_probs=draft.draft_probs, temperature=temperature,
                              top_k=top_k, top_p=top_p, seed=_step_seeds(rows.seeds, stats.steps))
+                if with_hidden:
+                    drafter.observe(hidden, out.accepted_nodes, out.num_accepted)
                 t2 = clock(device)
                 # Accept: the rows keep what they emitted, the cache everything but the last token.
                 count, hit_eos = rows.emitted_counts(out, eos)
                 cache.accept(out.accepted_nodes, out.num_accepted, count)
-                num_accepted_counts += torch.bincount(out.num_accepted.long()[~rows.done],
+                active = ~rows.done
+                num_accepted_counts += torch.bincount(out.num_accepted.long()[active],
                                                       minlength=num_accepted_counts.numel()).cpu()
+                trace.append({"rows": int(active.shape[0]), "width": int(tree.tokens.shape[1]),
+                              "nodes": ((tree.parents >= 0) & active[:, None]).sum(),
+                              "accepted": out.num_accepted.long()[active].sum()})
+                if planner is not None:
+                    planner.observe(out, active)
                 rows.append(out.output_tokens, count, hit_eos)
                 if streamer is not None and int(count[0]) > 0:
                     streamer.put(out.output_tokens[0, : int(count[0])].cpu())
@@ -293,12 +346,16 @@ def generate(
                     rows.keep(keep)
                     cache.keep_rows(keep)
                     drafter.keep_rows(keep)
+                    if planner is not None:
+                        planner.keep_rows(keep)
                 t3 = clock(device)
                 if timing:
                     stats.time_draft += t1 - t0
                     stats.time_verify += t2 - t1
                     stats.time_accept += t3 - t2
                 t0 = t3
+            if trace:
+                trace[-1]["seconds"] = time.perf_counter() - step_start
         finally:
             drafter.finish()
     if streamer is not None:
@@ -310,6 +367,9 @@ def generate(
     stats.tokens_per_step = (sum(stats.new_tokens) / pairs) if pairs else 0.0
     reached = num_accepted_counts.flip(0).cumsum(0).flip(0)[1:]  # [d]: pairs with >= d + 1 accepted
     stats.acceptance_per_depth = [int(r) / pairs for r in reached[:max_depth]] if pairs else []
+    stats.trace = [dict(step, nodes_per_row=int(step.pop("nodes")) / step["rows"],
+                        accepted_per_row=int(step.pop("accepted")) / step["rows"]) for step in trace]
+    stats.nodes_per_step = sum(t["nodes_per_row"] * t["rows"] for t in stats.trace) / pairs if pairs else 0.0
     stats.time_total = time.perf_counter() - t_start
     return GenerateOutput(sequences, stats)
 
