@@ -32,6 +32,21 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def own_cache_dir(tmp_path_factory):
+    """generate's planner measures the target once per model and device and caches the
+    measurement: keep the tests' measurements out of the user's cache."""
+    import os
+
+    old = os.environ.get("SPECDEC_CACHE_DIR")
+    os.environ["SPECDEC_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if old is None:
+        os.environ.pop("SPECDEC_CACHE_DIR", None)
+    else:
+        os.environ["SPECDEC_CACHE_DIR"] = old
+
+
 def tiny_model(seed: int, family: str = "llama", vocab: int = VOCAB, hidden: int = 64, logit_scale: float = 1.0):
     """A 2-layer random causal LM with GQA (4 query heads, 2 KV heads), fp32, eval mode."""
     torch.manual_seed(seed)

@@ -202,6 +202,51 @@ class _Rows:
         return self._out_generated.tolist()
 
 
+def _draft(drafter: Drafter, planner: Optional[Planner], rows: _Rows, sampling, stats: GenerateStats):
+    """The step's draft: with a planner, at most the nodes it budgets from the rows' history,
+    then cut to the nodes worth verifying (its host time goes to stats.time_plan)."""
+    if planner is None:
+        return drafter.propose(rows.history, rows.lengths, sampling)
+    start, prefix = time.perf_counter(), float(rows.lengths.double().mean())
+    budget = planner.budget(prefix)
+    middle = time.perf_counter()
+    draft = drafter.propose(rows.history, rows.lengths, sampling, budget)
+    end = time.perf_counter()
+    draft = planner.select(draft, prefix)
+    stats.time_plan += (middle - start) + (time.perf_counter() - end)
+    return draft
+
+
+class _Trace:
+    """Per-step records for stats.trace; each step's wall time also refreshes the planner's
+    cost model. Counts stay tensors until the end (no host sync per step)."""
+
+    def __init__(self, planner: Optional[Planner]):
+        self.planner, self.records, self.start = planner, [], time.perf_counter()
+
+    def next_step(self) -> None:
+        """A step ends (and the next begins): time the one before."""
+        now = time.perf_counter()
+        if self.records and "seconds" not in self.records[-1]:
+            self.records[-1]["seconds"] = now - self.start
+            if self.planner is not None:
+                self.planner.observe_time(self.records[-1]["seconds"])
+        self.start = now
+
+    def record(self, tree, out, active: torch.Tensor) -> None:
+        """The verified tree and its outcome; the planner learns the rows' acceptance."""
+        self.records.append({"rows": int(active.shape[0]), "width": int(tree.tokens.shape[1]),
+                             "nodes": ((tree.parents >= 0) & active[:, None]).sum(),
+                             "accepted": out.num_accepted.long()[active].sum()})
+        if self.planner is not None:
+            self.planner.observe(out, active)
+
+    def steps(self) -> List[dict]:
+        return [dict(rows=r["rows"], width=r["width"], nodes_per_row=int(r["nodes"]) / r["rows"],
+                     accepted_per_row=int(r["accepted"]) / r["rows"], seconds=r.get("seconds", 0.0))
+                for r in self.records]
+
+
 @torch.inference_mode()
 def generate(
     target,
@@ -291,25 +336,13 @@ def generate(
             streamer.put(input_ids.cpu())
         t0 = clock(device)
         stats.time_prefill = t0 - t_start
-        step_start, trace = time.perf_counter(), []
+        trace = _Trace(planner)
         try:
             while not bool(rows.done.all()):
-                if trace:  # the step before, drafting to bookkeeping (done.all() waited for it)
-                    now = time.perf_counter()
-                    trace[-1]["seconds"], step_start = now - step_start, now
-                    if planner is not None:
-                        planner.observe_time(trace[-1]["seconds"])
-                # Plan and draft: a token tree per row, rooted at the row's last token.
-                budget = None
-                if planner is not None:
-                    t_plan, prefix = time.perf_counter(), float(rows.lengths.double().mean())
-                    budget = planner.budget(prefix)
-                    stats.time_plan += time.perf_counter() - t_plan
-                draft = drafter.propose(rows.history, rows.lengths, sampling, budget)
-                if planner is not None:
-                    t_plan = time.perf_counter()
-                    draft = planner.select(draft, prefix)
-                    stats.time_plan += time.perf_counter() - t_plan
+                trace.next_step()  # (done.all() waited for the step before: its time is real)
+                # Draft: a token tree per row, rooted at the row's last token, of the size the
+                # planner chose (the drafter's fixed size without one).
+                draft = _draft(drafter, planner, rows, sampling, stats)
                 tree, depths = draft.tree, draft.tree.depths
                 max_depth = max(max_depth, int(depths.max()))
                 t1 = clock(device)
@@ -330,11 +363,7 @@ def generate(
                 active = ~rows.done
                 num_accepted_counts += torch.bincount(out.num_accepted.long()[active],
                                                       minlength=num_accepted_counts.numel()).cpu()
-                trace.append({"rows": int(active.shape[0]), "width": int(tree.tokens.shape[1]),
-                              "nodes": ((tree.parents >= 0) & active[:, None]).sum(),
-                              "accepted": out.num_accepted.long()[active].sum()})
-                if planner is not None:
-                    planner.observe(out, active)
+                trace.record(tree, out, active)
                 rows.append(out.output_tokens, count, hit_eos)
                 if streamer is not None and int(count[0]) > 0:
                     streamer.put(out.output_tokens[0, : int(count[0])].cpu())
@@ -354,8 +383,7 @@ def generate(
                     stats.time_verify += t2 - t1
                     stats.time_accept += t3 - t2
                 t0 = t3
-            if trace:
-                trace[-1]["seconds"] = time.perf_counter() - step_start
+            trace.next_step()
         finally:
             drafter.finish()
     if streamer is not None:
@@ -367,8 +395,7 @@ def generate(
     stats.tokens_per_step = (sum(stats.new_tokens) / pairs) if pairs else 0.0
     reached = num_accepted_counts.flip(0).cumsum(0).flip(0)[1:]  # [d]: pairs with >= d + 1 accepted
     stats.acceptance_per_depth = [int(r) / pairs for r in reached[:max_depth]] if pairs else []
-    stats.trace = [dict(step, nodes_per_row=int(step.pop("nodes")) / step["rows"],
-                        accepted_per_row=int(step.pop("accepted")) / step["rows"]) for step in trace]
+    stats.trace = trace.steps()
     stats.nodes_per_step = sum(t["nodes_per_row"] * t["rows"] for t in stats.trace) / pairs if pairs else 0.0
     stats.time_total = time.perf_counter() - t_start
     return GenerateOutput(sequences, stats)

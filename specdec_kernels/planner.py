@@ -192,6 +192,7 @@ class Planner:
         self.decay, self.prior, self.verbose = decay, prior, verbose
         self.acceptance: Optional[AcceptanceModel] = None
         self._plan: Optional[_Plan] = None
+        self._seconds: Optional[torch.Tensor] = None  # this step's predicted seconds per width
 
     def start(self, target, rows: int, max_nodes: int, device) -> None:
         """Per generate call: the cost model (measured or loaded once) and fresh row histories."""
@@ -204,7 +205,7 @@ class Planner:
                              "pass cost_model=None to measure this target")
         self.max_nodes = max_nodes
         self.acceptance = AcceptanceModel(rows, max_nodes, device, decay=self.decay, prior=self.prior)
-        self._plan = None
+        self._plan, self._seconds = None, None
 
     def _step_seconds(self, rows: int, prefix: float, num_nodes: int) -> torch.Tensor:
         """[num_nodes + 1]: predicted seconds of a step with trees 1 .. num_nodes + 1 wide."""
@@ -214,8 +215,8 @@ class Planner:
     def budget(self, prefix: float) -> torch.Tensor:
         """int64 [R]: the most nodes each row should draft this step (from its history)."""
         rates = self.acceptance.rank_rates()
-        seconds = self._step_seconds(rates.shape[0], prefix, rates.shape[1])
-        return choose_counts(rates, seconds, max_batch_nodes=self.max_batch_nodes, min_gain=self.min_gain)
+        self._seconds = self._step_seconds(rates.shape[0], prefix, rates.shape[1])  # select() reuses it
+        return choose_counts(rates, self._seconds, max_batch_nodes=self.max_batch_nodes, min_gain=self.min_gain)
 
     def select(self, draft: Draft, prefix: float) -> Draft:
         """The drafted tree cut to the nodes worth verifying (sampled trees: as drafted)."""
@@ -236,9 +237,13 @@ class Planner:
         if draft.scores is None:
             gains = torch.cat([gains, gains.new_zeros(rows, max(width - 1 - gains.shape[1], 0))], 1)[:, : width - 1]
         gains = torch.where(node[None, : width - 1] < num_real[:, None], gains, 0.0)
-        seconds = self._step_seconds(rows, prefix, width - 1)
+        seconds = self._seconds[:width] if self._seconds is not None and self._seconds.shape[0] >= width else \
+            self._step_seconds(rows, prefix, width - 1)
         counts = choose_counts(gains, seconds, max_batch_nodes=self.max_batch_nodes, min_gain=self.min_gain)
         keep = (position <= counts[:, None]) & (real | (node == 0))
+        if bool((counts >= num_real).all()):  # nothing pruned: the draft as it is
+            self._plan = _Plan(torch.where(real, position - 1, -1), draft.scores, rows, width, prefix)
+            return draft
         draft, new_index = keep_nodes(draft, keep)
         ranks = torch.full_like(draft.tree.parents, -1)
         ranks.scatter_(1, torch.where(keep, new_index, 0), torch.where(keep & real, position - 1, -1))
