@@ -93,9 +93,14 @@ class AcceptanceModel:
     """Per row: a decayed acceptance rate per rank, and the drafter's typical score per rank.
 
     hit[r, k] / tried[r, k]: decayed counts of steps where row r's rank-k node (its k-th best
-    drafted node) was verified and accepted / verified. The rate (hit + prior^(k+1) * w) /
-    (tried + w) starts at a prior and, when a row stops verifying, drifts back to it (the
-    counts decay every step), so rows that stopped drafting try again now and then.
+    drafted node) was verified and accepted / verified. The rate is (hit + alpha^(k+1) * w) /
+    (tried + w): measured where the row has verified rank k, else the geometric guess
+    alpha^(k+1) from the row's per-token acceptance alpha = accepted / (accepted + rejected)
+    drafts (a rejection: the accepted path stopped where a verified child existed; prior
+    `prior`). The guess matters: a row that verifies one node and always accepts it gets
+    alpha near 1, so deeper ranks look worth trying, and get measured; with a fixed prior for
+    unmeasured ranks the planner would never learn that deeper drafts pay. All counts decay
+    every step, so a row that stopped verifying drifts back to the prior and tries again.
     score_sum[r, k]: decayed sum of the drafter's scores of the verified rank-k nodes; a
     node's estimate is its rank's rate scaled by its score over the rank's typical score
     (a draft surer than usual is more likely accepted than usual, and the other way round),
@@ -108,12 +113,21 @@ class AcceptanceModel:
         self.hit = torch.zeros(rows, max_nodes + 1, dtype=torch.float64, device=device)  # last column: padding sink
         self.tried = torch.zeros_like(self.hit)
         self.score_sum = torch.zeros_like(self.hit)
-        self.prior = prior ** torch.arange(1, max_nodes + 2, dtype=torch.float64, device=device)
+        self.prior = prior
+        self.powers = torch.arange(1, max_nodes + 2, dtype=torch.float64, device=device)
+        self.accepted = torch.zeros(rows, dtype=torch.float64, device=device)
+        self.rejected = torch.zeros_like(self.accepted)
+
+    def alpha(self) -> torch.Tensor:
+        """float64 [R]: each row's per-token acceptance (decayed, with the prior)."""
+        w = self.prior_weight
+        return (self.accepted + self.prior * w) / (self.accepted + self.rejected + w)
 
     def rank_rates(self) -> torch.Tensor:
         """float64 [R, N]: P(the rank-k node is accepted), non-increasing in k."""
         w = self.prior_weight
-        rates = (self.hit + self.prior * w) / (self.tried + w)
+        guess = self.alpha()[:, None] ** self.powers
+        rates = (self.hit + guess * w) / (self.tried + w)
         return rates[:, :-1].cummin(1).values
 
     def estimates(self, scores: Optional[torch.Tensor]) -> torch.Tensor:
@@ -133,22 +147,30 @@ class AcceptanceModel:
         ratio = torch.where(typical > 0, scores / typical, 1.0).clamp(max=4.0)
         return (rates * ratio).clamp(max=1.0).cummin(1).values
 
-    def update(self, ranks: torch.Tensor, on_path: torch.Tensor, scores: Optional[torch.Tensor], active: torch.Tensor) -> None:
+    def update(self, ranks: torch.Tensor, on_path: torch.Tensor, scores: Optional[torch.Tensor], active: torch.Tensor,
+               rejected: Optional[torch.Tensor] = None) -> None:
         """One verified step: `ranks [R, T]` (rank of each tree node, -1 for the root and
         padding), `on_path [R, T]` (node accepted), `scores [R, T]` or None, `active [R]`
-        (rows still generating before this step)."""
+        (rows still generating before this step), `rejected [R]` (the accepted path stopped
+        where a verified child existed; None: where fewer nodes were accepted than verified)."""
         sink = self.hit.shape[1] - 1
         verified = (ranks >= 0) & active[:, None]
         index = torch.where(verified, ranks, sink)
-        for counts in (self.hit, self.tried, self.score_sum):
+        for counts in (self.hit, self.tried, self.score_sum, self.accepted, self.rejected):
             counts.mul_(self.decay)
+        hits = (verified & on_path).double()
+        if rejected is None:
+            rejected = hits.sum(1) < verified.sum(1)
+        self.accepted.add_(hits.sum(1))
+        self.rejected.add_((rejected & active).double())
         self.tried.scatter_add_(1, index, verified.double())
-        self.hit.scatter_add_(1, index, (verified & on_path).double())
+        self.hit.scatter_add_(1, index, hits)
         if scores is not None:
             self.score_sum.scatter_add_(1, index, torch.where(verified, scores.double(), 0.0))
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         self.hit, self.tried, self.score_sum = self.hit[rows], self.tried[rows], self.score_sum[rows]
+        self.accepted, self.rejected = self.accepted[rows], self.rejected[rows]
 
 
 @dataclass
@@ -156,6 +178,7 @@ class _Plan:
     """What the planner decided for the step in flight (for `observe`)."""
 
     ranks: torch.Tensor  # [R, T] rank of each verified node, -1 root / padding
+    parents: torch.Tensor  # [R, T] of the verified tree
     scores: Optional[torch.Tensor]
     rows: int
     width: int
@@ -226,7 +249,7 @@ class Planner:
         node = torch.arange(width, device=tree.parents.device)
         if draft.draft_probs is not None:  # sampled children: never pruned by value (module docstring)
             ranks = torch.where(real, node - 1, -1)
-            self._plan = _Plan(ranks, draft.scores, rows, width, prefix)
+            self._plan = _Plan(ranks, tree.parents, draft.scores, rows, width, prefix)
             return draft
         # Rank the nodes by the drafter's scores, else in its node order (its priority).
         key = draft.scores if draft.scores is not None else (1.0 - node / width).expand(rows, -1)
@@ -242,13 +265,13 @@ class Planner:
         counts = choose_counts(gains, seconds, max_batch_nodes=self.max_batch_nodes, min_gain=self.min_gain)
         keep = (position <= counts[:, None]) & (real | (node == 0))
         if bool((counts >= num_real).all()):  # nothing pruned: the draft as it is
-            self._plan = _Plan(torch.where(real, position - 1, -1), draft.scores, rows, width, prefix)
+            self._plan = _Plan(torch.where(real, position - 1, -1), tree.parents, draft.scores, rows, width, prefix)
             return draft
         draft, new_index = keep_nodes(draft, keep)
         ranks = torch.full_like(draft.tree.parents, -1)
         ranks.scatter_(1, torch.where(keep, new_index, 0), torch.where(keep & real, position - 1, -1))
         ranks[:, 0] = -1
-        self._plan = _Plan(ranks, draft.scores, rows, draft.tree.tokens.shape[1], prefix)
+        self._plan = _Plan(ranks, draft.tree.parents, draft.scores, rows, draft.tree.tokens.shape[1], prefix)
         return draft
 
     def observe(self, out, active: torch.Tensor) -> None:
@@ -260,7 +283,10 @@ class Planner:
         path = out.accepted_nodes.long()
         valid = (nodes[None, : path.shape[1]] <= out.num_accepted.long()[:, None]) & (path >= 0)
         on_path.scatter_(1, torch.where(valid, path, 0), valid)
-        self.acceptance.update(plan.ranks, on_path, plan.scores, active)
+        # Rejected: the last accepted node has a verified child (the path could have gone on).
+        last = path.gather(1, out.num_accepted.long()[:, None])
+        rejected = ((plan.parents == last) & (plan.ranks >= 0)).any(1)
+        self.acceptance.update(plan.ranks, on_path, plan.scores, active, rejected)
 
     def observe_time(self, seconds: float) -> None:
         """The measured seconds of the step last planned (drafting to bookkeeping)."""
