@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 import specdec_kernels as sk  # noqa: E402
 from specdec_kernels import cost_model as cm  # noqa: E402
 from specdec_kernels.drafters import Draft, first_nodes, keep_nodes  # noqa: E402
+from specdec_kernels import planner as planner_module  # noqa: E402
 from specdec_kernels.planner import AcceptanceModel, Planner, choose_counts  # noqa: E402
 
 from test_generate import (  # noqa: E402
@@ -33,8 +34,10 @@ def own_cache_dir(tmp_path, monkeypatch):
     """Cost models measured here go to a temporary cache, never the user's."""
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
     cm._LOADED.clear()
+    planner_module._LEARNED.clear()
     yield
     cm._LOADED.clear()
+    planner_module._LEARNED.clear()
 
 
 @pytest.fixture(scope="module")
@@ -291,6 +294,19 @@ def test_free_verification_keeps_the_full_tree(target):
                           adaptive=Planner(flat_cost(target), min_gain=0.0))
     assert torch.equal(planned.sequences, fixed.sequences)
     assert planned.stats.nodes_per_step == pytest.approx(fixed.stats.nodes_per_step)
+
+
+def test_next_call_starts_from_what_the_last_accepted(target):
+    ids, mask = left_pad(repetitive_prompts(2))
+    planner = Planner(flat_cost(target))
+    sk.generate(target, ids, attention_mask=mask, drafter=sk.NgramDrafter(), max_new_tokens=12, adaptive=planner)
+    (learned,) = planner_module._LEARNED.values()
+    assert 0.05 <= learned <= 0.95 and learned != planner.prior
+    planner.start(target, 3, 5, "cpu", sk.NgramDrafter())
+    assert planner.acceptance.prior == learned
+    tree = sk.NgramDrafter(tree_width=2)
+    planner.start(target, 3, tree.max_nodes, "cpu", tree)  # another kind of drafter: the default
+    assert planner.acceptance.prior == planner.prior
 
 
 @pytest.fixture(scope="module")

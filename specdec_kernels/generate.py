@@ -284,8 +284,9 @@ def generate(
         adaptive: True: each step a `Planner` picks how many draft nodes each row verifies
             (0: plain decoding for that row) for the most expected tokens per second, from a
             cost model of the target forward measured on this device (once per model,
-            device and dtype; cached on disk) and each row's acceptance; drafters are asked
-            for no more. False: the drafter's fixed size. A `Planner` instance: that planner
+            device and dtype; cached on disk) and each row's acceptance (new rows start from
+            what earlier calls with this target and kind of drafter accepted); drafters are
+            asked for no more. False: the drafter's fixed size. A `Planner` instance: that planner
             (its settings, or a given cost model). No effect without a drafter.
         timing: split stats.time_total into draft / verify / accept. On a GPU that costs a
             device synchronisation per phase and step, so it is off unless asked for.
@@ -331,7 +332,7 @@ def generate(
         if with_hidden:
             drafter.observe(hidden)
         if planner is not None:
-            planner.start(target, batch, drafter.max_nodes, device)
+            planner.start(target, batch, drafter.max_nodes, device, drafter)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         t0 = clock(device)
@@ -384,6 +385,8 @@ def generate(
                     stats.time_accept += t3 - t2
                 t0 = t3
             trace.next_step()
+            if planner is not None:
+                planner.finish()
         finally:
             drafter.finish()
     if streamer is not None:

@@ -32,13 +32,19 @@ score: their budget is fixed before drafting (from history only), and the drafte
 first nodes of its fixed structure (a depth/width choice that does not look at the samples).
 """
 
+import json
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
 from .cost_model import CostModel, identity
 from .drafters import Draft, keep_nodes, rank_nodes
+
+
+# What rows of earlier calls accepted, per (cost model key, drafter kind): the prior of new
+# rows, so a call does not spend its first steps relearning what the last one knew.
+_LEARNED: Dict[str, float] = {}
 
 
 def choose_counts(gains: torch.Tensor, step_seconds: torch.Tensor, *, max_batch_nodes: Optional[int] = None,
@@ -217,8 +223,10 @@ class Planner:
         self._plan: Optional[_Plan] = None
         self._seconds: Optional[torch.Tensor] = None  # this step's predicted seconds per width
 
-    def start(self, target, rows: int, max_nodes: int, device) -> None:
-        """Per generate call: the cost model (measured or loaded once) and fresh row histories."""
+    def start(self, target, rows: int, max_nodes: int, device, drafter=None) -> None:
+        """Per generate call: the cost model (measured or loaded once) and fresh row histories,
+        whose prior per-token acceptance is what earlier calls with the same target and kind
+        of drafter measured (else `prior`)."""
         key = identity(target)
         if self._measure or self.cost_model is None:
             if self.cost_model is None or self.cost_model.key != key:
@@ -227,7 +235,10 @@ class Planner:
             raise ValueError(f"cost_model: measured for {self.cost_model.key}, but the target is {key}; "
                              "pass cost_model=None to measure this target")
         self.max_nodes = max_nodes
-        self.acceptance = AcceptanceModel(rows, max_nodes, device, decay=self.decay, prior=self.prior)
+        self._learned_key = json.dumps([self.cost_model.key, type(drafter).__name__, max_nodes], sort_keys=True, default=str)
+        prior = _LEARNED.get(self._learned_key, self.prior)
+        self.acceptance = AcceptanceModel(rows, max_nodes, device, decay=self.decay, prior=prior)
+        self._alpha_sum, self._alpha_rows = 0.0, 0
         self._plan, self._seconds = None, None
 
     def _step_seconds(self, rows: int, prefix: float, num_nodes: int) -> torch.Tensor:
@@ -294,4 +305,19 @@ class Planner:
             self.cost_model.observe(self._plan.rows, self._plan.width, self._plan.prefix, seconds)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
+        """Rows finished: the batch keeps `rows`; the leaving rows' acceptance is remembered."""
+        leaving = torch.ones(self.acceptance.accepted.shape[0], dtype=torch.bool, device=rows.device)
+        leaving[rows] = False
+        self._remember(leaving)
         self.acceptance.keep_rows(rows)
+
+    def finish(self) -> None:
+        """The call ended: its rows' mean per-token acceptance becomes the next call's prior
+        (kept inside [0.05, 0.95], so a later call still explores)."""
+        self._remember(torch.ones_like(self.acceptance.accepted, dtype=torch.bool))
+        if self._alpha_rows:
+            _LEARNED[self._learned_key] = min(max(self._alpha_sum / self._alpha_rows, 0.05), 0.95)
+
+    def _remember(self, which: torch.Tensor) -> None:
+        self._alpha_sum += float(self.acceptance.alpha()[which].sum())
+        self._alpha_rows += int(which.sum())
