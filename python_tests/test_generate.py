@@ -47,6 +47,15 @@ def own_cache_dir(tmp_path_factory):
         os.environ["SPECDEC_CACHE_DIR"] = old
 
 
+@pytest.fixture(autouse=True)
+def fresh_planner_memory():
+    """Each test starts without what earlier tests' rows accepted (the planner's prior)."""
+    from specdec_kernels import planner
+
+    planner._LEARNED.clear()
+    yield
+
+
 def tiny_model(seed: int, family: str = "llama", vocab: int = VOCAB, hidden: int = 64, logit_scale: float = 1.0):
     """A 2-layer random causal LM with GQA (4 query heads, 2 KV heads), fp32, eval mode."""
     torch.manual_seed(seed)
@@ -139,7 +148,8 @@ def test_self_drafting_accepts_everything(target):
     """The target as its own draft model: every drafted token is accepted, and the draft
     cache stays in step with the accepted tokens across steps."""
     ids, mask = left_pad(repetitive_prompts(4))
-    out = sk.generate(target, ids, attention_mask=mask, drafter=sk.DraftModelDrafter(target, num_tokens=3), max_new_tokens=20)
+    out = sk.generate(target, ids, attention_mask=mask, drafter=sk.DraftModelDrafter(target, num_tokens=3), max_new_tokens=20,
+                      adaptive=False)  # the fixed size: every step drafts 3
     assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 20))
     assert out.stats.steps == 5  # 4 tokens per step
     assert out.stats.acceptance_per_depth == [1.0, 1.0, 1.0]
@@ -320,23 +330,35 @@ SAMPLING_DRAFTERS = {
 }
 
 
+def planned(model):
+    """The adaptive planner with a cost model where verification is free (so drafts are
+    verified whatever this machine's timings): the planner's path with a fixed answer."""
+    from specdec_kernels import cost_model, planner
+
+    return planner.Planner(cost_model.CostModel(cost_model.identity(model), [1, 10_000], [1.0, 1.0]))
+
+
+@pytest.mark.parametrize("adaptive", ["fixed", "planned"])
 @pytest.mark.parametrize("kind", list(SAMPLING_DRAFTERS))
-def test_sampling_matches_target_distribution(small_pair, kind):
+def test_sampling_matches_target_distribution(small_pair, kind, adaptive):
     target, draft = small_pair
     ids = torch.tensor(SAMPLE_PROMPT).expand(SAMPLE_ROWS, -1)
-    out = sk.generate(target, ids, drafter=SAMPLING_DRAFTERS[kind](draft), max_new_tokens=2, temperature=1.0, seed=1234)
+    out = sk.generate(target, ids, drafter=SAMPLING_DRAFTERS[kind](draft), max_new_tokens=2, temperature=1.0, seed=1234,
+                      adaptive=planned(target) if adaptive == "planned" else False)
     pvalue = chi_square_pvalue(out.sequences[:, -2:], exact_pair_distribution(target, SAMPLE_PROMPT))
     assert pvalue > 1e-3, f"{kind}: chi-square p = {pvalue}"
     if kind != "plain":
         assert out.stats.acceptance_per_depth[0] > 0.05  # the drafts are exercised, accept and reject
 
 
+@pytest.mark.parametrize("adaptive", ["fixed", "planned"])
 @pytest.mark.parametrize("kind", ["plain", "model_tree", "ngram_chain"])
-def test_sampling_with_top_k_top_p_temperature(small_pair, kind):
+def test_sampling_with_top_k_top_p_temperature(small_pair, kind, adaptive):
     target, draft = small_pair
     ids = torch.tensor(SAMPLE_PROMPT).expand(SAMPLE_ROWS, -1)
     args = dict(temperature=0.7, top_k=5, top_p=0.9)
-    out = sk.generate(target, ids, drafter=SAMPLING_DRAFTERS[kind](draft), max_new_tokens=2, seed=99, **args)
+    out = sk.generate(target, ids, drafter=SAMPLING_DRAFTERS[kind](draft), max_new_tokens=2, seed=99,
+                      adaptive=planned(target) if adaptive == "planned" else False, **args)
     pvalue = chi_square_pvalue(out.sequences[:, -2:], exact_pair_distribution(target, SAMPLE_PROMPT, **args))
     assert pvalue > 1e-3, f"{kind}: chi-square p = {pvalue}"
 

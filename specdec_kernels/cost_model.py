@@ -123,11 +123,13 @@ class CostModel:
         base = self.seconds[seg] + self._slopes[seg] * (n - self.tokens[seg]).clamp(min=0)
         return (base + self.per_key * n * (float(prefix) - self.prefix)).clamp(min=self.seconds[0] * 0.5)
 
-    def step_seconds(self, rows: int, widths: torch.Tensor, prefix: float) -> torch.Tensor:
+    def step_seconds(self, rows: int, widths: torch.Tensor, prefix: float, corrected: bool = True) -> torch.Tensor:
         """float64 seconds of steps of `rows` rows whose trees are `widths` nodes wide (root
-        included; a tensor), corrected by what the loop measured (see `observe`)."""
+        included; a tensor), corrected by what the loop measured (see `observe`) unless
+        `corrected` is False (the calibration alone: the same answer every time)."""
         tokens = rows * widths.to(torch.float64)
-        return self.forward_seconds(tokens, prefix) * self._correction(tokens)
+        seconds = self.forward_seconds(tokens, prefix)
+        return seconds * self._correction(tokens) if corrected else seconds
 
     def _correction(self, tokens: torch.Tensor) -> torch.Tensor:
         bucket = torch.log2(tokens.clamp(min=1)).round().long().clamp(max=63)
@@ -260,8 +262,11 @@ def calibrate(model, *, grid: Sequence[int] = GRID, prefix: int = CAL_PREFIX, lo
             short = seconds[list(grid).index(probe)] if probe in grid else _time_forward(model, cache, probe, prefix, repeats)
             long = _time_forward(model, cache, probe, long_prefix, repeats)
             per_key = max(long - short, 0.0) / (probe * (long_prefix - prefix))
-    # Timing noise can make a larger forward look faster; the table must not fall.
-    seconds = torch.tensor(seconds).cummax(0).values.tolist()
+    # The table must not fall. Noise (other processes, interrupts) only ever adds time and
+    # the best of a few runs removes most of it, so where a smaller forward measured slower
+    # than a larger one, the smaller one is the outlier: cap each point by the points after it
+    # (a running max would instead spread one slow small forward to every larger size).
+    seconds = torch.tensor(seconds).flip(0).cummin(0).values.flip(0).tolist()
     if verbose:
         print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return CostModel(identity(model), grid, seconds, per_key, prefix)

@@ -286,7 +286,8 @@ def generate(
             cost model of the target forward measured on this device (once per model,
             device and dtype; cached on disk) and each row's acceptance (new rows start from
             what earlier calls with this target and kind of drafter accepted); drafters are
-            asked for no more. False: the drafter's fixed size. A `Planner` instance: that planner
+            asked for no more. When sampling, plans use only the calibration and this
+            call's rows (never measured times), so a seed still reproduces the output. False: the drafter's fixed size. A `Planner` instance: that planner
             (its settings, or a given cost model). No effect without a drafter.
         timing: split stats.time_total into draft / verify / accept. On a GPU that costs a
             device synchronisation per phase and step, so it is off unless asked for.
@@ -332,7 +333,8 @@ def generate(
         if with_hidden:
             drafter.observe(hidden)
         if planner is not None:
-            planner.start(target, batch, drafter.max_nodes, device, drafter)
+            # Sampling: plans that the seed alone determines (see Planner.start).
+            planner.start(target, batch, drafter.max_nodes, device, drafter, reproducible=sampling is not None)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         t0 = clock(device)

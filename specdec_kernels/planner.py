@@ -221,12 +221,19 @@ class Planner:
         self.decay, self.prior, self.verbose = decay, prior, verbose
         self.acceptance: Optional[AcceptanceModel] = None
         self._plan: Optional[_Plan] = None
+        self._reproducible = False
         self._seconds: Optional[torch.Tensor] = None  # this step's predicted seconds per width
 
-    def start(self, target, rows: int, max_nodes: int, device, drafter=None) -> None:
+    def start(self, target, rows: int, max_nodes: int, device, drafter=None, reproducible: bool = False) -> None:
         """Per generate call: the cost model (measured or loaded once) and fresh row histories,
         whose prior per-token acceptance is what earlier calls with the same target and kind
-        of drafter measured (else `prior`)."""
+        of drafter measured (else `prior`).
+
+        reproducible: plan from the calibrated cost model and this call's rows only (no
+        measured step times, nothing learned in earlier calls), so the plan, and with it a
+        sampled output, is the same for the same seed every time. Greedy output never
+        depends on the plan; sampled output does (a different tree draws other numbers).
+        """
         key = identity(target)
         if self._measure or self.cost_model is None:
             if self.cost_model is None or self.cost_model.key != key:
@@ -235,8 +242,12 @@ class Planner:
             raise ValueError(f"cost_model: measured for {self.cost_model.key}, but the target is {key}; "
                              "pass cost_model=None to measure this target")
         self.max_nodes = max_nodes
-        self._learned_key = json.dumps([self.cost_model.key, type(drafter).__name__, max_nodes], sort_keys=True, default=str)
-        prior = _LEARNED.get(self._learned_key, self.prior)
+        # The drafter's kind: its class, size and the model objects it runs (another draft
+        # model is another drafter, even with the same shapes).
+        kind = [type(drafter).__name__, max_nodes, [id(m) for m in getattr(drafter, "models", ())]]
+        self._learned_key = json.dumps([self.cost_model.key, kind], sort_keys=True, default=str)
+        self._reproducible = reproducible
+        prior = self.prior if reproducible else _LEARNED.get(self._learned_key, self.prior)
         self.acceptance = AcceptanceModel(rows, max_nodes, device, decay=self.decay, prior=prior)
         self._alpha_sum, self._alpha_rows = 0.0, 0
         self._plan, self._seconds = None, None
@@ -244,7 +255,7 @@ class Planner:
     def _step_seconds(self, rows: int, prefix: float, num_nodes: int) -> torch.Tensor:
         """[num_nodes + 1]: predicted seconds of a step with trees 1 .. num_nodes + 1 wide."""
         widths = torch.arange(1, num_nodes + 2)
-        return self.cost_model.step_seconds(rows, widths, prefix)
+        return self.cost_model.step_seconds(rows, widths, prefix, corrected=not self._reproducible)
 
     def budget(self, prefix: float) -> torch.Tensor:
         """int64 [R]: the most nodes each row should draft this step (from its history)."""
@@ -301,7 +312,7 @@ class Planner:
 
     def observe_time(self, seconds: float) -> None:
         """The measured seconds of the step last planned (drafting to bookkeeping)."""
-        if self._plan is not None:
+        if self._plan is not None and not self._reproducible:
             self.cost_model.observe(self._plan.rows, self._plan.width, self._plan.prefix, seconds)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
