@@ -32,6 +32,30 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def own_cache_dir(tmp_path_factory):
+    """generate's planner measures the target once per model and device and caches the
+    measurement: keep the tests' measurements out of the user's cache."""
+    import os
+
+    old = os.environ.get("SPECDEC_CACHE_DIR")
+    os.environ["SPECDEC_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if old is None:
+        os.environ.pop("SPECDEC_CACHE_DIR", None)
+    else:
+        os.environ["SPECDEC_CACHE_DIR"] = old
+
+
+@pytest.fixture(autouse=True)
+def fresh_planner_memory():
+    """Each test starts without what earlier tests' rows accepted (the planner's prior)."""
+    from specdec_kernels import planner
+
+    planner._LEARNED.clear()
+    yield
+
+
 def tiny_model(seed: int, family: str = "llama", vocab: int = VOCAB, hidden: int = 64, logit_scale: float = 1.0):
     """A 2-layer random causal LM with GQA (4 query heads, 2 KV heads), fp32, eval mode."""
     torch.manual_seed(seed)
@@ -124,7 +148,8 @@ def test_self_drafting_accepts_everything(target):
     """The target as its own draft model: every drafted token is accepted, and the draft
     cache stays in step with the accepted tokens across steps."""
     ids, mask = left_pad(repetitive_prompts(4))
-    out = sk.generate(target, ids, attention_mask=mask, drafter=sk.DraftModelDrafter(target, num_tokens=3), max_new_tokens=20)
+    out = sk.generate(target, ids, attention_mask=mask, drafter=sk.DraftModelDrafter(target, num_tokens=3), max_new_tokens=20,
+                      adaptive=False)  # the fixed size: every step drafts 3
     assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 20))
     assert out.stats.steps == 5  # 4 tokens per step
     assert out.stats.acceptance_per_depth == [1.0, 1.0, 1.0]
@@ -217,6 +242,33 @@ def test_bad_inputs(target):
         sk.generate(target, ids, attention_mask=mask, max_new_tokens=2, temperature=-1.0)
 
 
+def test_bad_input_ids(target):
+    """Token ids must be integers inside the target's vocabulary (padding positions excepted)."""
+    ids, mask = left_pad(repetitive_prompts(2))
+    with pytest.raises(ValueError, match="input_ids"):
+        sk.generate(target, ids.float(), attention_mask=mask, max_new_tokens=2)
+    for bad in (VOCAB, -1):
+        wrong = ids.clone()
+        wrong[0, -1] = bad
+        with pytest.raises(ValueError, match="input_ids"):
+            sk.generate(target, wrong, attention_mask=mask, max_new_tokens=2)
+    padded = ids.clone()
+    padded[1, 0] = VOCAB + 5  # under attention_mask 0: never read
+    assert mask[1, 0] == 0
+    out = sk.generate(target, padded, attention_mask=mask, max_new_tokens=3)
+    assert torch.equal(out.sequences[:, ids.shape[1]:], hf_greedy(target, ids, mask, 3)[:, ids.shape[1]:])
+
+
+def test_timing_split_only_when_asked(target):
+    ids, mask = left_pad(repetitive_prompts(2))
+    plain = sk.generate(target, ids, attention_mask=mask, drafter=sk.NgramDrafter(), max_new_tokens=8)
+    timed = sk.generate(target, ids, attention_mask=mask, drafter=sk.NgramDrafter(), max_new_tokens=8, timing=True)
+    assert torch.equal(plain.sequences, timed.sequences)
+    assert plain.stats.time_verify == 0.0 and plain.stats.time_total > 0
+    assert timed.stats.time_verify > 0 and timed.stats.time_draft > 0
+    assert timed.stats.time_draft + timed.stats.time_verify + timed.stats.time_accept <= timed.stats.time_total
+
+
 # ----------------------------------------------------------------------------- sampling
 
 SMALL_VOCAB = 8
@@ -278,23 +330,35 @@ SAMPLING_DRAFTERS = {
 }
 
 
+def planned(model):
+    """The adaptive planner with a cost model where verification is free (so drafts are
+    verified whatever this machine's timings): the planner's path with a fixed answer."""
+    from specdec_kernels import cost_model, planner
+
+    return planner.Planner(cost_model.CostModel(cost_model.identity(model), [1, 10_000], [1.0, 1.0]))
+
+
+@pytest.mark.parametrize("adaptive", ["fixed", "planned"])
 @pytest.mark.parametrize("kind", list(SAMPLING_DRAFTERS))
-def test_sampling_matches_target_distribution(small_pair, kind):
+def test_sampling_matches_target_distribution(small_pair, kind, adaptive):
     target, draft = small_pair
     ids = torch.tensor(SAMPLE_PROMPT).expand(SAMPLE_ROWS, -1)
-    out = sk.generate(target, ids, drafter=SAMPLING_DRAFTERS[kind](draft), max_new_tokens=2, temperature=1.0, seed=1234)
+    out = sk.generate(target, ids, drafter=SAMPLING_DRAFTERS[kind](draft), max_new_tokens=2, temperature=1.0, seed=1234,
+                      adaptive=planned(target) if adaptive == "planned" else False)
     pvalue = chi_square_pvalue(out.sequences[:, -2:], exact_pair_distribution(target, SAMPLE_PROMPT))
     assert pvalue > 1e-3, f"{kind}: chi-square p = {pvalue}"
     if kind != "plain":
         assert out.stats.acceptance_per_depth[0] > 0.05  # the drafts are exercised, accept and reject
 
 
+@pytest.mark.parametrize("adaptive", ["fixed", "planned"])
 @pytest.mark.parametrize("kind", ["plain", "model_tree", "ngram_chain"])
-def test_sampling_with_top_k_top_p_temperature(small_pair, kind):
+def test_sampling_with_top_k_top_p_temperature(small_pair, kind, adaptive):
     target, draft = small_pair
     ids = torch.tensor(SAMPLE_PROMPT).expand(SAMPLE_ROWS, -1)
     args = dict(temperature=0.7, top_k=5, top_p=0.9)
-    out = sk.generate(target, ids, drafter=SAMPLING_DRAFTERS[kind](draft), max_new_tokens=2, seed=99, **args)
+    out = sk.generate(target, ids, drafter=SAMPLING_DRAFTERS[kind](draft), max_new_tokens=2, seed=99,
+                      adaptive=planned(target) if adaptive == "planned" else False, **args)
     pvalue = chi_square_pvalue(out.sequences[:, -2:], exact_pair_distribution(target, SAMPLE_PROMPT, **args))
     assert pvalue > 1e-3, f"{kind}: chi-square p = {pvalue}"
 

@@ -1,10 +1,14 @@
 """Drafters: what proposes the token tree the target verifies each step.
 
-One small interface (`Drafter`): `propose(history, lengths, sampling)` returns a `Draft`,
-a `TokenTree` whose root is each row's last token, plus `draft_probs` when the drafted
-children were sampled. `history [B, S]` holds every row's tokens left-aligned (prompt
-without padding, then the generated tokens); `lengths [B]` counts them. Drafters that keep
-state (a draft model's KV cache) derive it from `history`, so they need no accept hook.
+One small interface (`Drafter`): `propose(history, lengths, sampling, budget)` returns a
+`Draft`, a `TokenTree` whose root is each row's last token, plus `draft_probs` when the
+drafted children were sampled and `scores` (the drafter's estimate that each node is
+accepted) where it has a confidence. `history [B, S]` holds every row's tokens left-aligned
+(prompt without padding, then the generated tokens); `lengths [B]` counts them; `budget [B]`
+(adaptive speculation, see `planner`) caps each row's drafted nodes. Drafters that keep
+state (a draft model's KV cache) derive it from `history`, so they need no accept hook;
+drafters that read the target's hidden states (learned heads) set `needs_hidden_states`
+and get them through `observe`.
 
 - `NgramDrafter`: prompt lookup; a chain (`ngram_propose`) or a tree (`ngram_propose_tree`).
 - `DraftModelDrafter`: a small causal LM; a chain of k tokens or a SpecInfer expansion tree.
@@ -41,12 +45,76 @@ class Sampling:
 
 @dataclass
 class Draft:
-    """A proposal: `tree` (tokens [B, T], root = last token; parents [B, T]) and
+    """A proposal: `tree` (tokens [B, T], root = last token; parents [B, T]),
     `draft_probs [B, T, V]` (the distribution node i's children were drawn from) or None
-    for deterministic proposals (distinct siblings)."""
+    for deterministic proposals (distinct siblings), and `scores`: None or fp32 [B, T], the
+    drafter's estimate that each node would be accepted (its path probability from the
+    root: 1.0 at the root, non-increasing along a path; padding nodes anything)."""
 
     tree: TokenTree
     draft_probs: Optional[torch.Tensor] = None
+    scores: Optional[torch.Tensor] = None
+
+
+def keep_nodes(draft: Draft, keep: torch.Tensor):
+    """`draft` reduced to the nodes `keep [B, T]` marks (the root and every kept node's
+    parent must be kept), renumbered in their order with the padding trailing.
+
+    Returns:
+        (Draft, new_index [B, T]): new_index[b, i] is kept node i's index in the new tree.
+    """
+    tree = draft.tree
+    rows, num_nodes = keep.shape
+    new_index = keep.long().cumsum(1) - 1
+    width = int(keep.sum(1).max())
+    dest = torch.where(keep, new_index, width)  # dropped nodes go to a sink column, cut below
+    parents = torch.where(tree.parents >= 0, new_index.gather(1, tree.parents.clamp(min=0)), -1)
+    new_tokens = tree.tokens.new_full((rows, width + 1), -1).scatter_(1, dest, tree.tokens)[:, :width]
+    new_parents = tree.parents.new_full((rows, width + 1), -1).scatter_(1, dest, parents)[:, :width]
+    new_tokens = new_tokens.masked_fill(new_parents < 0, -1)
+    new_tokens[:, 0] = tree.tokens[:, 0]  # (the root has parent -1 too)
+    old = torch.zeros(rows, width + 1, dtype=torch.int64, device=keep.device)
+    old.scatter_(1, dest, torch.arange(num_nodes, device=keep.device).expand(rows, -1))
+    old = old[:, :width]  # new index -> old index (padding: node 0)
+    probs = None
+    if draft.draft_probs is not None:
+        probs = draft.draft_probs.gather(1, old[:, :, None].expand(-1, -1, draft.draft_probs.shape[2]))
+    scores = None if draft.scores is None else draft.scores.gather(1, old)
+    return Draft(TokenTree(new_tokens, new_parents), probs, scores), new_index
+
+
+def rank_nodes(estimate: torch.Tensor, real: torch.Tensor):
+    """Each row's nodes ordered by `estimate [B, T]`, highest first, the root first of all.
+
+    An estimate that never exceeds the parent's makes every prefix of the order
+    ancestor-closed: the sort is stable, so a parent (a lower index) precedes a child with
+    the same estimate. Keep row b's first n drafted nodes with `position <= n`.
+
+    Returns:
+        (order [B, T]: node ids in rank order, padding last; position [B, T]: each node's
+        place in that order, root 0).
+    """
+    node = torch.arange(estimate.shape[1], device=estimate.device)
+    ranked = torch.where(real, estimate.double(), -1.0)
+    ranked[:, 0] = 2.0  # the root first
+    order = torch.sort(ranked, dim=1, descending=True, stable=True).indices
+    position = torch.empty_like(order).scatter_(1, order, node.expand(estimate.shape[0], -1))
+    return order, position
+
+
+def first_nodes(draft: Draft, counts: torch.Tensor) -> Draft:
+    """`draft` with each row's first counts[b] drafted nodes (in node order, which is
+    topological: a prefix is ancestor-closed) and padding after, trimmed. The choice looks
+    at no drafted token, so it keeps sampled children exact."""
+    tree = draft.tree
+    node = torch.arange(tree.tokens.shape[1], device=tree.tokens.device)
+    drop = node[None, :] > counts.to(tree.tokens.device)[:, None]
+    parents = tree.parents.masked_fill(drop, -1)
+    tokens = tree.tokens.masked_fill(drop, -1)
+    width = max(int((~drop & ((parents >= 0) | (node == 0))).sum(1).max()), 1)
+    probs = None if draft.draft_probs is None else draft.draft_probs[:, :width]
+    scores = None if draft.scores is None else draft.scores[:, :width]
+    return Draft(TokenTree(tokens[:, :width], parents[:, :width]), probs, scores)
 
 
 def trimmed(tree: TokenTree) -> TokenTree:
@@ -67,18 +135,39 @@ class Drafter:
     Attributes:
         max_nodes: most drafted nodes per row and step (the tree has T <= 1 + max_nodes nodes).
         models: transformers models the drafter runs (switched to tree attention by `generate`).
+        needs_hidden_states: `generate` calls `observe` with the target's hidden states
+            (otherwise it never computes them for the drafter).
     """
 
     max_nodes: int = 0
     models: tuple = ()
+    needs_hidden_states: bool = False
 
     def start(self, history: torch.Tensor, lengths: torch.Tensor, capacity: int) -> None:
         """Called once after the target's prefill: `history [B, capacity]`, prompt lengths [B]."""
 
-    def propose(self, history: torch.Tensor, lengths: torch.Tensor, sampling: Optional[Sampling] = None) -> Draft:
+    def propose(self, history: torch.Tensor, lengths: torch.Tensor, sampling: Optional[Sampling] = None,
+                budget: Optional[torch.Tensor] = None) -> Draft:
         """Propose a tree per row continuing `history[b, :lengths[b]]` (root = its last token).
-        `sampling` None asks for a deterministic proposal (draft_probs None)."""
+
+        sampling: None asks for a deterministic proposal (draft_probs None).
+        budget: None (the drafter's fixed size) or int64 [B], the most drafted nodes row b may
+            return (0: the root only). A sampled tree must choose its nodes without looking
+            at the sampled tokens (see `planner`).
+        """
         return Draft(TokenTree.chain(root_tokens(history, lengths), history.new_zeros(history.shape[0], 0)))
+
+    def observe(self, hidden_states: torch.Tensor, accepted_nodes: Optional[torch.Tensor] = None,
+                num_accepted: Optional[torch.Tensor] = None) -> None:
+        """The target's hidden states (the input of its LM head, after the final norm), only
+        for drafters with `needs_hidden_states`.
+
+        After the prefill: `hidden_states [B, L, H]` at positions 0 .. max(lengths) - 2 of
+        the left-aligned history (row b valid for its first lengths[b] - 1), with
+        accepted_nodes / num_accepted None. After every verify forward: the tree's T nodes
+        `[B, T, H]` with verify's accepted_nodes [B, T] and num_accepted [B], before finished
+        rows leave the batch (`keep_rows` follows).
+        """
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Called when rows finish: from now on the batch is the old rows `rows` (int64
@@ -128,9 +217,15 @@ class NgramDrafter(Drafter):
     def finish(self):
         self.index = None
 
-    def propose(self, history, lengths, sampling=None) -> Draft:
-        """Deterministic n-gram proposal (see class docstring); `sampling` is ignored."""
-        args = dict(min_n=self.min_n, max_n=self.max_n, num_tokens=self.num_tokens, policy=self.policy)
+    def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
+        """Deterministic n-gram proposal (see class docstring); `sampling` is ignored. With a
+        `budget`, chains are cut to it and trees keep their best-ranked nodes (the kernel
+        numbers them by how many matches give the continuation). No `scores`: the kernels
+        do not report match lengths or counts, so the planner judges n-gram drafts by each
+        row's acceptance history."""
+        most = self.max_nodes if budget is None else min(int(budget.max()), self.max_nodes)
+        args = dict(min_n=self.min_n, max_n=self.max_n, policy=self.policy)
+        depth = min(self.num_tokens, max(most, 1))  # a chain of `most` nodes at most
         root = root_tokens(history, lengths)
         if self.index is not None:
             # Feed each row the tokens appended since the last step, then propose.
@@ -138,16 +233,22 @@ class NgramDrafter(Drafter):
             new = lengths - self.indexed
             j = torch.arange(max(int(new.max()), 1))
             appended = history.gather(1, (self.indexed[:, None] + j).clamp(max=history.shape[1] - 1))
-            drafts, draft_lens = self.index.append_and_propose(self.slots, appended, new, **args)
+            drafts, draft_lens = self.index.append_and_propose(self.slots, appended, new, num_tokens=depth, **args)
             self.indexed = lengths.clone()
-            return Draft(trimmed(TokenTree.chain(root, drafts, draft_lens)))
+            return Draft(trimmed(TokenTree.chain(root, drafts, _cut(draft_lens, budget))))
         tokens = history[:, : int(lengths.max())]
         if self.tree_width == 1:
-            drafts, draft_lens = ngram_propose(tokens, lengths, **args)
-            return Draft(trimmed(TokenTree.chain(root, drafts.long(), draft_lens)))
-        tree = ngram_propose_tree(tokens, lengths, tree_width=self.tree_width, **args)
+            drafts, draft_lens = ngram_propose(tokens, lengths, num_tokens=depth, **args)
+            return Draft(trimmed(TokenTree.chain(root, drafts.long(), _cut(draft_lens, budget))))
+        tree = ngram_propose_tree(tokens, lengths, num_tokens=self.num_tokens, tree_width=self.tree_width, max_nodes=most, **args)
         tree.tokens[:, 0] = root
-        return Draft(trimmed(TokenTree(tree.tokens.long(), tree.parents)))
+        draft = Draft(TokenTree(tree.tokens.long(), tree.parents))
+        return first_nodes(draft, budget) if budget is not None else Draft(trimmed(draft.tree))
+
+
+def _cut(draft_lens: torch.Tensor, budget: Optional[torch.Tensor]) -> torch.Tensor:
+    """Chain lengths cut to the per-row budget."""
+    return draft_lens if budget is None else torch.minimum(draft_lens.long(), budget.to(draft_lens.device))
 
 
 class DraftModelDrafter(Drafter):
@@ -196,10 +297,14 @@ class DraftModelDrafter(Drafter):
         self.cache = None
 
     def _children(self, logits, width, sampling):
-        """[B, F, V] logits -> (children [B, F * width], probs [B, F, V] or None)."""
+        """[B, F, V] logits -> (children [B, F * width], their draft probabilities [B, F * width],
+        probs [B, F, V] they were sampled from, or None when chosen greedily)."""
         batch, num_parents, vocab = logits.shape
         if sampling is None:
-            return logits.topk(width, dim=-1).indices.reshape(batch, -1), None
+            top = logits.topk(width, dim=-1)
+            # Confidence of a greedy child: its probability under the draft at temperature 1.
+            chosen = torch.softmax(logits, dim=-1).gather(-1, top.indices)
+            return top.indices.reshape(batch, -1), chosen.reshape(batch, -1), None
         from .sampling import target_probs
 
         flat = logits.reshape(-1, vocab)
@@ -212,15 +317,25 @@ class DraftModelDrafter(Drafter):
             per_row(1.0 if sampling.top_p is None else sampling.top_p, torch.float32),
         )
         children = torch.multinomial(probs, width, replacement=True, generator=sampling.generator)
-        return children.reshape(batch, -1), probs.reshape(batch, num_parents, vocab)
+        chosen = probs.gather(1, children)
+        return children.reshape(batch, -1), chosen.reshape(batch, -1), probs.reshape(batch, num_parents, vocab)
 
-    def propose(self, history, lengths, sampling=None) -> Draft:
-        """Draft a tree (see class docstring); sampled children come with draft_probs."""
+    def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
+        """Draft a tree (see class docstring); sampled children come with draft_probs; scores
+        are the draft's path probabilities. With a `budget`, only the depths some row needs
+        are drafted (a forward per depth), then a greedy tree keeps each row's best nodes by
+        score and a sampled tree its first nodes in node order (never chosen by the samples)."""
         from . import hf
 
         cache, device = self.cache, history.device
         batch = history.shape[0]
         lengths = lengths.long()
+        root = root_tokens(history, lengths)[:, None]
+        most = self.max_nodes if budget is None else min(int(budget.max()), self.max_nodes)
+        if most == 0:  # no row drafts: no forward (the cache catches up at the next draft)
+            return Draft(TokenTree(root, root.new_full((batch, 1), -1)), scores=torch.ones(batch, 1, device=device))
+        num_depths = next(d for d, size in enumerate(self.level_sizes, start=1) if sum(self.level_sizes[:d]) >= most)
+        widths = self.widths[:num_depths]
         # 1) Catch up: feed history[start : lengths] (ending with the root) as ragged chains.
         start = cache.seqlens.long()
         pending = lengths - start
@@ -232,18 +347,21 @@ class DraftModelDrafter(Drafter):
         frontier_logits = logits.gather(1, (pending - 1)[:, None, None].expand(-1, 1, logits.shape[-1]))
         cache.set_lengths(lengths)  # the root stays in while the tree grows
         # 2) Expand one depth per forward; drafted node i (tree node i + 1) sits at slot lengths + i.
-        tokens, parents, depths = [root_tokens(history, lengths)[:, None]], [-1], [0]
+        tokens, parents, depths = [root], [-1], [0]
+        scores = [torch.ones(batch, 1, device=device)]
         node_probs, frontier = {}, [0]
-        for depth, width in enumerate(self.widths, start=1):
-            children, probs = self._children(frontier_logits, width, sampling)
+        for depth, width in enumerate(widths, start=1):
+            children, chosen, probs = self._children(frontier_logits, width, sampling)
             if probs is not None:
                 node_probs.update({node: probs[:, f] for f, node in enumerate(frontier)})
+            parent_scores = torch.cat(scores, dim=1)[:, frontier]
+            scores.append(parent_scores.repeat_interleave(width, dim=1) * chosen)
             first = len(parents)
             parents += [node for node in frontier for _ in range(width)]
             depths += [depth] * children.shape[1]
             tokens.append(children)
             frontier = list(range(first, len(parents)))
-            if depth < len(self.widths):
+            if depth < len(widths):
                 drafted = torch.cat(tokens, dim=1)[:, 1:]
                 mask = tree_mask(torch.tensor(parents, device=device))[1:, 1:]
                 positions = (lengths - 1)[:, None] + torch.tensor(depths[1:], device=device)
@@ -251,13 +369,22 @@ class DraftModelDrafter(Drafter):
                 frontier_logits = logits[:, first - 1 :]
         cache.set_lengths(lengths - 1)
         tree = TokenTree(torch.cat(tokens, dim=1), torch.tensor(parents, device=device).expand(batch, -1))
+        scores = torch.cat(scores, dim=1).float()
         draft_probs = None
         if sampling is not None:
             vocab = frontier_logits.shape[-1]
             draft_probs = torch.zeros(batch, len(parents), vocab, device=device)
             for node, probs in node_probs.items():
                 draft_probs[:, node] = probs
-        return Draft(tree, draft_probs)
+        draft = Draft(tree, draft_probs, scores)
+        if budget is None or bool((budget >= tree.tokens.shape[1] - 1).all()):
+            return draft
+        if sampling is not None:
+            return first_nodes(draft, budget)
+        real = tree.parents >= 0
+        _, position = rank_nodes(scores, real)
+        keep = (position <= budget[:, None]) & (real | (position == 0))
+        return keep_nodes(draft, keep)[0]
 
 
 class MergedDrafter(Drafter):
@@ -278,6 +405,7 @@ class MergedDrafter(Drafter):
             raise ValueError("MergedDrafter needs at least one drafter")
         self.max_nodes = sum(d.max_nodes for d in self.drafters)
         self.models = tuple(m for d in self.drafters for m in d.models)
+        self.needs_hidden_states = any(d.needs_hidden_states for d in self.drafters)
 
     def start(self, history, lengths, capacity):
         for d in self.drafters:
@@ -291,9 +419,31 @@ class MergedDrafter(Drafter):
         for d in self.drafters:
             d.finish()
 
-    def propose(self, history, lengths, sampling=None) -> Draft:
-        """Merge the drafters' deterministic proposals (`sampling` is not used)."""
-        trees = [d.propose(history, lengths, None).tree for d in self.drafters]
+    def observe(self, hidden_states, accepted_nodes=None, num_accepted=None):
+        for d in self.drafters:
+            if d.needs_hidden_states:
+                d.observe(hidden_states, accepted_nodes, num_accepted)
+
+    def split_budget(self, budget: torch.Tensor) -> list:
+        """Each drafter's share of the per-row `budget` [B], in proportion to its size (the
+        rounding remainder to the first drafters; no share above a drafter's size)."""
+        budget = budget.long().clamp(max=self.max_nodes)
+        sizes = torch.tensor([d.max_nodes for d in self.drafters], device=budget.device)
+        shares = budget[None, :] * sizes[:, None] // max(self.max_nodes, 1)  # [D, B]
+        left = budget - shares.sum(0)
+        for i in range(len(self.drafters)):  # a handful of drafters, vectorised over rows
+            extra = torch.minimum(left, sizes[i] - shares[i])
+            shares[i] += extra
+            left = left - extra
+        return list(shares)
+
+    def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
+        """Merge the drafters' deterministic proposals (`sampling` is not used); with a
+        `budget`, each drafter gets its share (`split_budget`) and each row keeps its first
+        budget[b] merged nodes (in the drafters' priority order). No scores: the drafters'
+        confidences are not comparable with each other."""
+        shares = [None] * len(self.drafters) if budget is None else self.split_budget(budget)
+        trees = [d.propose(history, lengths, None, share).tree for d, share in zip(self.drafters, shares)]
         batch = history.shape[0]
         sequences = [[] for _ in range(batch)]
         for tree in trees:
@@ -303,5 +453,5 @@ class MergedDrafter(Drafter):
                 has_child = {p for p in parents[b] if p >= 0}
                 sequences[b] += [tree.path_tokens(b, i)[1:] for i in real if i > 0 and i not in has_child]
         roots = root_tokens(history, lengths).tolist()
-        merged = TokenTree.from_sequences(roots, sequences, self.max_nodes)
-        return Draft(trimmed(merged.to(history.device)))
+        merged = Draft(TokenTree.from_sequences(roots, sequences, self.max_nodes).to(history.device))
+        return first_nodes(merged, budget) if budget is not None else Draft(trimmed(merged.tree))

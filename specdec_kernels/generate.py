@@ -18,6 +18,7 @@ import torch
 from . import config
 from .drafters import Drafter, Sampling
 from .philox import seeds_from_int
+from .planner import Planner
 from .verify import verify
 
 _GOLDEN = 0x9E3779B97F4A7C15  # step -> seed offset (odd 64-bit constant)
@@ -32,14 +33,24 @@ class GenerateStats:
     tokens_per_step: tokens emitted per (step, unfinished row), the mean speculation gain.
     acceptance_per_depth: [d] = fraction of (step, unfinished row) pairs whose accepted path
         reached depth d + 1 (d + 1 drafted tokens accepted).
-    time_prefill / time_draft / time_verify / time_accept / time_total: seconds; verify
-        includes the target's tree forward, accept the cache compaction and bookkeeping.
+    nodes_per_step: mean verified draft nodes per (step, unfinished row).
+    trace: one dict per step: rows (in the batch), width (tree nodes per row, root included,
+        padding too), nodes_per_row and accepted_per_row (means over the rows), seconds (the
+        step's wall time, drafting to bookkeeping). Plot width or nodes_per_row against
+        accepted_per_row to see what the planner chose against what was accepted.
+    time_plan: host seconds the adaptive planner spent (inside time_draft when timing).
+    time_prefill / time_total: seconds. time_draft / time_verify / time_accept: the split of
+        the steps' time (only with generate(..., timing=True), else 0); verify includes the
+        target's tree forward, accept the cache compaction and bookkeeping.
     """
 
     steps: int = 0
     new_tokens: List[int] = field(default_factory=list)
     tokens_per_step: float = 0.0
     acceptance_per_depth: List[float] = field(default_factory=list)
+    nodes_per_step: float = 0.0
+    trace: List[dict] = field(default_factory=list)
+    time_plan: float = 0.0
     time_prefill: float = 0.0
     time_draft: float = 0.0
     time_verify: float = 0.0
@@ -63,9 +74,13 @@ class GenerateOutput:
     stats: GenerateStats
 
 
-def _eos_ids(target, eos_token_id) -> Optional[torch.Tensor]:
-    """eos ids as a 1D tensor, or None. None: the target's generation_config.eos_token_id
-    (as HF generate); pass [] to disable."""
+def eos_ids(target, eos_token_id=None) -> Optional[torch.Tensor]:
+    """The ids a row stops at, as an int64 1D tensor, or None for none.
+
+    eos_token_id None: the target's generation_config.eos_token_id (as HF generate); an int or
+    a list of ints: those; [] disables stopping. (The CLI and the benchmarks use this too, so
+    every path stops at the same tokens.)
+    """
     if eos_token_id is None:
         eos_token_id = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
     if eos_token_id is None:
@@ -74,7 +89,9 @@ def _eos_ids(target, eos_token_id) -> Optional[torch.Tensor]:
     return torch.tensor(ids, dtype=torch.int64) if ids else None
 
 
-def _pad_id(target, eos) -> int:
+def pad_id(target, eos: Optional[torch.Tensor] = None) -> int:
+    """The token rows that stopped early are padded with: the target's generation_config
+    pad_token_id, else its config's, else the first eos id (`eos`, as `eos_ids` returns), else 0."""
     gen_cfg = getattr(target, "generation_config", None)
     for pad in (getattr(gen_cfg, "pad_token_id", None), getattr(target.config, "pad_token_id", None)):
         if pad is not None:
@@ -107,32 +124,127 @@ def _left_align(input_ids: torch.Tensor, lengths: torch.Tensor, capacity: int) -
     return torch.where(j[None, :] < lengths[:, None], tokens, 0)
 
 
-def _emitted_counts(out, eos, budget, done):
-    """Tokens each row keeps of `out.output_tokens` (num_accepted + 1, cut after the first eos
-    and at the row's remaining budget; 0 for finished rows), and whether it emitted an eos."""
-    emitted = out.output_tokens.long()
-    j = torch.arange(emitted.shape[1], device=emitted.device)
-    count = out.num_accepted.long() + 1
-    if eos is None:
-        return torch.minimum(count, budget).masked_fill(done, 0), torch.zeros_like(done)
-    is_eos = torch.isin(emitted, eos) & (j[None, :] < count[:, None])
-    count = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, count)
-    count = torch.minimum(count, budget).masked_fill(done, 0)
-    return count, (is_eos & (j[None, :] < count[:, None])).any(1)
-
-
-def _append(history, lengths, tokens, count) -> None:
-    """history[b, lengths[b] + j] = tokens[b, j] for j < count[b], in place."""
-    j = torch.arange(tokens.shape[1], device=tokens.device)
-    keep = j[None, :] < count[:, None]
-    rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None].expand_as(keep)
-    history[rows[keep], (lengths[:, None] + j)[keep]] = tokens.long()[keep]
-
-
-def _sync(device):
+def _sync(device: torch.device) -> float:
+    """perf_counter after the device's queued work is done (CUDA: synchronize)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+class _Rows:
+    """The per-row state of a `generate` call, kept in step as rows finish.
+
+    Running rows: `history [R, S]` (every token of the row, left-aligned), `lengths [R]`,
+    `generated [R]`, `done [R]`, `ids [R]` (each running row's index in the caller's batch)
+    and `seeds [R]`. `keep(rows)` moves the finished rows into the full-batch output tensors
+    and keeps `rows`; `sequences(...)` scatters everything back in the caller's order.
+    """
+
+    def __init__(self, history: torch.Tensor, lengths: torch.Tensor, seeds: torch.Tensor, max_new_tokens: int):
+        self.history, self.lengths, self.seeds = history, lengths, seeds
+        self.generated = torch.zeros_like(lengths)
+        self.done = self.generated >= max_new_tokens
+        self.ids = torch.arange(lengths.shape[0], device=lengths.device)
+        self.max_new_tokens = max_new_tokens
+        self._out_history, self._out_lengths, self._out_generated = history.clone(), lengths.clone(), self.generated.clone()
+
+    def emitted_counts(self, out, eos: Optional[torch.Tensor]):
+        """Tokens each row keeps of `out.output_tokens` (num_accepted + 1, cut after the first
+        eos and at the row's remaining budget; 0 for finished rows), and whether it hit an eos."""
+        emitted = out.output_tokens.long()
+        count = out.num_accepted.long() + 1
+        budget = self.max_new_tokens - self.generated
+        if eos is None:
+            return torch.minimum(count, budget).masked_fill(self.done, 0), torch.zeros_like(self.done)
+        j = torch.arange(emitted.shape[1], device=emitted.device)
+        is_eos = torch.isin(emitted, eos) & (j[None, :] < count[:, None])
+        count = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, count)
+        count = torch.minimum(count, budget).masked_fill(self.done, 0)
+        return count, (is_eos & (j[None, :] < count[:, None])).any(1)
+
+    def append(self, tokens: torch.Tensor, count: torch.Tensor, hit_eos: torch.Tensor) -> None:
+        """history[b, lengths[b] + j] = tokens[b, j] for j < count[b]; rows that hit an eos or
+        their token budget are done."""
+        j = torch.arange(tokens.shape[1], device=tokens.device)
+        keep = j[None, :] < count[:, None]
+        rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None].expand_as(keep)
+        self.history[rows[keep], (self.lengths[:, None] + j)[keep]] = tokens.long()[keep]
+        self.lengths, self.generated = self.lengths + count, self.generated + count
+        self.done = self.done | hit_eos | (self.generated >= self.max_new_tokens)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Store the rows not in `rows` in the output, keep `rows` (int64 indices, in order)."""
+        gone = torch.ones_like(self.done)
+        gone[rows] = False
+        self._store(gone)
+        self.history, self.lengths, self.generated = self.history[rows], self.lengths[rows], self.generated[rows]
+        self.done, self.ids, self.seeds = self.done[rows], self.ids[rows], self.seeds[rows]
+
+    def _store(self, which: torch.Tensor) -> None:
+        ids = self.ids[which]
+        self._out_history[ids], self._out_lengths[ids] = self.history[which], self.lengths[which]
+        self._out_generated[ids] = self.generated[which]
+
+    def sequences(self, input_ids: torch.Tensor, pad: int) -> torch.Tensor:
+        """[B, L + new]: the prompts as given, then each row's generated tokens, pad after a row
+        stopped (HF generate's layout); new = the most tokens any row generated."""
+        self._store(torch.ones_like(self.done))
+        history, lengths, generated = self._out_history, self._out_lengths, self._out_generated
+        new = int(generated.max()) if generated.numel() else 0
+        j = torch.arange(new, device=history.device)
+        tokens = history.gather(1, (lengths - generated)[:, None] + j)
+        tokens = torch.where(j[None, :] < generated[:, None], tokens, pad)
+        return torch.cat([input_ids, tokens.to(input_ids.dtype)], dim=1)
+
+    @property
+    def new_tokens(self) -> List[int]:
+        """Tokens generated per row of the caller's batch (after `sequences`)."""
+        return self._out_generated.tolist()
+
+
+def _draft(drafter: Drafter, planner: Optional[Planner], rows: _Rows, sampling, stats: GenerateStats):
+    """The step's draft: with a planner, at most the nodes it budgets from the rows' history,
+    then cut to the nodes worth verifying (its host time goes to stats.time_plan)."""
+    if planner is None:
+        return drafter.propose(rows.history, rows.lengths, sampling)
+    start, prefix = time.perf_counter(), float(rows.lengths.double().mean())
+    budget = planner.budget(prefix)
+    middle = time.perf_counter()
+    draft = drafter.propose(rows.history, rows.lengths, sampling, budget)
+    end = time.perf_counter()
+    draft = planner.select(draft, prefix)
+    stats.time_plan += (middle - start) + (time.perf_counter() - end)
+    return draft
+
+
+class _Trace:
+    """Per-step records for stats.trace; each step's wall time also refreshes the planner's
+    cost model. Counts stay tensors until the end (no host sync per step)."""
+
+    def __init__(self, planner: Optional[Planner]):
+        self.planner, self.records, self.start = planner, [], time.perf_counter()
+
+    def next_step(self) -> None:
+        """A step ends (and the next begins): time the one before."""
+        now = time.perf_counter()
+        if self.records and "seconds" not in self.records[-1]:
+            self.records[-1]["seconds"] = now - self.start
+            if self.planner is not None:
+                self.planner.observe_time(self.records[-1]["seconds"])
+        self.start = now
+
+    def record(self, tree, out, active: torch.Tensor) -> None:
+        """The verified tree and its outcome; the planner learns the rows' acceptance."""
+        self.records.append({"rows": int(active.shape[0]), "width": int(tree.tokens.shape[1]),
+                             "nodes": ((tree.parents >= 0) & active[:, None]).sum(),
+                             "accepted": out.num_accepted.long()[active].sum()})
+        if self.planner is not None:
+            self.planner.observe(out, active)
+
+    def steps(self) -> List[dict]:
+        return [dict(rows=r["rows"], width=r["width"], nodes_per_row=int(r["nodes"]) / r["rows"],
+                     accepted_per_row=int(r["accepted"]) / r["rows"], seconds=r.get("seconds", 0.0))
+                for r in self.records]
 
 
 @torch.inference_mode()
@@ -149,13 +261,15 @@ def generate(
     eos_token_id: Union[None, int, Sequence[int]] = None,
     attention_mask: Optional[torch.Tensor] = None,
     streamer=None,
+    adaptive: Union[bool, Planner] = True,
+    timing: bool = False,
 ) -> GenerateOutput:
     """Speculative decoding with `target` (a transformers causal LM), lossless.
 
     Args:
         target: a transformers (>= 5) causal LM with standard full attention (Llama, Qwen2,
             Mistral-like); it runs with `specdec_tree` attention inside this call only.
-        input_ids: int [B, L] prompts, left-padded where `attention_mask` is 0.
+        input_ids: int [B, L] prompts (ids in [0, vocab)), left-padded where `attention_mask` is 0.
         drafter: None (plain decoding), `NgramDrafter`, `DraftModelDrafter`, `MergedDrafter`.
         max_new_tokens: most tokens generated per row.
         temperature: 0 for greedy (the target's argmax chain, lowest id on ties), else
@@ -167,6 +281,16 @@ def generate(
         attention_mask: [B, L], 1 for prompt tokens, 0 for left padding (default all ones).
         streamer: optional, HF streamer protocol (batch size 1): `put(prompt ids)`, then
             `put(new ids)` after every step, then `end()`.
+        adaptive: True: each step a `Planner` picks how many draft nodes each row verifies
+            (0: plain decoding for that row) for the most expected tokens per second, from a
+            cost model of the target forward measured on this device (once per model,
+            device and dtype; cached on disk) and each row's acceptance (new rows start from
+            what earlier calls with this target and kind of drafter accepted); drafters are
+            asked for no more. When sampling, plans use only the calibration and this
+            call's rows (never measured times), so a seed still reproduces the output. False: the drafter's fixed size. A `Planner` instance: that planner
+            (its settings, or a given cost model). No effect without a drafter.
+        timing: split stats.time_total into draft / verify / accept. On a GPU that costs a
+            device synchronisation per phase and step, so it is off unless asked for.
 
     Returns:
         GenerateOutput(sequences [B, L + new], stats): the prompts as given, then the
@@ -175,111 +299,150 @@ def generate(
     from . import hf  # transformers is an optional dependency
 
     t_start = time.perf_counter()
-    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids: expected int [B, L] with L >= 1, got shape {tuple(input_ids.shape)}")
+    lengths = _check_inputs(target, input_ids, attention_mask, max_new_tokens, temperature, streamer)
+    device = input_ids.device
+    batch, prompt_len = input_ids.shape
+    eos = eos_ids(target, eos_token_id)
+    eos = None if eos is None else eos.to(device)
+    drafter = drafter if drafter is not None else Drafter()
+    sampling = None
+    seeds = _row_seeds(seed, batch, device)
+    if temperature > 0:
+        generator = torch.Generator(device).manual_seed(int(seeds.sum()) & (2**63 - 1))
+        sampling = Sampling(float(temperature), top_k, top_p, generator)
+
+    planner = None
+    if not isinstance(adaptive, (bool, Planner)):
+        raise ValueError(f"adaptive: expected True, False or a Planner, got {type(adaptive).__name__}")
+    if adaptive is not False and drafter.max_nodes > 0:
+        planner = adaptive if isinstance(adaptive, Planner) else Planner()
+    with_hidden = drafter.needs_hidden_states
+
+    stats = GenerateStats()
+    capacity = prompt_len + max_new_tokens + 1 + drafter.max_nodes
+    rows = _Rows(_left_align(input_ids, lengths, capacity), lengths, seeds, max_new_tokens)
+    num_accepted_counts = torch.zeros(1 + drafter.max_nodes, dtype=torch.int64)  # [n]: (step, row) pairs accepting n drafts
+    max_depth = 0
+    clock = _sync if timing else (lambda device: time.perf_counter())
+    # The loop builds every op input itself: re-reading them would cost a host sync per op call
+    # on GPU (one per layer per step) and about 0.2 ms per tree-attention call on CPU.
+    with hf.use_tree_attention(target, *drafter.models), config.value_checks(False):
+        cache = hf.TreeKVCache.for_model(target, batch, capacity)
+        hidden = hf.prefill(target, cache, rows.history, rows.lengths, return_hidden=with_hidden)
+        drafter.start(rows.history, rows.lengths, capacity)
+        if with_hidden:
+            drafter.observe(hidden)
+        if planner is not None:
+            # Sampling: plans that the seed alone determines (see Planner.start).
+            planner.start(target, batch, drafter.max_nodes, device, drafter, reproducible=sampling is not None)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        t0 = clock(device)
+        stats.time_prefill = t0 - t_start
+        trace = _Trace(planner)
+        try:
+            while not bool(rows.done.all()):
+                trace.next_step()  # (done.all() waited for the step before: its time is real)
+                # Draft: a token tree per row, rooted at the row's last token, of the size the
+                # planner chose (the drafter's fixed size without one).
+                draft = _draft(drafter, planner, rows, sampling, stats)
+                tree, depths = draft.tree, draft.tree.depths
+                max_depth = max(max_depth, int(depths.max()))
+                t1 = clock(device)
+                # Verify: one target forward over every tree node (position = prefix length +
+                # depth), then lossless acceptance.
+                positions = cache.seqlens.long()[:, None] + depths.clamp(min=0)
+                logits = hf.forward(target, cache, tree.tokens, positions, tree.mask(), return_hidden=with_hidden)
+                if with_hidden:
+                    logits, hidden = logits
+                out = verify(logits, tree.tokens, tree.parents, draft_probs=draft.draft_probs, temperature=temperature,
+                             top_k=top_k, top_p=top_p, seed=_step_seeds(rows.seeds, stats.steps))
+                if with_hidden:
+                    drafter.observe(hidden, out.accepted_nodes, out.num_accepted)
+                t2 = clock(device)
+                # Accept: the rows keep what they emitted, the cache everything but the last token.
+                count, hit_eos = rows.emitted_counts(out, eos)
+                cache.accept(out.accepted_nodes, out.num_accepted, count)
+                active = ~rows.done
+                num_accepted_counts += torch.bincount(out.num_accepted.long()[active],
+                                                      minlength=num_accepted_counts.numel()).cpu()
+                trace.record(tree, out, active)
+                rows.append(out.output_tokens, count, hit_eos)
+                if streamer is not None and int(count[0]) > 0:
+                    streamer.put(out.output_tokens[0, : int(count[0])].cpu())
+                stats.steps += 1
+                if bool(rows.done.any()) and not bool(rows.done.all()):
+                    # Finished rows leave the batch (one copy of the caches), so later steps
+                    # do not spend target and draft compute on them.
+                    keep = (~rows.done).nonzero()[:, 0]
+                    rows.keep(keep)
+                    cache.keep_rows(keep)
+                    drafter.keep_rows(keep)
+                    if planner is not None:
+                        planner.keep_rows(keep)
+                t3 = clock(device)
+                if timing:
+                    stats.time_draft += t1 - t0
+                    stats.time_verify += t2 - t1
+                    stats.time_accept += t3 - t2
+                t0 = t3
+            trace.next_step()
+            if planner is not None:
+                planner.finish()
+        finally:
+            drafter.finish()
+    if streamer is not None:
+        streamer.end()
+
+    sequences = rows.sequences(input_ids, pad_id(target, eos))
+    pairs = int(num_accepted_counts.sum())
+    stats.new_tokens = rows.new_tokens
+    stats.tokens_per_step = (sum(stats.new_tokens) / pairs) if pairs else 0.0
+    reached = num_accepted_counts.flip(0).cumsum(0).flip(0)[1:]  # [d]: pairs with >= d + 1 accepted
+    stats.acceptance_per_depth = [int(r) / pairs for r in reached[:max_depth]] if pairs else []
+    stats.trace = trace.steps()
+    stats.nodes_per_step = sum(t["nodes_per_row"] * t["rows"] for t in stats.trace) / pairs if pairs else 0.0
+    stats.time_total = time.perf_counter() - t_start
+    return GenerateOutput(sequences, stats)
+
+
+def _check_inputs(target, input_ids, attention_mask, max_new_tokens, temperature, streamer) -> torch.Tensor:
+    """Validate generate's arguments; returns the prompt lengths (int64 [B])."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids: expected int [B, L] with L >= 1, got {shape}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids: expected an integer dtype (token ids), got {input_ids.dtype}")
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError("streamer: streaming needs a batch of one prompt")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens: expected >= 0, got {max_new_tokens}")
     if temperature < 0:
         raise ValueError(f"temperature: expected >= 0 (0 = greedy), got {temperature}")
-    device = input_ids.device
-    batch, prompt_len = input_ids.shape
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask: expected shape {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}")
     lengths = attention_mask.long().sum(1)
-    left_padded = torch.arange(prompt_len, device=device)[None, :] >= (prompt_len - lengths)[:, None]
+    prompt_len = input_ids.shape[1]
+    left_padded = torch.arange(prompt_len, device=input_ids.device)[None, :] >= (prompt_len - lengths)[:, None]
     if not torch.equal(left_padded, attention_mask.bool()) or (lengths == 0).any():
         raise ValueError("attention_mask: expected left padding (0s then 1s) and at least one prompt token per row")
-    eos = _eos_ids(target, eos_token_id)
-    eos = None if eos is None else eos.to(device)
-    pad_id = _pad_id(target, eos)
-    drafter = drafter if drafter is not None else Drafter()
-    greedy = temperature == 0
-    row_seeds = _row_seeds(seed, batch, device)
-    sampling = None
-    if not greedy:
-        generator = torch.Generator(device).manual_seed(int(row_seeds.sum()) & (2**63 - 1))
-        sampling = Sampling(float(temperature), top_k, top_p, generator)
+    vocab = _vocab_size(target)
+    real = input_ids[attention_mask.bool()]  # padding positions may hold anything
+    if real.numel() and (int(real.min()) < 0 or (vocab is not None and int(real.max()) >= vocab)):
+        raise ValueError(f"input_ids: token ids must lie in [0, {vocab}) (the target's vocabulary), "
+                         f"got values in [{int(real.min())}, {int(real.max())}]")
+    return lengths
 
-    stats = GenerateStats()
-    capacity = prompt_len + max_new_tokens + 1 + drafter.max_nodes
-    history = _left_align(input_ids, lengths, capacity)  # every row's tokens, left-aligned
-    generated = torch.zeros(batch, dtype=torch.int64, device=device)
-    done = generated >= max_new_tokens
-    # Rows still running are history[i] etc. for original row row_ids[i]; finished rows are
-    # moved into the out_* tensors and dropped from the batch.
-    row_ids = torch.arange(batch, device=device)
-    out_history, out_lengths, out_generated = history.clone(), lengths.clone(), generated.clone()
-    accepted_hist = torch.zeros(1 + drafter.max_nodes, dtype=torch.int64)
-    max_depth = 0
-    # The loop builds every op input itself: re-reading them would cost a host sync per op call
-    # on GPU (one per layer per step) and about 0.2 ms per tree-attention call on CPU.
-    with hf.use_tree_attention(target, *drafter.models), config.value_checks(False):
-        cache = hf.TreeKVCache.for_model(target, batch, capacity)
-        hf.prefill(target, cache, history, lengths)
-        drafter.start(history, lengths, capacity)
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
-        t0 = _sync(device)
-        stats.time_prefill = t0 - t_start
-        try:
-            while not bool(done.all()):
-                # Draft: a token tree per row, rooted at the row's last token.
-                draft = drafter.propose(history, lengths, sampling)
-                tree, depths = draft.tree, draft.tree.depths
-                max_depth = max(max_depth, int(depths.max()))
-                t1 = _sync(device)
-                # Verify: one target forward over every tree node, then lossless acceptance.
-                positions = cache.seqlens.long()[:, None] + depths.clamp(min=0)  # prefix length + depth
-                logits = hf.forward(target, cache, tree.tokens, positions, tree.mask())
-                out = verify(logits, tree.tokens, tree.parents, draft_probs=draft.draft_probs, temperature=temperature,
-                             top_k=top_k, top_p=top_p, seed=_step_seeds(row_seeds, stats.steps))
-                t2 = _sync(device)
-                # Accept: keep the accepted path in the cache, append the emitted tokens.
-                cache.compact_(out.accepted_nodes, out.num_accepted)
-                count, hit_eos = _emitted_counts(out, eos, max_new_tokens - generated, done)
-                _append(history, lengths, out.output_tokens, count)
-                if streamer is not None and int(count[0]) > 0:
-                    streamer.put(out.output_tokens[0, : int(count[0])].cpu())
-                accepted_hist += torch.bincount(out.num_accepted.long()[~done], minlength=accepted_hist.numel()).cpu()
-                lengths, generated = lengths + count, generated + count
-                done = done | hit_eos | (generated >= max_new_tokens)
-                cache.set_lengths(lengths - 1)  # (rows that just finished drop what they accepted past their end)
-                stats.steps += 1
-                if bool(done.any()) and not bool(done.all()):
-                    # Finished rows leave the batch (one copy of the caches), so later steps
-                    # do not spend target and draft compute on them.
-                    finished, keep = done.nonzero()[:, 0], (~done).nonzero()[:, 0]
-                    out_history[row_ids[finished]] = history[finished]
-                    out_lengths[row_ids[finished]], out_generated[row_ids[finished]] = lengths[finished], generated[finished]
-                    history, lengths, generated, done = history[keep], lengths[keep], generated[keep], done[keep]
-                    row_ids, row_seeds = row_ids[keep], row_seeds[keep]
-                    cache.keep_rows(keep)
-                    drafter.keep_rows(keep)
-                t3 = _sync(device)
-                stats.time_draft, stats.time_verify, stats.time_accept = (
-                    stats.time_draft + t1 - t0, stats.time_verify + t2 - t1, stats.time_accept + t3 - t2)
-                t0 = t3
-        finally:
-            drafter.finish()
-    if streamer is not None:
-        streamer.end()
 
-    out_history[row_ids], out_lengths[row_ids], out_generated[row_ids] = history, lengths, generated
-    history, lengths, generated = out_history, out_lengths, out_generated
-    new = int(generated.max()) if batch else 0
-    j = torch.arange(new, device=device)
-    gen_tokens = history.gather(1, (lengths - generated)[:, None] + j)
-    gen_tokens = torch.where(j[None, :] < generated[:, None], gen_tokens, pad_id)
-    sequences = torch.cat([input_ids, gen_tokens.to(input_ids.dtype)], dim=1)
-
-    pairs = int(accepted_hist.sum())
-    stats.new_tokens = generated.tolist()
-    stats.tokens_per_step = (sum(stats.new_tokens) / pairs) if pairs else 0.0
-    reached = accepted_hist.flip(0).cumsum(0).flip(0)[1:]  # [d]: pairs with >= d + 1 accepted
-    stats.acceptance_per_depth = [int(r) / pairs for r in reached[:max_depth]] if pairs else []
-    stats.time_total = time.perf_counter() - t_start
-    return GenerateOutput(sequences, stats)
+def _vocab_size(target) -> Optional[int]:
+    """Rows of the target's input embedding (the ids it can read), else config.vocab_size."""
+    get = getattr(target, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    weight = getattr(emb, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return weight.shape[0]
+    cfg = getattr(target, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return getattr(cfg, "vocab_size", None)

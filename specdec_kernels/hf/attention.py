@@ -103,39 +103,63 @@ def use_tree_attention(*models):
             m.config._attn_implementation = impl
 
 
-def forward(model, cache, tokens, position_ids, tree_mask=None, logits_to_keep=0) -> torch.Tensor:
+def forward(model, cache, tokens, position_ids, tree_mask=None, logits_to_keep=0, return_hidden=False):
     """One forward of `model` writing `tokens [B, T]` into `cache` at cache.seqlens[b] + j.
 
     Args:
         tree_mask: None for a prefill (cache.seqlens all 0, plain causal attention), else the
             ancestor mask of the T tokens, which attend to their row's prefix and ancestors.
         logits_to_keep: as in transformers (0: all positions).
+        return_hidden: also return the input of the LM head (after the final norm) at all T
+            positions, for drafters that read the target's hidden states.
 
     Returns:
-        logits [B, T or logits_to_keep, V] in fp32. The caller sets the new cache lengths.
+        logits [B, T or logits_to_keep, V] in fp32, or (logits, hidden [B, T, H]) with
+        return_hidden. The caller sets the new cache lengths.
     """
     extra = {}
     if tree_mask is not None:
         extra = {TREE_MASK_KWARG: tree_mask, SEQLENS_KWARG: cache.seqlens}
-    out = model(
-        input_ids=tokens.clamp(min=0),  # padding nodes (-1) become token 0; their outputs are never used
-        position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=logits_to_keep,
-        **extra,
-    )
-    return out.logits.float()
+    args = dict(input_ids=tokens.clamp(min=0),  # padding nodes (-1) become token 0; their outputs are never used
+                position_ids=position_ids, past_key_values=cache, use_cache=True, **extra)
+    if not return_hidden:
+        return model(logits_to_keep=logits_to_keep, **args).logits.float()
+    hidden = _decoder(model)(**args).last_hidden_state
+    kept = hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:]
+    return model.get_output_embeddings()(kept).float(), hidden
 
 
-def prefill(model, cache, history: torch.Tensor, lengths: torch.Tensor) -> None:
+def _decoder(model):
+    """The decoder under a causal LM's head; refuses models whose logits are more than
+    lm_head(last hidden state) (soft-capping, scaling), where the hidden states would not
+    be the LM head's input."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1, 1.0):
+        raise NotImplementedError(f"return_hidden: {type(model).__name__} post-processes its logits")
+    return model.get_decoder()
+
+
+def prefill(model, cache, history: torch.Tensor, lengths: torch.Tensor, return_hidden: bool = False):
     """Write every row's tokens but its last (`history[b, :lengths[b] - 1]`, left-aligned)
     into an empty `cache`, with plain causal attention; the last token becomes the first
     tree's root. Row padding lies after each row's real tokens, so causal attention never
-    lets a real token see it, and later writes overwrite it."""
+    lets a real token see it, and later writes overwrite it.
+
+    Returns None, or with return_hidden the final hidden states [B, max(lengths) - 1, H]
+    (row b valid for its first lengths[b] - 1), computed without the LM head.
+    """
     prefix = lengths.long() - 1
     num = int(prefix.max())
+    hidden = None
     if num > 0:
         positions = torch.arange(num, device=history.device)[None, :].expand(history.shape[0], -1)
-        forward(model, cache, history[:, :num], positions, logits_to_keep=1)
+        if return_hidden:
+            hidden = _decoder(model)(input_ids=history[:, :num], position_ids=positions, past_key_values=cache,
+                                     use_cache=True).last_hidden_state
+        else:
+            forward(model, cache, history[:, :num], positions, logits_to_keep=1)
+    elif return_hidden:
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        hidden = torch.zeros(history.shape[0], 0, cfg.hidden_size, dtype=next(model.parameters()).dtype, device=history.device)
     cache.set_lengths(prefix)
+    return hidden

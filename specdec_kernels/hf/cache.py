@@ -130,6 +130,20 @@ class TreeKVCache(Cache):
         """
         self.set_lengths(compact_kv_cache_(self.buffers(), self.seqlens, accepted_nodes, num_accepted))
 
+    def accept(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, counts: torch.Tensor) -> None:
+        """After a verify step whose rows emitted `counts [B]` tokens: keep what the rows kept.
+
+        The invariant of the decoding loop: a row's cache holds every token of the row but the
+        last (the next tree's root). A step emits the accepted drafts plus one token, so the
+        root and the first counts[b] - 1 accepted drafts enter the cache: the accepted path is
+        compacted after the prefix, and the lengths grow by counts[b] (not num_accepted + 1:
+        a row cut short by eos or its token budget, or a finished row with counts 0, keeps
+        only what it emitted).
+        """
+        prefix = self.seqlens
+        compact_kv_cache_(self.buffers(), prefix, accepted_nodes, num_accepted)
+        self.set_lengths(prefix + counts.to(prefix.dtype))
+
     # transformers' Cache API (what models and mask builders may ask)
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """max(seqlens): rows are ragged, so this is only an upper bound for each row."""

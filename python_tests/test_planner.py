@@ -1,0 +1,363 @@
+"""Adaptive speculation: the planner's decisions, the cost model, drafter budgets, and
+losslessness with the planner on (greedy identity with HF, chi-square on sampling),
+including rows that verify no drafts and pruned trees."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import specdec_kernels as sk  # noqa: E402
+from specdec_kernels import cost_model as cm  # noqa: E402
+from specdec_kernels.drafters import Draft, first_nodes, keep_nodes  # noqa: E402
+from specdec_kernels import planner as planner_module  # noqa: E402
+from specdec_kernels.planner import AcceptanceModel, Planner, choose_counts  # noqa: E402
+
+from test_generate import (  # noqa: E402
+    SAMPLE_PROMPT, SAMPLE_ROWS, VOCAB, chi_square_pvalue, exact_pair_distribution, hf_greedy, left_pad,
+    repetitive_prompts, tiny_model,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def own_cache_dir(tmp_path, monkeypatch):
+    """Cost models measured here go to a temporary cache, never the user's."""
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    cm._LOADED.clear()
+    planner_module._LEARNED.clear()
+    yield
+    cm._LOADED.clear()
+    planner_module._LEARNED.clear()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(0)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return tiny_model(1)
+
+
+def flat_cost(model, seconds=1.0):
+    """A cost model where verifying more nodes costs nothing."""
+    return cm.CostModel(cm.identity(model), [1, 10_000], [seconds, seconds])
+
+
+def linear_cost(model, per_token):
+    """Each token of a forward costs `per_token` on top of a fixed 1 s."""
+    return cm.CostModel(cm.identity(model), [1, 10_000], [1.0 + per_token, 1.0 + per_token * 10_000])
+
+
+# ----------------------------------------------------------------------------- decisions
+
+
+def test_zero_acceptance_drafts_nothing():
+    gains = torch.zeros(4, 6)
+    seconds = torch.linspace(1.0, 1.5, 7)
+    assert choose_counts(gains, seconds).tolist() == [0, 0, 0, 0]
+    # even when verification is free: nothing to gain, the cheaper plan wins the tie
+    assert choose_counts(gains, torch.ones(7)).tolist() == [0, 0, 0, 0]
+
+
+def test_free_verification_takes_the_full_budget():
+    gains = torch.tensor([[0.9, 0.5, 0.2, 0.1], [0.3, 0.2, 0.0, 0.0]])
+    counts = choose_counts(gains, torch.ones(5))
+    assert counts.tolist() == [4, 2]  # every node with something to gain (row 1 has two)
+
+
+def test_cost_against_gain():
+    gains = torch.tensor([[0.9, 0.5, 0.2]], dtype=torch.float64)
+    # goodput n=0: 1/1, n=1: 1.9/2 -> no drafts when a node doubles the step
+    assert choose_counts(gains, torch.tensor([1.0, 2.0, 3.0, 4.0])).tolist() == [0]
+    # 1/1, 1.9/1.1, 2.4/1.2 = 2.0, 2.6/1.3 = 2.0 (tie: the cheaper) -> 2
+    assert choose_counts(gains, torch.tensor([1.0, 1.1, 1.2, 1.3], dtype=torch.float64)).tolist() == [2]
+
+
+def test_batch_budget_goes_to_the_largest_gains():
+    gains = torch.tensor([[0.9, 0.8, 0.7], [0.3, 0.1, 0.05], [0.85, 0.2, 0.0]])
+    free = torch.ones(4)
+    assert choose_counts(gains, free, max_batch_nodes=3).tolist() == [2, 0, 1]  # 0.9, 0.85, 0.8
+    assert choose_counts(gains, free, max_batch_nodes=5).tolist() == [3, 1, 1]  # + 0.7, 0.3
+    assert choose_counts(gains, free, max_batch_nodes=0).tolist() == [0, 0, 0]
+    assert choose_counts(gains, free).tolist() == [3, 3, 2]
+
+
+def test_min_gain_leaves_hopeless_rows_plain():
+    gains = torch.tensor([[0.9, 0.9], [0.005, 0.001]])
+    assert choose_counts(gains, torch.ones(3), min_gain=0.01).tolist() == [2, 0]
+
+
+def test_bad_configuration():
+    with pytest.raises(ValueError, match="max_batch_nodes"):
+        Planner(max_batch_nodes=-1)
+    with pytest.raises(ValueError, match="max_batch_nodes"):
+        choose_counts(torch.zeros(1, 2), torch.ones(3), max_batch_nodes=-2)
+    with pytest.raises(ValueError, match="step_seconds"):
+        choose_counts(torch.zeros(1, 2), torch.ones(2))
+    with pytest.raises(ValueError, match="min_gain"):
+        Planner(min_gain=-0.1)
+    with pytest.raises(ValueError, match="seconds"):
+        cm.CostModel({}, [1, 2], [0.1, -1.0])
+    with pytest.raises(ValueError, match="tokens"):
+        cm.CostModel({}, [4, 2], [0.1, 0.2])
+    with pytest.raises(ValueError, match="adaptive"):
+        sk.generate(tiny_model(0), torch.ones(1, 3, dtype=torch.long), max_new_tokens=1, adaptive="yes")
+
+
+def test_acceptance_model_learns_and_forgets():
+    model = AcceptanceModel(rows=2, max_nodes=3, device="cpu", decay=0.8, prior=0.5)
+    prior = model.rank_rates()
+    assert torch.allclose(prior[0], torch.tensor([0.5, 0.25, 0.125], dtype=torch.float64))
+    ranks = torch.tensor([[-1, 0, 1, 2], [-1, 0, 1, 2]])
+    on_path = torch.tensor([[True, True, True, True], [True, False, False, False]])
+    for _ in range(10):
+        model.update(ranks, on_path, None, torch.tensor([True, True]))
+    rates = model.rank_rates()
+    assert (rates[0] > 0.8).all() and (rates[1] < 0.15).all()
+    for _ in range(40):  # no verification: back towards the prior (rows retry from time to time)
+        model.update(torch.full_like(ranks, -1), on_path, None, torch.tensor([True, True]))
+    assert torch.allclose(model.rank_rates(), prior, atol=1e-2)
+    # scores: a node surer than its rank's usual is estimated higher, never above its parent
+    model.update(ranks, on_path, torch.tensor([[1.0, 0.4, 0.2, 0.1]] * 2), torch.tensor([True, True]))
+    est = model.estimates(torch.tensor([[0.8, 0.1, 0.1], [0.4, 0.2, 0.1]]))
+    assert est[0, 0] > est[1, 0] and (est[:, 1:] <= est[:, :-1]).all()
+
+
+def test_accepting_rows_look_deeper():
+    """A row that verifies only its first node and always accepts it: the unmeasured deeper
+    ranks follow the row's per-token acceptance (the planner then tries them), they do not
+    stay at the prior."""
+    model = AcceptanceModel(rows=1, max_nodes=4, device="cpu", prior=0.5)
+    before = model.rank_rates()[0]
+    ranks, on_path = torch.tensor([[-1, 0]]), torch.tensor([[True, True]])
+    for _ in range(10):
+        model.update(ranks, on_path, None, torch.tensor([True]))
+    after = model.rank_rates()[0]
+    assert (after > before + 0.2).all() and after[3] > 0.6
+    gains, seconds = after[None].float(), torch.tensor([1.0, 1.2, 1.3, 1.4, 1.5])
+    assert choose_counts(before[None].float(), seconds).item() < choose_counts(gains, seconds).item() == 4
+
+
+# ----------------------------------------------------------------------------- trees
+
+
+def test_keep_nodes_renumbers_and_first_nodes_cuts():
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 3], [-1, 0, 1, -1, -1, -1]])
+    tokens = torch.tensor([[5, 10, 11, 12, 13, 14], [6, 20, 21, -1, -1, -1]])
+    scores = torch.tensor([[1.0, 0.5, 0.4, 0.3, 0.2, 0.1], [1.0, 0.9, 0.8, 0, 0, 0]])
+    draft = Draft(sk.TokenTree(tokens, parents), scores=scores)
+    keep = torch.tensor([[True, False, True, False, True, False], [True, True, False, False, False, False]])
+    pruned, new_index = keep_nodes(draft, keep)
+    assert pruned.tree.tokens.tolist() == [[5, 11, 13], [6, 20, -1]]
+    assert pruned.tree.parents.tolist() == [[-1, 0, 1], [-1, 0, -1]]
+    assert pruned.scores[0].tolist() == pytest.approx([1.0, 0.4, 0.2])
+    assert new_index[0, 4] == 2
+    cut = first_nodes(draft, torch.tensor([2, 0]))
+    assert cut.tree.parents.tolist() == [[-1, 0, 0], [-1, -1, -1]]
+    assert cut.tree.tokens[1].tolist() == [6, -1, -1]
+
+
+def test_drafters_honour_budgets(target, draft):
+    ids, mask = left_pad(repetitive_prompts(3))
+    lengths = mask.sum(1)
+    history = torch.zeros(3, 80, dtype=torch.long)
+    for b in range(3):
+        history[b, : lengths[b]] = ids[b, ids.shape[1] - lengths[b] :]
+    budget = torch.tensor([0, 2, 5])
+    for drafter in (sk.NgramDrafter(num_tokens=6), sk.NgramDrafter(num_tokens=3, tree_width=3),
+                    sk.MergedDrafter([sk.NgramDrafter(num_tokens=4), sk.NgramDrafter(num_tokens=2, max_n=2)])):
+        drafter.start(history, lengths, 80)
+        full = drafter.propose(history, lengths).tree.num_nodes - 1
+        got = drafter.propose(history, lengths, budget=budget).tree.num_nodes - 1
+        assert (got == torch.minimum(full, budget)).all(), (type(drafter).__name__, got, full)
+    model_drafter = sk.DraftModelDrafter(draft, tree_widths=(2, 2, 1))
+    calls = []
+    handle = draft.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        with sk.hf.use_tree_attention(draft):
+            model_drafter.start(history, lengths, 80)
+            calls.clear()
+            out = model_drafter.propose(history, lengths, budget=torch.tensor([0, 1, 2]))
+            assert len(calls) == 1  # budget 2 = depth 1: the catch-up forward only, no expansion
+            assert (out.tree.num_nodes - 1).tolist() == [0, 1, 2]
+            assert out.scores is not None and (out.scores[:, 0] == 1).all()
+            calls.clear()
+            out = model_drafter.propose(history, lengths, budget=torch.tensor([0, 0, 0]))
+            assert not calls and out.tree.tokens.shape[1] == 1  # nothing to draft: no forward
+            out = model_drafter.propose(history, lengths, budget=torch.tensor([3, 9, 4]))
+            tree = out.tree
+            assert (tree.num_nodes - 1).tolist() == [3, 9, 4]
+            real = tree.parents >= 0
+            parent_scores = out.scores.gather(1, tree.parents.clamp(min=0))
+            assert (out.scores[real] <= parent_scores[real] + 1e-6).all()  # path probabilities
+    finally:
+        handle.remove()
+    shares = sk.MergedDrafter([sk.NgramDrafter(num_tokens=4), sk.NgramDrafter(num_tokens=2)]).split_budget(torch.tensor([0, 3, 6, 9]))
+    assert [s.tolist() for s in shares] == [[0, 2, 4, 4], [0, 1, 2, 2]]
+
+
+# ----------------------------------------------------------------------------- cost model
+
+
+def test_cost_model_interpolates_and_refreshes():
+    cost = cm.CostModel({"k": 1}, [1, 4, 16], [1.0, 1.0, 4.0], per_key=0.0)
+    got = cost.forward_seconds(torch.tensor([1, 2, 4, 10, 16, 32]))
+    assert torch.allclose(got, torch.tensor([1.0, 1.0, 1.0, 2.5, 4.0, 8.0], dtype=torch.float64))
+    before = cost.step_seconds(2, torch.tensor([1, 2, 8]), prefix=cm.CAL_PREFIX)
+    for _ in range(30):
+        cost.observe(rows=2, width=8, prefix=cm.CAL_PREFIX, seconds=8.0)  # 16 tokens measured at 2x
+    after = cost.step_seconds(2, torch.tensor([1, 2, 8]), prefix=cm.CAL_PREFIX)
+    assert torch.allclose(after[2], 2 * before[2], rtol=1e-3)
+
+
+def test_cost_model_cached_per_model_and_device(target, tmp_path, capsys):
+    path = tmp_path / "cost.json"
+    first = cm.CostModel.for_model(target, path=path, verbose=True)
+    assert "measuring" in capsys.readouterr().err and path.exists()
+    assert json.loads(path.read_text())["key"] == cm.identity(target)
+    again = cm.CostModel.for_model(target, path=path, verbose=True)
+    assert capsys.readouterr().err == "" and torch.equal(again.seconds, first.seconds)  # read, not measured
+    # a file from another device (or model): measured again, never used
+    data = json.loads(path.read_text())
+    data["key"]["device"] = "cuda:NVIDIA H100:sm90"
+    data["seconds"] = [1e-9] * len(data["seconds"])
+    path.write_text(json.dumps(data))
+    fresh = cm.CostModel.for_model(target, path=path, verbose=True)
+    err = capsys.readouterr().err
+    assert "measured for" in err and "measuring" in err
+    assert fresh.key == cm.identity(target) and float(fresh.seconds[0]) > 1e-9
+    path.write_text("{not json")
+    assert cm.CostModel.for_model(target, path=path, verbose=False).key == cm.identity(target)
+    # another model's identity differs (its shapes)
+    assert cm.identity(tiny_model(0, hidden=32))["config"] != cm.identity(target)["config"]
+    # a planner handed another model's cost model refuses it
+    other = cm.CostModel(cm.identity(tiny_model(0, hidden=32)), [1, 2], [1.0, 1.0])
+    ids, mask = left_pad(repetitive_prompts(1))
+    with pytest.raises(ValueError, match="cost_model"):
+        sk.generate(target, ids, drafter=sk.NgramDrafter(), max_new_tokens=2, adaptive=Planner(other))
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+PLANNED = {
+    "ngram_chain": lambda d: sk.NgramDrafter(num_tokens=5),
+    "ngram_tree": lambda d: sk.NgramDrafter(num_tokens=4, max_n=3, tree_width=3),
+    "model_chain": lambda d: sk.DraftModelDrafter(d, num_tokens=3),
+    "model_tree": lambda d: sk.DraftModelDrafter(d, tree_widths=(2, 2, 1)),
+    "merged": lambda d: sk.MergedDrafter([sk.NgramDrafter(num_tokens=4), sk.DraftModelDrafter(d, tree_widths=(2, 1))]),
+}
+
+
+@pytest.mark.parametrize("kind", list(PLANNED))
+def test_greedy_identity_with_pruning_and_plain_rows(target, draft, kind):
+    """A batch node budget smaller than the rows' trees: some rows verify nothing, others a
+    pruned tree; output still equals HF greedy."""
+    ids, mask = left_pad(repetitive_prompts(4))
+    expected = hf_greedy(target, ids, mask, 20)
+    planner = Planner(flat_cost(target), max_batch_nodes=3)
+    out = sk.generate(target, ids, attention_mask=mask, drafter=PLANNED[kind](draft), max_new_tokens=20, adaptive=planner)
+    assert torch.equal(out.sequences, expected)
+    assert all(round(step["nodes_per_row"] * step["rows"]) <= 3 for step in out.stats.trace)
+    assert out.stats.nodes_per_step > 0
+    assert any(step["nodes_per_row"] < 1 for step in out.stats.trace)  # some rows drafted nothing
+
+
+def test_expensive_verification_means_plain_decoding(target):
+    ids, mask = left_pad(repetitive_prompts(2))
+    out = sk.generate(target, ids, attention_mask=mask, drafter=sk.NgramDrafter(), max_new_tokens=10,
+                      adaptive=Planner(linear_cost(target, per_token=100.0)))
+    assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 10))
+    assert out.stats.nodes_per_step == 0 and out.stats.steps == 10
+    fixed = sk.generate(target, ids, attention_mask=mask, drafter=sk.NgramDrafter(num_tokens=5), max_new_tokens=10, adaptive=False)
+    assert torch.equal(fixed.sequences, out.sequences) and fixed.stats.nodes_per_step > 0
+    assert len(fixed.stats.trace) == fixed.stats.steps
+    assert {"rows", "width", "nodes_per_row", "accepted_per_row", "seconds"} <= set(fixed.stats.trace[0])
+
+
+def test_free_verification_keeps_the_full_tree(target):
+    ids, mask = left_pad(repetitive_prompts(2))
+    fixed = sk.generate(target, ids, attention_mask=mask, drafter=sk.NgramDrafter(num_tokens=5), max_new_tokens=16, adaptive=False)
+    planned = sk.generate(target, ids, attention_mask=mask, drafter=sk.NgramDrafter(num_tokens=5), max_new_tokens=16,
+                          adaptive=Planner(flat_cost(target), min_gain=0.0))
+    assert torch.equal(planned.sequences, fixed.sequences)
+    assert planned.stats.nodes_per_step == pytest.approx(fixed.stats.nodes_per_step)
+
+
+def test_next_call_starts_from_what_the_last_accepted(target):
+    ids, mask = left_pad(repetitive_prompts(2))
+    planner = Planner(flat_cost(target))
+    sk.generate(target, ids, attention_mask=mask, drafter=sk.NgramDrafter(), max_new_tokens=12, adaptive=planner)
+    (learned,) = planner_module._LEARNED.values()
+    assert 0.05 <= learned <= 0.95 and learned != planner.prior
+    planner.start(target, 3, 5, "cpu", sk.NgramDrafter())
+    assert planner.acceptance.prior == learned
+    tree = sk.NgramDrafter(tree_width=2)
+    planner.start(target, 3, tree.max_nodes, "cpu", tree)  # another kind of drafter: the default
+    assert planner.acceptance.prior == planner.prior
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    from test_generate import SMALL_VOCAB
+
+    return (tiny_model(20, vocab=SMALL_VOCAB, hidden=32, logit_scale=8.0),
+            tiny_model(21, vocab=SMALL_VOCAB, hidden=32, logit_scale=8.0))
+
+
+@pytest.mark.parametrize("kind", ["ngram_tree", "model_chain", "model_tree", "merged"])
+def test_sampling_exact_with_pruning_and_plain_rows(small_pair, kind):
+    """Chi-square with the planner cutting trees: half the rows' node budget for the batch,
+    so some rows verify nothing and the others keep part of their (sampled or deterministic)
+    tree."""
+    target, draft = small_pair
+    ids = torch.tensor(SAMPLE_PROMPT).expand(SAMPLE_ROWS, -1)
+    planner = Planner(flat_cost(target), max_batch_nodes=SAMPLE_ROWS // 2)
+    out = sk.generate(target, ids, drafter=PLANNED[kind](draft), max_new_tokens=2, temperature=1.0, seed=4321, adaptive=planner)
+    pvalue = chi_square_pvalue(out.sequences[:, -2:], exact_pair_distribution(target, SAMPLE_PROMPT))
+    assert pvalue > 1e-3, f"{kind}: chi-square p = {pvalue}"
+    first = out.stats.trace[0]
+    assert 0 < first["nodes_per_row"] <= 0.5 + 1e-9  # pruned: at most half a node per row on average
+    assert out.stats.acceptance_per_depth[0] > 0.02
+
+
+class HiddenRecorder(sk.NgramDrafter):
+    """An n-gram drafter that records the hidden states generate hands it."""
+
+    needs_hidden_states = True
+
+    def __init__(self, target):
+        super().__init__(num_tokens=3)
+        self.target, self.seen = target, []
+
+    def observe(self, hidden_states, accepted_nodes=None, num_accepted=None):
+        self.seen.append((hidden_states.clone(), accepted_nodes, num_accepted))
+
+
+def test_hidden_states_reach_drafters_that_ask(target):
+    ids, mask = left_pad(repetitive_prompts(2))
+    recorder = HiddenRecorder(target)
+    out = sk.generate(target, ids, attention_mask=mask, drafter=recorder, max_new_tokens=8)
+    assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 8))
+    prefill, *steps = recorder.seen
+    lengths = mask.sum(1)
+    assert prefill[0].shape == (2, int(lengths.max()) - 1, 64) and prefill[1] is None
+    assert len(steps) == out.stats.steps and all(a is not None and n is not None for _, a, n in steps)
+    # the prefill's hidden states are the LM head's input: lm_head of them gives the model's logits
+    row = 1
+    n = int(lengths[row]) - 1
+    with torch.no_grad():
+        logits = target(ids[row : row + 1, ids.shape[1] - n - 1 : -1]).logits[0]
+        torch.testing.assert_close(target.lm_head(prefill[0][row, :n]), logits, atol=1e-4, rtol=1e-4)

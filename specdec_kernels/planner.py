@@ -1,0 +1,334 @@
+"""Adaptive speculation: how many draft nodes each row verifies, step by step.
+
+Speculation pays only when the tokens a step adds outweigh the extra verification compute.
+Each step the planner maximises the batch's expected emitted tokens per second (goodput):
+
+    goodput = (R + sum over verified nodes of P(node accepted)) / step_seconds(R, width)
+
+R rows each emit one token plus their accepted drafts; a step's cost (`CostModel`) depends on
+the rows and the tree width (every row's tree is padded to the widest), so the planner picks
+one width level n and gives each row its best min(n, useful) nodes: nodes below the widest
+row's cost nothing more, and rows whose nodes are not worth min_gain draft nothing (plain
+decoding). Under a batch node budget (`max_batch_nodes`), the nodes go to the rows with the
+largest expected gains first.
+
+Two decisions per step:
+1. `budget()` before drafting, from each row's history: P(the rank-r node is accepted), a
+   decayed rate per rank (rank = the node's place in the row's priority order; for a chain,
+   its depth). Drafters draft at most that many nodes (a draft model skips the depths no row
+   needs).
+2. `select(draft)` after drafting: each node's estimate is the drafter's own score (path
+   probability), scaled by how well the row's scores predicted its acceptance so far, or the
+   rank rate where the drafter has no scores; the best nodes are kept (ancestor-closed: a
+   node's estimate never exceeds its parent's, and ties keep the parent, which comes first).
+
+Exactness. Verification is exact for any tree chosen from the past (earlier steps' outcomes,
+timings, scores of deterministic proposals), so greedy output and sampled distributions do
+not depend on the plan. One case needs care: children *sampled* from draft_probs. Keeping a
+sampled child because of its own score would select on the sampled value (a child with high
+q(x) is kept more often), and the kept children would no longer be i.i.d. draws from q, so
+the SpecInfer acceptance test would be biased. Sampled trees are therefore never pruned by
+score: their budget is fixed before drafting (from history only), and the drafter keeps the
+first nodes of its fixed structure (a depth/width choice that does not look at the samples).
+"""
+
+import json
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+from .cost_model import CostModel, identity
+from .drafters import Draft, keep_nodes, rank_nodes
+
+
+# What rows of earlier calls accepted, per (cost model key, drafter kind): the prior of new
+# rows, so a call does not spend its first steps relearning what the last one knew.
+_LEARNED: Dict[str, float] = {}
+
+
+def choose_counts(gains: torch.Tensor, step_seconds: torch.Tensor, *, max_batch_nodes: Optional[int] = None,
+                  min_gain: float = 0.0) -> torch.Tensor:
+    """How many nodes each row verifies, for the best expected tokens per second.
+
+    Args:
+        gains: float [R, N], each row's candidate nodes' acceptance probabilities, sorted
+            descending per row (absent nodes 0).
+        step_seconds: float [N + 1], predicted seconds of a step whose widest tree has 1 + n
+            nodes (n = 0 .. N).
+        max_batch_nodes: most drafted nodes over all rows (None: no limit).
+        min_gain: nodes with a gain <= min_gain are never verified.
+
+    Returns:
+        int64 [R]: row r verifies its first counts[r] nodes.
+    """
+    rows, num = gains.shape
+    if step_seconds.shape != (num + 1,):
+        raise ValueError(f"step_seconds: expected shape ({num + 1},), got {tuple(step_seconds.shape)}")
+    if max_batch_nodes is not None and max_batch_nodes < 0:
+        raise ValueError(f"max_batch_nodes: expected >= 0 or None, got {max_batch_nodes}")
+    if rows == 0 or num == 0:
+        return torch.zeros(rows, dtype=torch.int64, device=gains.device)
+    gains = gains.double()
+    useful = gains > min_gain
+    gains = gains * useful
+    available = useful.sum(1)  # [R]: a row's useful nodes (a prefix, since sorted)
+    levels = torch.arange(num + 1, device=gains.device)
+    counts = torch.minimum(levels[:, None], available[None, :])  # [N + 1, R]: each row's nodes at level n
+    cumulative = torch.cat([gains.new_zeros(rows, 1), gains.cumsum(1)], 1)  # [R, N + 1]
+    expected = rows + cumulative.sum(0)  # [N + 1]: expected tokens at level n
+    if max_batch_nodes is not None:
+        over = counts.sum(1) > max_batch_nodes
+        if bool(over.any()):
+            # Levels over the budget keep the budget's best nodes among their ranks < n.
+            ranks = torch.arange(num, device=gains.device)
+            masked = torch.where(ranks[None, None, :] < levels[over][:, None, None], gains[None], 0.0)
+            k = min(max_batch_nodes, rows * num)
+            top = masked.flatten(1).topk(k, dim=1)
+            chosen = torch.zeros_like(masked.flatten(1)).scatter_(1, top.indices, (top.values > 0).double())
+            counts[over] = chosen.view(-1, rows, num).sum(2).long()
+            expected[over] = rows + top.values.sum(1)
+    width = counts.max(1).values  # the widest row sets the step's cost
+    goodput = expected / step_seconds.to(expected)[width]
+    # The cheapest level within rounding of the best (a tie buys nothing for the extra compute).
+    best = int((goodput >= goodput.max() * (1 - 1e-9)).nonzero()[0, 0])
+    return counts[best]
+
+
+class AcceptanceModel:
+    """Per row: a decayed acceptance rate per rank, and the drafter's typical score per rank.
+
+    hit[r, k] / tried[r, k]: decayed counts of steps where row r's rank-k node (its k-th best
+    drafted node) was verified and accepted / verified. The rate is (hit + alpha^(k+1) * w) /
+    (tried + w): measured where the row has verified rank k, else the geometric guess
+    alpha^(k+1) from the row's per-token acceptance alpha = accepted / (accepted + rejected)
+    drafts (a rejection: the accepted path stopped where a verified child existed; prior
+    `prior`). The guess matters: a row that verifies one node and always accepts it gets
+    alpha near 1, so deeper ranks look worth trying, and get measured; with a fixed prior for
+    unmeasured ranks the planner would never learn that deeper drafts pay. All counts decay
+    every step, so a row that stopped verifying drifts back to the prior and tries again.
+    score_sum[r, k]: decayed sum of the drafter's scores of the verified rank-k nodes; a
+    node's estimate is its rank's rate scaled by its score over the rank's typical score
+    (a draft surer than usual is more likely accepted than usual, and the other way round),
+    which keeps a drafter's badly calibrated scores from misleading the plan.
+    """
+
+    def __init__(self, rows: int, max_nodes: int, device, *, decay: float = 0.8, prior: float = 0.6,
+                 prior_weight: float = 1.0):
+        self.decay, self.prior_weight = decay, prior_weight
+        self.hit = torch.zeros(rows, max_nodes + 1, dtype=torch.float64, device=device)  # last column: padding sink
+        self.tried = torch.zeros_like(self.hit)
+        self.score_sum = torch.zeros_like(self.hit)
+        self.prior = prior
+        self.powers = torch.arange(1, max_nodes + 2, dtype=torch.float64, device=device)
+        self.accepted = torch.zeros(rows, dtype=torch.float64, device=device)
+        self.rejected = torch.zeros_like(self.accepted)
+
+    def alpha(self) -> torch.Tensor:
+        """float64 [R]: each row's per-token acceptance (decayed, with the prior)."""
+        w = self.prior_weight
+        return (self.accepted + self.prior * w) / (self.accepted + self.rejected + w)
+
+    def rank_rates(self) -> torch.Tensor:
+        """float64 [R, N]: P(the rank-k node is accepted), non-increasing in k."""
+        w = self.prior_weight
+        guess = self.alpha()[:, None] ** self.powers
+        rates = (self.hit + guess * w) / (self.tried + w)
+        return rates[:, :-1].cummin(1).values
+
+    def estimates(self, scores: Optional[torch.Tensor]) -> torch.Tensor:
+        """float64 [R, K]: acceptance estimates of each row's nodes in rank order, given their
+        scores [R, K] in that order (None: the rates alone); non-increasing in k."""
+        num = self.hit.shape[1] - 1
+        rates = self.rank_rates()
+        k = num if scores is None else scores.shape[1]
+        if k > num:
+            raise ValueError(f"scores: {k} ranked nodes, but the model tracks {num}")
+        rates = rates[:, :k]
+        if scores is None:
+            return rates
+        scores = scores.double().clamp(min=0)
+        w = self.prior_weight
+        typical = (self.score_sum[:, :k] + scores * w) / (self.tried[:, :k] + w)  # no history: the score itself
+        ratio = torch.where(typical > 0, scores / typical, 1.0).clamp(max=4.0)
+        return (rates * ratio).clamp(max=1.0).cummin(1).values
+
+    def update(self, ranks: torch.Tensor, on_path: torch.Tensor, scores: Optional[torch.Tensor], active: torch.Tensor,
+               rejected: Optional[torch.Tensor] = None) -> None:
+        """One verified step: `ranks [R, T]` (rank of each tree node, -1 for the root and
+        padding), `on_path [R, T]` (node accepted), `scores [R, T]` or None, `active [R]`
+        (rows still generating before this step), `rejected [R]` (the accepted path stopped
+        where a verified child existed; None: where fewer nodes were accepted than verified)."""
+        sink = self.hit.shape[1] - 1
+        verified = (ranks >= 0) & active[:, None]
+        index = torch.where(verified, ranks, sink)
+        for counts in (self.hit, self.tried, self.score_sum, self.accepted, self.rejected):
+            counts.mul_(self.decay)
+        hits = (verified & on_path).double()
+        if rejected is None:
+            rejected = hits.sum(1) < verified.sum(1)
+        self.accepted.add_(hits.sum(1))
+        self.rejected.add_((rejected & active).double())
+        self.tried.scatter_add_(1, index, verified.double())
+        self.hit.scatter_add_(1, index, hits)
+        if scores is not None:
+            self.score_sum.scatter_add_(1, index, torch.where(verified, scores.double(), 0.0))
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self.hit, self.tried, self.score_sum = self.hit[rows], self.tried[rows], self.score_sum[rows]
+        self.accepted, self.rejected = self.accepted[rows], self.rejected[rows]
+
+
+@dataclass
+class _Plan:
+    """What the planner decided for the step in flight (for `observe`)."""
+
+    ranks: torch.Tensor  # [R, T] rank of each verified node, -1 root / padding
+    parents: torch.Tensor  # [R, T] of the verified tree
+    scores: Optional[torch.Tensor]
+    rows: int
+    width: int
+    prefix: float
+
+
+class Planner:
+    """Chooses each row's verified draft nodes every step (see the module docstring).
+
+    Args:
+        cost_model: a `CostModel`; None: `CostModel.for_model(target)` at `start` (measured on
+            first use, then cached).
+        max_batch_nodes: most drafted nodes verified per step over the whole batch (None: no
+            limit beyond each drafter's size).
+        min_gain: a node whose estimated acceptance is at most this is never verified.
+        decay, prior: of the acceptance model (`AcceptanceModel`).
+        verbose: print the calibration's progress line.
+    """
+
+    def __init__(self, cost_model: Optional[CostModel] = None, *, max_batch_nodes: Optional[int] = None,
+                 min_gain: float = 0.01, decay: float = 0.8, prior: float = 0.6, verbose: bool = True):
+        if max_batch_nodes is not None and (not isinstance(max_batch_nodes, int) or max_batch_nodes < 0):
+            raise ValueError(f"max_batch_nodes: expected an int >= 0 or None, got {max_batch_nodes!r}")
+        if not 0.0 <= min_gain < 1.0:
+            raise ValueError(f"min_gain: expected a value in [0, 1), got {min_gain}")
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay: expected a value in [0, 1), got {decay}")
+        if not 0.0 < prior < 1.0:
+            raise ValueError(f"prior: expected a value in (0, 1), got {prior}")
+        if cost_model is not None and not isinstance(cost_model, CostModel):
+            raise ValueError(f"cost_model: expected a CostModel or None, got {type(cost_model).__name__}")
+        self.cost_model, self.max_batch_nodes, self.min_gain = cost_model, max_batch_nodes, min_gain
+        self._measure = cost_model is None  # ours to (re)load when the target changes
+        self.decay, self.prior, self.verbose = decay, prior, verbose
+        self.acceptance: Optional[AcceptanceModel] = None
+        self._plan: Optional[_Plan] = None
+        self._reproducible = False
+        self._seconds: Optional[torch.Tensor] = None  # this step's predicted seconds per width
+
+    def start(self, target, rows: int, max_nodes: int, device, drafter=None, reproducible: bool = False) -> None:
+        """Per generate call: the cost model (measured or loaded once) and fresh row histories,
+        whose prior per-token acceptance is what earlier calls with the same target and kind
+        of drafter measured (else `prior`).
+
+        reproducible: plan from the calibrated cost model and this call's rows only (no
+        measured step times, nothing learned in earlier calls), so the plan, and with it a
+        sampled output, is the same for the same seed every time. Greedy output never
+        depends on the plan; sampled output does (a different tree draws other numbers).
+        """
+        key = identity(target)
+        if self._measure or self.cost_model is None:
+            if self.cost_model is None or self.cost_model.key != key:
+                self.cost_model = CostModel.for_model(target, verbose=self.verbose)
+        elif self.cost_model.key != key:
+            raise ValueError(f"cost_model: measured for {self.cost_model.key}, but the target is {key}; "
+                             "pass cost_model=None to measure this target")
+        self.max_nodes = max_nodes
+        # The drafter's kind: its class, size and the model objects it runs (another draft
+        # model is another drafter, even with the same shapes).
+        kind = [type(drafter).__name__, max_nodes, [id(m) for m in getattr(drafter, "models", ())]]
+        self._learned_key = json.dumps([self.cost_model.key, kind], sort_keys=True, default=str)
+        self._reproducible = reproducible
+        prior = self.prior if reproducible else _LEARNED.get(self._learned_key, self.prior)
+        self.acceptance = AcceptanceModel(rows, max_nodes, device, decay=self.decay, prior=prior)
+        self._alpha_sum, self._alpha_rows = 0.0, 0
+        self._plan, self._seconds = None, None
+
+    def _step_seconds(self, rows: int, prefix: float, num_nodes: int) -> torch.Tensor:
+        """[num_nodes + 1]: predicted seconds of a step with trees 1 .. num_nodes + 1 wide."""
+        widths = torch.arange(1, num_nodes + 2)
+        return self.cost_model.step_seconds(rows, widths, prefix, corrected=not self._reproducible)
+
+    def budget(self, prefix: float) -> torch.Tensor:
+        """int64 [R]: the most nodes each row should draft this step (from its history)."""
+        rates = self.acceptance.rank_rates()
+        self._seconds = self._step_seconds(rates.shape[0], prefix, rates.shape[1])  # select() reuses it
+        return choose_counts(rates, self._seconds, max_batch_nodes=self.max_batch_nodes, min_gain=self.min_gain)
+
+    def select(self, draft: Draft, prefix: float) -> Draft:
+        """The drafted tree cut to the nodes worth verifying (sampled trees: as drafted)."""
+        tree = draft.tree
+        rows, width = tree.tokens.shape
+        real = tree.parents >= 0  # drafted nodes (the root has parent -1)
+        node = torch.arange(width, device=tree.parents.device)
+        if draft.draft_probs is not None:  # sampled children: never pruned by value (module docstring)
+            ranks = torch.where(real, node - 1, -1)
+            self._plan = _Plan(ranks, tree.parents, draft.scores, rows, width, prefix)
+            return draft
+        # Rank the nodes by the drafter's scores, else in its node order (its priority).
+        key = draft.scores if draft.scores is not None else (1.0 - node / width).expand(rows, -1)
+        order, position = rank_nodes(key, real)
+        ranked_scores = None if draft.scores is None else draft.scores.gather(1, order)[:, 1:]
+        num_real = real.sum(1)
+        gains = self.acceptance.estimates(ranked_scores)
+        if draft.scores is None:
+            gains = torch.cat([gains, gains.new_zeros(rows, max(width - 1 - gains.shape[1], 0))], 1)[:, : width - 1]
+        gains = torch.where(node[None, : width - 1] < num_real[:, None], gains, 0.0)
+        seconds = self._seconds[:width] if self._seconds is not None and self._seconds.shape[0] >= width else \
+            self._step_seconds(rows, prefix, width - 1)
+        counts = choose_counts(gains, seconds, max_batch_nodes=self.max_batch_nodes, min_gain=self.min_gain)
+        keep = (position <= counts[:, None]) & (real | (node == 0))
+        if bool((counts >= num_real).all()):  # nothing pruned: the draft as it is
+            self._plan = _Plan(torch.where(real, position - 1, -1), tree.parents, draft.scores, rows, width, prefix)
+            return draft
+        draft, new_index = keep_nodes(draft, keep)
+        ranks = torch.full_like(draft.tree.parents, -1)
+        ranks.scatter_(1, torch.where(keep, new_index, 0), torch.where(keep & real, position - 1, -1))
+        ranks[:, 0] = -1
+        self._plan = _Plan(ranks, draft.tree.parents, draft.scores, rows, draft.tree.tokens.shape[1], prefix)
+        return draft
+
+    def observe(self, out, active: torch.Tensor) -> None:
+        """After verification: update the rows' acceptance from `out` (a VerifyOutput)."""
+        plan = self._plan
+        width = plan.ranks.shape[1]
+        nodes = torch.arange(width, device=plan.ranks.device)
+        on_path = torch.zeros(plan.ranks.shape, dtype=torch.bool, device=plan.ranks.device)
+        path = out.accepted_nodes.long()
+        valid = (nodes[None, : path.shape[1]] <= out.num_accepted.long()[:, None]) & (path >= 0)
+        on_path.scatter_(1, torch.where(valid, path, 0), valid)
+        # Rejected: the last accepted node has a verified child (the path could have gone on).
+        last = path.gather(1, out.num_accepted.long()[:, None])
+        rejected = ((plan.parents == last) & (plan.ranks >= 0)).any(1)
+        self.acceptance.update(plan.ranks, on_path, plan.scores, active, rejected)
+
+    def observe_time(self, seconds: float) -> None:
+        """The measured seconds of the step last planned (drafting to bookkeeping)."""
+        if self._plan is not None and not self._reproducible:
+            self.cost_model.observe(self._plan.rows, self._plan.width, self._plan.prefix, seconds)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Rows finished: the batch keeps `rows`; the leaving rows' acceptance is remembered."""
+        leaving = torch.ones(self.acceptance.accepted.shape[0], dtype=torch.bool, device=rows.device)
+        leaving[rows] = False
+        self._remember(leaving)
+        self.acceptance.keep_rows(rows)
+
+    def finish(self) -> None:
+        """The call ended: its rows' mean per-token acceptance becomes the next call's prior
+        (kept inside [0.05, 0.95], so a later call still explores)."""
+        self._remember(torch.ones_like(self.acceptance.accepted, dtype=torch.bool))
+        if self._alpha_rows:
+            _LEARNED[self._learned_key] = min(max(self._alpha_sum / self._alpha_rows, 0.05), 0.95)
+
+    def _remember(self, which: torch.Tensor) -> None:
+        self._alpha_sum += float(self.acceptance.alpha()[which].sum())
+        self._alpha_rows += int(which.sum())
