@@ -17,7 +17,8 @@ import torch
 
 from . import config
 from .drafters import Drafter, Sampling
-from .philox import seeds_from_int
+from .logits_processing import TreeLogitsProcessor, sampling_settings
+from .philox import row_seeds
 from .planner import Planner
 from .verify import verify
 
@@ -99,20 +100,10 @@ def pad_id(target, eos: Optional[torch.Tensor] = None) -> int:
     return int(eos[0]) if eos is not None else 0
 
 
-def _row_seeds(seed, batch: int, device) -> torch.Tensor:
-    if seed is None:
-        seed = int(torch.randint(0, 2**62, ()))
-    if isinstance(seed, torch.Tensor):
-        if seed.shape != (batch,) or seed.dtype != torch.int64:
-            raise ValueError(f"seed: expected an int or an int64 tensor of shape [{batch}], got {seed.dtype} {tuple(seed.shape)}")
-        return seed.to(device)
-    return seeds_from_int(int(seed), batch, device)
-
-
-def _step_seeds(row_seeds: torch.Tensor, step: int) -> torch.Tensor:
+def _step_seeds(seeds: torch.Tensor, step: int) -> torch.Tensor:
     """Per-row seeds for one step: row seed XOR a step-dependent 64-bit constant."""
     offset = (step * _GOLDEN) & 0xFFFFFFFFFFFFFFFF
-    return row_seeds ^ (offset - (1 << 64) if offset >= 1 << 63 else offset)
+    return seeds ^ (offset - (1 << 64) if offset >= 1 << 63 else offset)
 
 
 def _left_align(input_ids: torch.Tensor, lengths: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -254,7 +245,7 @@ def generate(
     *,
     drafter: Optional[Drafter] = None,
     max_new_tokens: int,
-    temperature: float = 0.0,
+    temperature: Optional[float] = None,
     top_k: Optional[int] = None,
     top_p: Optional[float] = None,
     seed: Union[None, int, torch.Tensor] = None,
@@ -263,6 +254,8 @@ def generate(
     streamer=None,
     adaptive: Union[bool, Planner] = True,
     timing: bool = False,
+    generation_config=None,
+    **generation_kwargs,
 ) -> GenerateOutput:
     """Speculative decoding with `target` (a transformers causal LM), lossless.
 
@@ -273,7 +266,9 @@ def generate(
         drafter: None (plain decoding), `NgramDrafter`, `DraftModelDrafter`, `MergedDrafter`.
         max_new_tokens: most tokens generated per row.
         temperature: 0 for greedy (the target's argmax chain, lowest id on ties), else
-            sampling from softmax(logits / temperature) after top_k and top_p.
+            sampling from softmax(logits / temperature) after top_k and top_p. None (the
+            default): as HF `generate`, greedy unless the generation config says do_sample,
+            then its temperature / top_k / top_p (HF's defaults where it sets none).
         seed: None, int (each row its own stream) or int64 [B]; every step uses fresh
             per-row seeds derived from it.
         eos_token_id: int or list; a row stops after emitting one. None: the target's
@@ -289,6 +284,13 @@ def generate(
             asked for no more. When sampling, plans use only the calibration and this
             call's rows (never measured times), so a seed still reproduces the output. False: the drafter's fixed size. A `Planner` instance: that planner
             (its settings, or a given cost model). No effect without a drafter.
+        generation_config: a transformers GenerationConfig (default: target.generation_config);
+            `generation_kwargs` (e.g. repetition_penalty=1.2, do_sample=True) update a copy of
+            it, as in HF `generate`. Its logits processing (repetition penalty, no-repeat
+            n-grams, bad words, min length / new tokens, suppressed tokens) is applied to every
+            tree node with the node's own path as context, so greedy output stays identical to
+            HF `generate` with the same settings; settings that cannot be applied exactly raise
+            ValueError naming them (`specdec_kernels.logits_processing`).
         timing: split stats.time_total into draft / verify / accept. On a GPU that costs a
             device synchronisation per phase and step, so it is off unless asked for.
 
@@ -299,14 +301,19 @@ def generate(
     from . import hf  # transformers is an optional dependency
 
     t_start = time.perf_counter()
+    gen_config = _generation_config(target, generation_config, generation_kwargs)
+    temperature, top_k, top_p = sampling_settings(gen_config, temperature, top_k, top_p)
     lengths = _check_inputs(target, input_ids, attention_mask, max_new_tokens, temperature, streamer)
     device = input_ids.device
     batch, prompt_len = input_ids.shape
-    eos = eos_ids(target, eos_token_id)
+    eos = eos_ids(target, eos_token_id if eos_token_id is not None else gen_config.eos_token_id)
     eos = None if eos is None else eos.to(device)
+    processor = TreeLogitsProcessor.from_generation_config(
+        gen_config, input_ids, attention_mask if attention_mask is not None else torch.ones_like(input_ids),
+        [] if eos is None else eos.tolist(), _vocab_size(target) or 0)
     drafter = drafter if drafter is not None else Drafter()
     sampling = None
-    seeds = _row_seeds(seed, batch, device)
+    seeds = row_seeds(seed.to(device) if isinstance(seed, torch.Tensor) else seed, batch, device)
     if temperature > 0:
         generator = torch.Generator(device).manual_seed(int(seeds.sum()) & (2**63 - 1))
         sampling = Sampling(float(temperature), top_k, top_p, generator)
@@ -355,6 +362,9 @@ def generate(
                 logits = hf.forward(target, cache, tree.tokens, positions, tree.mask(), return_hidden=with_hidden)
                 if with_hidden:
                     logits, hidden = logits
+                if processor is not None:  # HF's logits processing, each node with its own path
+                    logits = processor(logits, tree.tokens, tree.parents, depths, rows.history, rows.lengths,
+                                       rows.generated, rows.ids)
                 out = verify(logits, tree.tokens, tree.parents, draft_probs=draft.draft_probs, temperature=temperature,
                              top_k=top_k, top_p=top_p, seed=_step_seeds(rows.seeds, stats.steps))
                 if with_hidden:
@@ -404,6 +414,21 @@ def generate(
     stats.nodes_per_step = sum(t["nodes_per_row"] * t["rows"] for t in stats.trace) / pairs if pairs else 0.0
     stats.time_total = time.perf_counter() - t_start
     return GenerateOutput(sequences, stats)
+
+
+def _generation_config(target, generation_config, generation_kwargs):
+    """A copy of `generation_config` (default: the target's) updated with the call's keywords;
+    a keyword that is not a generation setting raises ValueError naming it."""
+    import copy
+
+    from transformers import GenerationConfig
+
+    base = generation_config if generation_config is not None else getattr(target, "generation_config", None)
+    config = copy.deepcopy(base) if base is not None else GenerationConfig()
+    unused = config.update(**generation_kwargs)
+    if unused:
+        raise ValueError(f"{', '.join(sorted(unused))}: not an argument of generate nor a generation setting")
+    return config
 
 
 def _check_inputs(target, input_ids, attention_mask, max_new_tokens, temperature, streamer) -> torch.Tensor:

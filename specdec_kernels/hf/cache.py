@@ -89,6 +89,11 @@ class TreeKVCache(Cache):
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         num_heads = cfg.num_attention_heads
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
+        # Under transformers' tensor parallelism (tp_plan="auto") each rank computes only its
+        # share of the heads (k/v projections split by columns), so its cache holds only those.
+        tp_size = getattr(model, "tp_size", None) or 1
+        if tp_size > 1 and num_kv_heads % tp_size == 0:
+            num_kv_heads //= tp_size
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         param = next(model.parameters())
         return cls(cfg.num_hidden_layers, batch_size, capacity, num_kv_heads, head_dim, param.dtype, param.device)

@@ -8,7 +8,7 @@ import time
 import torch
 
 from ...cli import first_difference, make_drafter, stop_ids
-from ...generate import _eos_ids, _sync
+from ...generate import _sync, eos_ids as target_eos_ids
 
 METHODS = ("hf", "hf_prompt_lookup", "hf_assisted", "ours_plain", "ours_ngram", "ours_ngram_tree", "ours_draft",
            "ours_draft_tree")
@@ -221,7 +221,7 @@ def run(model, tokenizer, requests_by_workload, *, draft=None, methods=DEFAULT_M
     if profile_kernels is None:
         profile_kernels = device.type == "cuda"
     eos, pad = stop_ids(model, tokenizer)
-    eos_ids = _eos_ids(model, eos)
+    eos_ids = target_eos_ids(model, eos)
     batches = {}
     for workload, requests in requests_by_workload.items():
         for batch_size in batch_sizes:

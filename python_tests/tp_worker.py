@@ -1,0 +1,33 @@
+"""Run by test_tensor_parallel.py under `torchrun --nproc-per-node 2` (gloo, CPU): generate on a
+target sharded with transformers' tensor parallelism (tp_plan="auto"), every rank writing its
+outputs to <out_dir>/rank<r>.pt for the test to compare with a single-process run."""
+
+import os
+import sys
+
+import torch
+
+import specdec_kernels as sk
+from transformers import AutoModelForCausalLM
+
+
+def main(model_dir, out_dir):
+    target = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto")
+    ids = torch.load(os.path.join(out_dir, "inputs.pt"))
+    results = {}
+    for name, kwargs in CASES.items():
+        out = sk.generate(target, ids["input_ids"], attention_mask=ids["attention_mask"], **kwargs())
+        results[name] = out.sequences
+    results["hf_greedy"] = target.generate(ids["input_ids"], attention_mask=ids["attention_mask"], max_new_tokens=12,
+                                           do_sample=False, pad_token_id=0)
+    torch.save(results, os.path.join(out_dir, f"rank{os.environ['RANK']}.pt"))
+
+
+CASES = {
+    "greedy_ngram_tree": lambda: dict(max_new_tokens=12, drafter=sk.NgramDrafter(num_tokens=4, tree_width=2)),
+    "sampled_ngram_chain": lambda: dict(max_new_tokens=12, drafter=sk.NgramDrafter(num_tokens=4), temperature=0.8, seed=123),
+    "greedy_penalty": lambda: dict(max_new_tokens=12, drafter=sk.NgramDrafter(num_tokens=4), repetition_penalty=1.3),
+}
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
