@@ -180,8 +180,13 @@ def _print_stats(stats, seconds: float, new_tokens: int, indent: str = "  ") -> 
     if stats.acceptance_per_depth:
         depths = "  ".join(f"{d + 1}:{a:.2f}" for d, a in enumerate(stats.acceptance_per_depth))
         print(f"{indent}acceptance per depth (fraction of steps accepting >= d drafts): {depths}")
-    print(f"{indent}time: prefill {stats.time_prefill:.2f} s, draft {stats.time_draft:.2f} s, "
-          f"verify {stats.time_verify:.2f} s, accept {stats.time_accept:.2f} s")
+    if stats.nodes_per_step:
+        print(f"{indent}verified draft nodes per row and step (adaptive planner): {stats.nodes_per_step:.2f}")
+    if stats.time_draft + stats.time_verify + stats.time_accept > 0:  # generate(timing=True)
+        print(f"{indent}time: prefill {stats.time_prefill:.2f} s, draft {stats.time_draft:.2f} s, "
+              f"verify {stats.time_verify:.2f} s, accept {stats.time_accept:.2f} s")
+    else:
+        print(f"{indent}time: prefill {stats.time_prefill:.2f} s, steps {stats.time_total - stats.time_prefill:.2f} s")
 
 
 # ----------------------------------------------------------------------------- demo
