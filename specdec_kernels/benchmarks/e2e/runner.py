@@ -10,8 +10,8 @@ import torch
 from ...cli import first_difference, make_drafter, stop_ids
 from ...generate import _sync, eos_ids as target_eos_ids
 
-METHODS = ("hf", "hf_prompt_lookup", "hf_assisted", "ours_plain", "ours_ngram", "ours_ngram_tree", "ours_draft",
-           "ours_draft_tree")
+METHODS = ("hf", "hf_prompt_lookup", "hf_assisted", "ours_plain", "ours_ngram", "ours_ngram_fixed", "ours_ngram_tree",
+           "ours_draft", "ours_draft_tree")
 DEFAULT_METHODS = tuple(m for m in METHODS if m != "ours_plain")
 NEEDS_DRAFT = frozenset({"hf_assisted", "ours_draft", "ours_draft_tree"})
 BATCH1_ONLY = frozenset({"hf_prompt_lookup", "hf_assisted"})  # transformers' assisted decoding: batch size 1
@@ -21,10 +21,12 @@ NGRAM_TOKENS, NGRAM_TREE_WIDTH = 10, 3  # chain: the same k as HF prompt lookup
 DRAFT_TOKENS, DRAFT_TREE_WIDTHS = 4, (2, 2, 1)
 SEED = 1234
 
-# Our methods as `specdec generate` methods (cli.make_drafter) with the benchmark's settings.
+# Our methods as `specdec generate` methods (cli.make_drafter) with the benchmark's settings; all
+# run with the adaptive planner (generate's default) except the *_fixed ones (adaptive=False).
 OURS = {
     "ours_plain": ("none", {}),
     "ours_ngram": ("ngram", dict(num_tokens=NGRAM_TOKENS)),
+    "ours_ngram_fixed": ("ngram", dict(num_tokens=NGRAM_TOKENS)),  # adaptive=False: every step k drafts
     "ours_ngram_tree": ("ngram-tree", dict(num_tokens=NGRAM_TOKENS, ngram_tree_width=NGRAM_TREE_WIDTH)),
     "ours_draft": ("draft", dict(num_tokens=DRAFT_TOKENS)),
     "ours_draft_tree": ("draft-tree", dict(draft_tree_widths=DRAFT_TREE_WIDTHS)),
@@ -89,7 +91,8 @@ def run_method(method, model, draft, input_ids, mask, *, max_new_tokens, tempera
         stats = None
     else:
         out = sk.generate(model, input_ids, drafter=drafter(method, draft), max_new_tokens=max_new_tokens,
-                          temperature=temperature, seed=seed, eos_token_id=eos, attention_mask=mask)
+                          temperature=temperature, seed=seed, eos_token_id=eos, attention_mask=mask,
+                          adaptive=not method.endswith("_fixed"))
         sequences, stats = out.sequences, out.stats
     return sequences, _sync(input_ids.device) - start, stats
 
@@ -176,6 +179,7 @@ def bench_row(method, batches, model, draft, *, workload, batch_size, temperatur
         depth = max(len(s.acceptance_per_depth) for s, _ in pairs)
         row["steps"] = sum(s.steps for s, _ in pairs)
         row["tokens_per_step"] = total_tokens / total_pairs if total_pairs else None
+        row["nodes_per_step"] = (sum(s.nodes_per_step * p for s, p in pairs) / total_pairs) if total_pairs else None
         row["acceptance_by_depth"] = [
             sum(p * (s.acceptance_per_depth[d] if d < len(s.acceptance_per_depth) else 0.0) for s, p in pairs)
             / total_pairs if total_pairs else 0.0 for d in range(depth)]
