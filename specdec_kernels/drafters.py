@@ -43,10 +43,13 @@ class Sampling:
 class Draft:
     """A proposal: `tree` (tokens [B, T], root = last token; parents [B, T]) and
     `draft_probs [B, T, V]` (the distribution node i's children were drawn from) or None
-    for deterministic proposals (distinct siblings)."""
+    for deterministic proposals (distinct siblings). `scores`: None, or fp32 [B, T], the
+    drafter's estimate of the probability that each node's path is accepted (1.0 at the
+    root, non-increasing along paths)."""
 
     tree: TokenTree
     draft_probs: Optional[torch.Tensor] = None
+    scores: Optional[torch.Tensor] = None
 
 
 def trimmed(tree: TokenTree) -> TokenTree:
@@ -71,14 +74,26 @@ class Drafter:
 
     max_nodes: int = 0
     models: tuple = ()
+    needs_hidden_states: bool = False
 
     def start(self, history: torch.Tensor, lengths: torch.Tensor, capacity: int) -> None:
         """Called once after the target's prefill: `history [B, capacity]`, prompt lengths [B]."""
 
-    def propose(self, history: torch.Tensor, lengths: torch.Tensor, sampling: Optional[Sampling] = None) -> Draft:
+    def propose(self, history: torch.Tensor, lengths: torch.Tensor, sampling: Optional[Sampling] = None,
+                budget: Optional[torch.Tensor] = None) -> Draft:
         """Propose a tree per row continuing `history[b, :lengths[b]]` (root = its last token).
-        `sampling` None asks for a deterministic proposal (draft_probs None)."""
+        `sampling` None asks for a deterministic proposal (draft_probs None). `budget`: None
+        (the drafter's fixed size) or int64 [B], the most drafted nodes per row (0: root only)."""
         return Draft(TokenTree.chain(root_tokens(history, lengths), history.new_zeros(history.shape[0], 0)))
+
+    def observe(self, hidden_states: torch.Tensor, accepted_nodes: Optional[torch.Tensor] = None,
+                num_accepted: Optional[torch.Tensor] = None) -> None:
+        """Only called when `needs_hidden_states`: the target's LM-head input [B, L, H] for
+        every position a target forward computed. After the prefill: positions
+        0 .. max(lengths) - 2 of the left-aligned history (row b valid for its first
+        lengths[b] - 1), accepted_nodes / num_accepted None. After each verify forward: the
+        tree's T nodes, with verify's accepted_nodes [B, T] and num_accepted [B] (before
+        finished rows leave the batch)."""
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Called when rows finish: from now on the batch is the old rows `rows` (int64
@@ -128,7 +143,7 @@ class NgramDrafter(Drafter):
     def finish(self):
         self.index = None
 
-    def propose(self, history, lengths, sampling=None) -> Draft:
+    def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
         """Deterministic n-gram proposal (see class docstring); `sampling` is ignored."""
         args = dict(min_n=self.min_n, max_n=self.max_n, num_tokens=self.num_tokens, policy=self.policy)
         root = root_tokens(history, lengths)
@@ -214,7 +229,7 @@ class DraftModelDrafter(Drafter):
         children = torch.multinomial(probs, width, replacement=True, generator=sampling.generator)
         return children.reshape(batch, -1), probs.reshape(batch, num_parents, vocab)
 
-    def propose(self, history, lengths, sampling=None) -> Draft:
+    def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
         """Draft a tree (see class docstring); sampled children come with draft_probs."""
         from . import hf
 
@@ -291,7 +306,7 @@ class MergedDrafter(Drafter):
         for d in self.drafters:
             d.finish()
 
-    def propose(self, history, lengths, sampling=None) -> Draft:
+    def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
         """Merge the drafters' deterministic proposals (`sampling` is not used)."""
         trees = [d.propose(history, lengths, None).tree for d in self.drafters]
         batch = history.shape[0]

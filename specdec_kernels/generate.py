@@ -219,8 +219,11 @@ def generate(
     # on GPU (one per layer per step) and about 0.2 ms per tree-attention call on CPU.
     with hf.use_tree_attention(target, *drafter.models), config.value_checks(False):
         cache = hf.TreeKVCache.for_model(target, batch, capacity)
-        hf.prefill(target, cache, history, lengths)
+        wants_hidden = bool(getattr(drafter, "needs_hidden_states", False))
+        prefill_hidden = hf.prefill(target, cache, history, lengths, return_hidden=wants_hidden)
         drafter.start(history, lengths, capacity)
+        if wants_hidden:
+            drafter.observe(prefill_hidden)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         t0 = _sync(device)
@@ -234,9 +237,13 @@ def generate(
                 t1 = _sync(device)
                 # Verify: one target forward over every tree node, then lossless acceptance.
                 positions = cache.seqlens.long()[:, None] + depths.clamp(min=0)  # prefix length + depth
-                logits = hf.forward(target, cache, tree.tokens, positions, tree.mask())
+                logits = hf.forward(target, cache, tree.tokens, positions, tree.mask(), return_hidden=wants_hidden)
+                if wants_hidden:
+                    logits, hidden = logits
                 out = verify(logits, tree.tokens, tree.parents, draft_probs=draft.draft_probs, temperature=temperature,
                              top_k=top_k, top_p=top_p, seed=_step_seeds(row_seeds, stats.steps))
+                if wants_hidden:
+                    drafter.observe(hidden, out.accepted_nodes, out.num_accepted)
                 t2 = _sync(device)
                 # Accept: keep the accepted path in the cache, append the emitted tokens.
                 cache.compact_(out.accepted_nodes, out.num_accepted)

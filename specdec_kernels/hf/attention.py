@@ -103,39 +103,67 @@ def use_tree_attention(*models):
             m.config._attn_implementation = impl
 
 
-def forward(model, cache, tokens, position_ids, tree_mask=None, logits_to_keep=0) -> torch.Tensor:
+def forward(model, cache, tokens, position_ids, tree_mask=None, logits_to_keep=0, return_hidden=False):
     """One forward of `model` writing `tokens [B, T]` into `cache` at cache.seqlens[b] + j.
 
     Args:
         tree_mask: None for a prefill (cache.seqlens all 0, plain causal attention), else the
             ancestor mask of the T tokens, which attend to their row's prefix and ancestors.
         logits_to_keep: as in transformers (0: all positions).
+        return_hidden: also return the LM head's input (the last hidden state, after the
+            final norm) for all T positions (learned draft heads read it).
 
     Returns:
-        logits [B, T or logits_to_keep, V] in fp32. The caller sets the new cache lengths.
+        logits [B, T or logits_to_keep, V] in fp32; with return_hidden, (logits, hidden
+        [B, T, H] in the model's dtype). The caller sets the new cache lengths.
     """
     extra = {}
     if tree_mask is not None:
         extra = {TREE_MASK_KWARG: tree_mask, SEQLENS_KWARG: cache.seqlens}
-    out = model(
+    args = dict(
         input_ids=tokens.clamp(min=0),  # padding nodes (-1) become token 0; their outputs are never used
         position_ids=position_ids,
         past_key_values=cache,
         use_cache=True,
-        logits_to_keep=logits_to_keep,
         **extra,
     )
-    return out.logits.float()
+    if not return_hidden:
+        return model(logits_to_keep=logits_to_keep, **args).logits.float()
+    # The base model's output is the LM head's input; applying the LM head ourselves gives
+    # the same logits as model(...) for models whose head is a plain linear map (Llama,
+    # Qwen2, Mistral); models that post-process logits (soft-capping, scaling) are refused.
+    _check_plain_lm_head(model)
+    hidden = model.get_decoder()(**args).last_hidden_state
+    kept = hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:]
+    return model.get_output_embeddings()(kept).float(), hidden
 
 
-def prefill(model, cache, history: torch.Tensor, lengths: torch.Tensor) -> None:
+def _check_plain_lm_head(model) -> None:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        value = getattr(cfg, name, None)
+        if value not in (None, 1, 1.0):
+            raise NotImplementedError(f"return_hidden: {type(model).__name__} post-processes its logits ({name}={value})")
+
+
+def prefill(model, cache, history: torch.Tensor, lengths: torch.Tensor, return_hidden: bool = False):
     """Write every row's tokens but its last (`history[b, :lengths[b] - 1]`, left-aligned)
     into an empty `cache`, with plain causal attention; the last token becomes the first
     tree's root. Row padding lies after each row's real tokens, so causal attention never
-    lets a real token see it, and later writes overwrite it."""
+    lets a real token see it, and later writes overwrite it.
+
+    return_hidden: return the last hidden states [B, max(lengths) - 1, H] of the positions
+    written (row b valid for its first lengths[b] - 1), else None."""
     prefix = lengths.long() - 1
     num = int(prefix.max())
+    hidden = None
     if num > 0:
         positions = torch.arange(num, device=history.device)[None, :].expand(history.shape[0], -1)
-        forward(model, cache, history[:, :num], positions, logits_to_keep=1)
+        out = forward(model, cache, history[:, :num], positions, logits_to_keep=1, return_hidden=return_hidden)
+        hidden = out[1] if return_hidden else None
+    elif return_hidden:
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        param = next(model.parameters())
+        hidden = torch.zeros(history.shape[0], 0, cfg.hidden_size, dtype=param.dtype, device=param.device)
     cache.set_lengths(prefix)
+    return hidden
