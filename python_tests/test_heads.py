@@ -92,7 +92,7 @@ def test_head_files_and_round_trip(target, heads):
     config, tensors = read_head(heads["eagle"], "eagle")
     assert config["target"] == target_identity(target)
     assert all(v.dtype == torch.float16 for k, v in tensors.items() if k != "draft_vocab")
-    drafter = EagleDrafter(target, heads["eagle"])
+    drafter = EagleDrafter(target, heads["eagle"], dtype=torch.float32)
     for name, value in drafter.head.state_dict().items():
         stored = tensors[name]
         assert torch.equal(value.to(stored.dtype), stored), name

@@ -78,12 +78,16 @@ def _batches(windows, batch_tokens: int, generator: torch.Generator):
 class _Trainer:
     """Loss computation for one head kind on padded batches of windows."""
 
-    def __init__(self, kind, head, target, examples, num_heads, reg_weight, noise):
+    def __init__(self, kind, head, target, examples, num_heads, reg_weight, noise, autocast=None):
         self.kind, self.head, self.examples = kind, head, examples
+        # bf16 autocast for the head's forward/backward and its logits (CPU bf16 matrix
+        # units: several times faster); the target's labels stay fp32.
+        self.autocast = autocast
         self.num_heads, self.reg_weight, self.noise = num_heads, reg_weight, noise
         self.device = next(target.parameters()).device
         vocab = head.draft_vocab.to(self.device)
         self.w_draft = lm_head_weight(target).detach()[vocab].float()  # [N, H], frozen
+        self.w_low = self.w_draft.to(autocast) if autocast is not None else self.w_draft
         self.embed = input_embedding(target)
         self.vocab = vocab
 
@@ -101,6 +105,25 @@ class _Trainer:
     def _target_logprobs(self, feats, lse):
         return (feats @ self.w_draft.T) - lse[..., None]
 
+    def _draft_logits(self, g):
+        return (g.to(self.w_low.dtype) @ self.w_low.T).float()
+
+    @staticmethod
+    def _soft_ce(logits, p, logp):
+        """(-sum p log q, sum p (log p - log q), argmax q) per position, q = softmax(logits);
+        one fused cross-entropy pass (p sums to the target's mass on the draft vocabulary)."""
+        shape = logits.shape[:-1]
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), p.reshape(-1, p.shape[-1]), reduction="none").view(shape)
+        with torch.no_grad():
+            neg_entropy = torch.xlogy(p, p).sum(-1) if logp is None else (p * logp).sum(-1)
+        return ce, ce.detach() + neg_entropy, logits.detach().argmax(-1)
+
+    def _run_head(self, *args):
+        if self.autocast is None:
+            return self.head(*args)
+        with torch.autocast(self.device.type, dtype=self.autocast):
+            return self.head(*args).float()
+
     def loss(self, windows, generator: Optional[torch.Generator]):
         """Mean loss over the batch and a dict of metrics (sums and counts)."""
         width = max(w[2] for w in windows)
@@ -116,15 +139,13 @@ class _Trainer:
             positions = torch.tensor([w[1] for w in windows], device=self.device)[:, None] + torch.arange(width, device=self.device)
             with torch.no_grad():
                 emb = self.embed(tokens).float()
-            g = self.head(inp, emb, positions)
-            logq = torch.log_softmax(g @ self.w_draft.T, -1)
+            g = self._run_head(inp, emb, positions)
             with torch.no_grad():
                 logp = self._target_logprobs(tgt, lse)
                 p = logp.exp()
-            ce = -(p * logq).sum(-1)
-            kl = (p * (logp - logq)).sum(-1)
+            ce, kl, top = self._soft_ce(self._draft_logits(g), p, logp)
             reg = F.smooth_l1_loss(g, tgt, reduction="none").mean(-1)
-            hit = self.vocab[logq.argmax(-1)] == argmax
+            hit = self.vocab[top] == argmax
             n = valid.sum()
             loss = (ce * valid).sum() / n + self.reg_weight * (reg * valid).sum() / n
             ce, kl, reg = ce.detach(), kl.detach(), reg.detach()
@@ -136,19 +157,18 @@ class _Trainer:
         feats = self._pad(windows, "features", 0, k_max).float()  # f_s .. f_{s+n-1+K}
         lse, argmax = self._pad(windows, "lse", 0, k_max), self._pad(windows, "argmax", 0, k_max).long()
         avail = torch.tensor([self.examples[e]["features"].shape[0] - s for e, s, _ in windows], device=self.device)
-        outs = self.head(feats[:, :width])  # [B, W, K, H]
+        outs = self._run_head(feats[:, :width])  # [B, W, K, H]
         loss, metrics = 0.0, {"n": int(valid.sum())}
         for k in range(1, k_max + 1):
             ok = valid & ((torch.arange(width, device=self.device)[None, :] + k) < avail[:, None])
-            logq = torch.log_softmax(outs[:, :, k - 1] @ self.w_draft.T, -1)
             with torch.no_grad():
                 logp = self._target_logprobs(feats[:, k : k + width], lse[:, k : k + width])
                 p = logp.exp()
-            ce = -(p * logq).sum(-1)
-            hit = self.vocab[logq.argmax(-1)] == argmax[:, k : k + width]
+            ce, kl, top = self._soft_ce(self._draft_logits(outs[:, :, k - 1]), p, logp)
+            hit = self.vocab[top] == argmax[:, k : k + width]
             cnt = ok.sum().clamp(min=1)
             loss = loss + (0.8 ** (k - 1)) * (ce * ok).sum() / cnt
-            ce, kl = ce.detach(), (p * (logp - logq.detach())).sum(-1)
+            ce = ce.detach()
             metrics.update({f"ce{k}": float((ce * ok).sum()), f"kl{k}": float((kl * ok).sum()),
                             f"acc{k}": float((hit & ok).sum()), f"n{k}": int(ok.sum())})
         return loss, metrics
@@ -194,6 +214,7 @@ def train_draft_head(
     checkpoint_every: int = 50,
     log_every: int = 10,
     threads: Optional[int] = None,
+    mixed_precision: bool = True,
     progress: bool = True,
     notes: Optional[dict] = None,
 ) -> Path:
@@ -218,6 +239,8 @@ def train_draft_head(
         eval_fraction: share of the examples held out for the validation losses.
         seed: makes data collection, batch order, noise and initialisation reproducible.
         threads: torch.set_num_threads for the whole run (None: leave as is).
+        mixed_precision: run the head and its logits in bfloat16 autocast (the target's
+            labels stay fp32); ~1.5x faster on CPUs with bf16 units, slightly different numbers.
         notes: extra facts stored under config["training"] (e.g. the command line).
 
     Returns:
@@ -282,8 +305,9 @@ def train_draft_head(
     train_examples = [examples[i] for i in split[n_eval:]]
     coverage = float(sum(torch.isin(ex["argmax"].long(), vocab).sum() for ex in examples) /
                      max(sum(ex["argmax"].numel() for ex in examples), 1))
-    trainer = _Trainer(kind, head, target, train_examples, num_heads, reg_weight, noise)
-    eval_trainer = _Trainer(kind, head, target, eval_examples, num_heads, reg_weight, noise) if eval_examples else None
+    low = torch.bfloat16 if mixed_precision else None
+    trainer = _Trainer(kind, head, target, train_examples, num_heads, reg_weight, noise, low)
+    eval_trainer = _Trainer(kind, head, target, eval_examples, num_heads, reg_weight, noise, low) if eval_examples else None
     windows = _windows(train_examples, max_len, kind, num_heads)
     if not windows:
         raise ValueError("prompts: the collected examples are too short to train on")
@@ -384,6 +408,7 @@ def train_draft_head(
         val_rows = [r for r in rows if any(k.startswith("val_") for k in r)]
         final = {"train": train_rows[-1] if train_rows else {}, "val": val_rows[-1] if val_rows else {}}
     training = {"steps": steps, "seed": seed, "lr": lr, "batch_tokens": batch_tokens, "max_len": max_len,
+                "mixed_precision": mixed_precision,
                 "reg_weight": reg_weight, "noise": noise, "argmax_coverage": round(coverage, 5), "data": data_meta,
                 "final": final, **(notes or {})}
     state = {k: v for k, v in head.state_dict().items()}
