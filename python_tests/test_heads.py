@@ -16,7 +16,8 @@ pytest.importorskip("scipy.stats")
 pytest.importorskip("safetensors")
 
 import specdec_kernels as sk  # noqa: E402
-from specdec_kernels.heads import EagleDrafter, MedusaDrafter, default_drafter, train_draft_head  # noqa: E402
+from specdec_kernels import hf  # noqa: E402
+from specdec_kernels.heads import EagleDrafter, HeadNgramDrafter, MedusaDrafter, default_drafter, train_draft_head  # noqa: E402
 from specdec_kernels.heads.common import read_head, target_identity  # noqa: E402
 from test_generate import (  # noqa: E402
     SAMPLE_PROMPT, SAMPLE_ROWS, SMALL_VOCAB, VOCAB, chi_square_pvalue, exact_pair_distribution, hf_greedy, left_pad,
@@ -121,12 +122,43 @@ def test_bad_arguments(target, heads, tmp_path):
         default_drafter(target, online=True)
 
 
+def test_forward_return_hidden_matches_model(target):
+    """hf.forward(return_hidden=True): the same logits as the model, and hidden states whose
+    LM-head image is those logits (what the heads are fed)."""
+    ids = torch.tensor([repetitive_prompts(1)[0].tolist()])
+    with hf.use_tree_attention(target):
+        cache = hf.TreeKVCache.for_model(target, 1, 64)
+        logits, hidden = hf.forward(target, cache, ids, torch.arange(ids.shape[1])[None], return_hidden=True)
+    expected = target(ids).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(target.lm_head(hidden), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_merged_head_and_ngram_respect_budget(target, heads):
+    drafter = HEAD_DRAFTERS["eagle+ngram"](target, heads)
+    ids, mask = left_pad(repetitive_prompts(2))
+    lengths = mask.sum(1)
+    history = torch.zeros(2, 64, dtype=torch.long)
+    for b in range(2):
+        history[b, : lengths[b]] = ids[b, ids.shape[1] - lengths[b] :]
+    with torch.no_grad():
+        hidden = target.model(history[:, : int(lengths.max()) - 1]).last_hidden_state
+    drafter.start(history, lengths, 64)
+    drafter.observe(hidden)
+    tree = drafter.propose(history, lengths, budget=torch.tensor([0, 4])).tree
+    assert tree.num_nodes.tolist() == [1, 5]  # the head alone fills a budget of 4
+    tree = drafter.propose(history, lengths, budget=torch.tensor([2, 100])).tree
+    assert int(tree.num_nodes[0]) == 3 and int(tree.num_nodes[1]) > 7  # head (6) + n-gram continuation
+
+
 # ----------------------------------------------------------------------------- greedy identity
 
 HEAD_DRAFTERS = {
     "eagle_chain": lambda t, h: EagleDrafter(t, h["eagle"], max_nodes=4, top_k=1, depth=4),
     "eagle_tree": lambda t, h: EagleDrafter(t, h["eagle"], max_nodes=10, top_k=3, depth=4),
     "medusa_tree": lambda t, h: MedusaDrafter(t, h["medusa"], max_nodes=8, top_k=3),
+    "eagle+ngram": lambda t, h: HeadNgramDrafter(EagleDrafter(t, h["eagle"], max_nodes=6, top_k=2, depth=3),
+                                                 sk.NgramDrafter(num_tokens=3)),
 }
 
 
@@ -207,3 +239,21 @@ def test_sampling_with_top_k_top_p_temperature(small_target_heads, kind):
     out = sk.generate(target, ids, drafter=HEAD_DRAFTERS[kind](target, heads), max_new_tokens=2, seed=99, **args)
     pvalue = chi_square_pvalue(out.sequences[:, -2:], exact_pair_distribution(target, SAMPLE_PROMPT, **args))
     assert pvalue > 1e-3, f"{kind}: chi-square p = {pvalue}"
+
+
+# ----------------------------------------------------------------------------- default_drafter
+
+
+def test_default_drafter_finds_a_saved_head_by_identity(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    assert isinstance(default_drafter(target), sk.NgramDrafter)  # no head for it yet
+    folder = train(target, tmp_path / "cache" / "heads", "eagle", VOCAB, steps=2, name="tiny-eagle")
+    train(tiny_model(5), tmp_path / "cache" / "heads", "eagle", VOCAB, steps=2, name="another-target")
+    drafter = default_drafter(target)
+    assert isinstance(drafter, HeadNgramDrafter) and drafter.needs_hidden_states
+    assert drafter.head_drafter.head.draft_vocab.numel() == read_head(folder)[1]["draft_vocab"].numel()
+    for batch in (1, 3):
+        ids, mask = left_pad(repetitive_prompts(batch))
+        out = sk.generate(target, ids, attention_mask=mask, drafter=default_drafter(target), max_new_tokens=20)
+        assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 20))
+        assert out.stats.tokens_per_step > 1.0  # repetitive prompts: the n-gram part is accepted

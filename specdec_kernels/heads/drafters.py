@@ -404,6 +404,10 @@ class HeadNgramDrafter(MergedDrafter):
                 sequences[b] += [tree.path_tokens(b, i)[1:] for i in real if i > 0 and i not in has_child]
         roots = root_tokens(history, lengths).tolist()
         merged = TokenTree.from_sequences(roots, sequences, self.max_nodes)
+        # Nodes are numbered in insertion order (parents first): cutting each row at its
+        # budget keeps every kept node's ancestors.
+        cut = torch.arange(merged.tokens.shape[1])[None, :] > budget.cpu().clamp(min=0)[:, None]
+        merged = TokenTree(merged.tokens.masked_fill(cut, -1), merged.parents.masked_fill(cut, -1))
         return Draft(trimmed(merged.to(history.device)))
 
 
