@@ -223,13 +223,22 @@ class EagleDrafter(_HeadDrafter):
         head: a head directory written by `train_draft_head` / `specdec train-draft`.
         max_nodes: most drafted nodes per row (the default size; `budget` can lower it).
         depth: most tree depth; top_k: nodes expanded per depth and children per node.
+            Defaults: 4 nodes, depth 3, top_k 2 for a CPU target; 24, 6, 6 on a GPU.
         dtype: the head's compute dtype. bfloat16 (default) halves the weight traffic and
             uses the CPU's bf16 matrix units: drafting is memory-bound, ~3x faster than
             fp32 here. Drafts are proposals only, so outputs stay exact in any dtype.
     """
 
-    def __init__(self, target, head, *, max_nodes: int = 16, depth: int = 6, top_k: int = 4, dtype=torch.bfloat16):
+    def __init__(self, target, head, *, max_nodes: Optional[int] = None, depth: Optional[int] = None,
+                 top_k: Optional[int] = None, dtype=torch.bfloat16):
         module = _load(EagleHead, target, head, "eagle")
+        small = lm_head_weight(target).device.type == "cpu"
+        # On a CPU every verified node costs target compute (a 5-node tree ~1.5x one token
+        # on the 2-core machine), so the default tree is small; a GPU verifies wide trees
+        # for nearly free (EAGLE-2's shapes).
+        max_nodes = max_nodes if max_nodes is not None else (4 if small else 24)
+        depth = depth if depth is not None else (3 if small else 6)
+        top_k = top_k if top_k is not None else (2 if small else 6)
         super().__init__(target, module, max_nodes, depth, top_k, dtype)
         self.embed = input_embedding(target)
         self.k_cache = self.v_cache = None
@@ -237,7 +246,7 @@ class EagleDrafter(_HeadDrafter):
     def start(self, history, lengths, capacity):
         super().start(history, lengths, capacity)
         h = self.head
-        size = capacity + self.depth * self.top_k + 1
+        size = capacity + max(self.depth * self.top_k, self.max_nodes) + 2  # tree nodes and catch-up scratch past the prefix
         shape = (history.shape[0], size, h.num_kv_heads, h.head_dim)
         self.k_cache = torch.zeros(shape, device=history.device, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, device=history.device, dtype=self.dtype)
@@ -339,11 +348,15 @@ class MedusaDrafter(_HeadDrafter):
     Args:
         target: the transformers causal LM the heads were trained for (checked).
         heads: a head directory written by `train_draft_head(kind="medusa")`.
-        max_nodes, top_k, dtype: as in `EagleDrafter`; depth is the number of heads.
+        max_nodes, top_k, dtype: as in `EagleDrafter` (same defaults); depth is the number of heads.
     """
 
-    def __init__(self, target, heads, *, max_nodes: int = 16, top_k: int = 4, dtype=torch.bfloat16):
+    def __init__(self, target, heads, *, max_nodes: Optional[int] = None, top_k: Optional[int] = None,
+                 dtype=torch.bfloat16):
         module = _load(MedusaHeads, target, heads, "medusa")
+        small = lm_head_weight(target).device.type == "cpu"
+        max_nodes = max_nodes if max_nodes is not None else (4 if small else 24)
+        top_k = top_k if top_k is not None else (2 if small else 6)
         super().__init__(target, module, max_nodes, module.weight.shape[0], top_k, dtype)
 
     @torch.inference_mode()
