@@ -257,3 +257,30 @@ def test_default_drafter_finds_a_saved_head_by_identity(target, tmp_path, monkey
         out = sk.generate(target, ids, attention_mask=mask, drafter=default_drafter(target), max_new_tokens=20)
         assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 20))
         assert out.stats.tokens_per_step > 1.0  # repetitive prompts: the n-gram part is accepted
+
+
+def test_shipped_heads_load_for_the_default_model():
+    """The shipped heads fit the size limit, name their target, and are what default_drafter
+    picks for the default model (loaded only; never retrained here)."""
+    from pathlib import Path
+
+    from specdec_kernels.heads.drafters import find_head
+
+    shipped = sorted((Path(sk.__file__).parent / "heads" / "trained").glob("*/config.json"))
+    assert shipped, "no trained head shipped"
+    for cfg in shipped:
+        assert (cfg.parent / "head.safetensors").stat().st_size <= 16 * 2**20
+        assert json.loads(cfg.read_text())["target"]["architecture"] == "LlamaForCausalLM"
+    try:
+        from specdec_kernels.models import load_model
+
+        model, _ = load_model(verbose=False)
+    except (ImportError, ModuleNotFoundError, OSError) as error:
+        pytest.skip(f"default model not available: {error}")
+    folder = find_head(model)
+    assert folder is not None and json.loads((folder / "config.json").read_text())["kind"] == "eagle"
+    drafter = default_drafter(model)
+    assert isinstance(drafter, HeadNgramDrafter)
+    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356]])  # a short chat-like prefix
+    out = sk.generate(model, ids, drafter=drafter, max_new_tokens=8)
+    assert torch.equal(out.sequences, hf_greedy(model, ids, torch.ones_like(ids), 8))
