@@ -155,9 +155,10 @@ def test_merged_head_and_ngram_respect_budget(target, heads):
 
 HEAD_DRAFTERS = {
     "eagle_chain": lambda t, h: EagleDrafter(t, h["eagle"], max_nodes=4, top_k=1, depth=4),
-    "eagle_tree": lambda t, h: EagleDrafter(t, h["eagle"], max_nodes=10, top_k=3, depth=4),
+    "eagle_tree": lambda t, h: EagleDrafter(t, h["eagle"], max_nodes=10, top_k=3, depth=4, min_score=0.0),
+    "eagle_confident": lambda t, h: EagleDrafter(t, h["eagle"], max_nodes=10, top_k=3, depth=4, min_score=0.02),
     "medusa_tree": lambda t, h: MedusaDrafter(t, h["medusa"], max_nodes=8, top_k=3),
-    "eagle+ngram": lambda t, h: HeadNgramDrafter(EagleDrafter(t, h["eagle"], max_nodes=6, top_k=2, depth=3),
+    "eagle+ngram": lambda t, h: HeadNgramDrafter(EagleDrafter(t, h["eagle"], max_nodes=6, top_k=2, depth=3, min_score=0.0),
                                                  sk.NgramDrafter(num_tokens=3)),
 }
 
@@ -201,6 +202,10 @@ def test_draft_scores_and_budget(target, heads):
     draft = drafter.propose(history, lengths, budget=torch.tensor([0, 3, 10]))
     tree, scores = draft.tree, draft.scores
     assert tree.num_nodes.tolist() == [1, 4, 11]
+    drafter.min_score = 0.02  # the confidence cut keeps only nodes scored >= 0.02
+    cut = drafter.propose(history, lengths, budget=torch.tensor([0, 3, 10]))
+    real = cut.tree.parents >= 0
+    assert torch.all(cut.scores[real] >= 0.02) and int(cut.tree.num_nodes.sum()) < 16
     assert torch.all(scores[:, 0] == 1.0)
     for b in range(3):
         for i in range(1, int(tree.num_nodes[b])):

@@ -59,6 +59,7 @@ class _HeadDrafter(Drafter):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be torch.float32, bfloat16 or float16, got {dtype}")
         self.dtype = dtype
+        self.min_score = 0.0
         self.target, self.head = target, module.to(dtype)
         self.max_nodes, self.depth, self.top_k = int(max_nodes), int(depth), int(top_k)
         self.vocab = module.draft_vocab.to(lm_head_weight(target).device)
@@ -174,6 +175,10 @@ class _HeadDrafter(Drafter):
             # Rows with a smaller limit drop their lowest-ranked picks (never an ancestor of a kept one).
             order_rank = key.gather(1, chosen).argsort(dim=-1, descending=True).argsort(dim=-1)
             real = order_rank <= limit[:, None]
+            if self.min_score > 0:
+                # Confidence cut: nodes the head itself rates unlikely to be accepted cost a
+                # target forward slot for little gain (scores fall along paths: closure kept).
+                real &= (scores.gather(1, chosen).exp() >= self.min_score) | (chosen == 0)
         else:
             # Sampling: a prefix of the creation order, as long as the row's limit.
             n_keep = int(min(max_budget, total - 1)) + 1
@@ -224,13 +229,17 @@ class EagleDrafter(_HeadDrafter):
         max_nodes: most drafted nodes per row (the default size; `budget` can lower it).
         depth: most tree depth; top_k: nodes expanded per depth and children per node.
             Defaults: 4 nodes, depth 3, top_k 2 for a CPU target; 24, 6, 6 on a GPU.
+        min_score: greedy trees drop nodes whose score (the head's estimate that the path is
+            accepted) is below it, so unsure steps verify fewer nodes; default 0.25 on a CPU
+            (every node costs target compute there), 0 on a GPU. Sampled trees keep every
+            node (dropping a sampled child by its own probability would bias the sample).
         dtype: the head's compute dtype. bfloat16 (default) halves the weight traffic and
             uses the CPU's bf16 matrix units: drafting is memory-bound, ~3x faster than
             fp32 here. Drafts are proposals only, so outputs stay exact in any dtype.
     """
 
     def __init__(self, target, head, *, max_nodes: Optional[int] = None, depth: Optional[int] = None,
-                 top_k: Optional[int] = None, dtype=torch.bfloat16):
+                 top_k: Optional[int] = None, min_score: Optional[float] = None, dtype=torch.bfloat16):
         module = _load(EagleHead, target, head, "eagle")
         small = lm_head_weight(target).device.type == "cpu"
         # On a CPU every verified node costs target compute (a 5-node tree ~1.5x one token
@@ -240,6 +249,9 @@ class EagleDrafter(_HeadDrafter):
         depth = depth if depth is not None else (3 if small else 6)
         top_k = top_k if top_k is not None else (2 if small else 6)
         super().__init__(target, module, max_nodes, depth, top_k, dtype)
+        self.min_score = float(min_score) if min_score is not None else (0.25 if small else 0.0)
+        if not 0.0 <= self.min_score <= 1.0:
+            raise ValueError(f"min_score must be in [0, 1], got {min_score}")
         self.embed = input_embedding(target)
         self.k_cache = self.v_cache = None
 
