@@ -9,6 +9,8 @@ Ops (one entry point each; `backend=` forces an implementation, None picks the b
     NgramIndex                                  incremental n-gram index, one slot per sequence
     generate, GenerateOutput                    the draft -> verify -> accept loop on HF models
     NgramDrafter, DraftModelDrafter, MergedDrafter   drafters for `generate`
+    EagleDrafter, MedusaDrafter, default_drafter     learned draft heads (specdec_kernels.heads)
+    train_draft_head                            train a head for a target (self-distillation)
 (`generate` and the draft-model drafter need the optional `hf` extra: transformers >= 5;
 it is imported only when they run.)
 """
@@ -17,6 +19,7 @@ from . import config, reference
 from ._extension import LOAD_ERROR, available_backends
 from .drafters import DraftModelDrafter, MergedDrafter, NgramDrafter
 from .generate import GenerateOutput, GenerateStats, generate
+from .heads import EagleDrafter, MedusaDrafter, default_drafter, train_draft_head
 from .kv_cache import compact_kv_cache_
 from .ngram import ngram_propose, ngram_propose_tree
 from .ngram_index import NgramIndex
@@ -28,9 +31,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DraftModelDrafter",
+    "EagleDrafter",
     "GenerateOutput",
     "GenerateStats",
     "LOAD_ERROR",
+    "MedusaDrafter",
     "MergedDrafter",
     "NgramDrafter",
     "NgramIndex",
@@ -39,12 +44,14 @@ __all__ = [
     "available_backends",
     "compact_kv_cache_",
     "config",
+    "default_drafter",
     "generate",
     "ngram_propose",
     "ngram_propose_tree",
     "pack_tree_mask",
     "reference",
     "tree_attention",
+    "train_draft_head",
     "tree_mask",
     "verify",
     "verify_chain",

@@ -464,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The `specdec` argument parser (subcommands demo, generate, info, bench)."""
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding: demo, generate, info, "
                                                                  "bench.")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,generate,info,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,generate,info,bench,train-draft}")
     sub.required = True
 
     demo = sub.add_parser("demo", help="HF greedy decoding vs ours with n-gram drafts: speed and identical output",
@@ -505,6 +505,9 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="versions, compiled extension, backends per op, device")
     info.set_defaults(func=cmd_info)
     _add_bench_parser(sub)
+    from .heads import cli as heads_cli
+
+    heads_cli.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,291 @@
+"""Learned draft heads (EAGLE, Medusa) on tiny random Llama targets (CPU, seconds).
+
+Training lowers the loss; heads round-trip through disk and refuse another target; every
+head drafter gives HF greedy output token for token (batch 1 and 4, left padding) and
+samples the target's exact distribution (chi-square, as test_generate). The shipped head
+for the default model is only loaded, never retrained.
+"""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("scipy.stats")
+pytest.importorskip("safetensors")
+
+import specdec_kernels as sk  # noqa: E402
+from specdec_kernels import hf  # noqa: E402
+from specdec_kernels.heads import EagleDrafter, HeadNgramDrafter, MedusaDrafter, default_drafter, train_draft_head  # noqa: E402
+from specdec_kernels.heads.common import read_head, target_identity  # noqa: E402
+from test_generate import (  # noqa: E402
+    SAMPLE_PROMPT, SAMPLE_ROWS, SMALL_VOCAB, VOCAB, chi_square_pvalue, exact_pair_distribution, hf_greedy, left_pad,
+    repetitive_prompts, tiny_model,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def random_prompts(count: int, vocab: int, seed: int, length=(6, 20)):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (int(torch.randint(length[0], length[1], (), generator=g)),), generator=g).tolist()
+            for _ in range(count)]
+
+
+def train(target, tmp_path, kind, vocab, steps=4, name=None, **kw):
+    out = tmp_path / (name or kind)
+    args = dict(kind=kind, out_dir=out, steps=steps, max_new_tokens=12, batch_tokens=256, checkpoint_every=2, log_every=1,
+                eval_fraction=0.0, progress=False, seed=0, draft_vocab_size=vocab)
+    args.update(kw)
+    return train_draft_head(target, random_prompts(12, vocab, seed=1), **args)
+
+
+def log_rows(folder):
+    return [json.loads(line) for line in (folder / "train_log.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(0)
+
+
+@pytest.fixture(scope="module")
+def heads(target, tmp_path_factory):
+    """One EAGLE and one Medusa head for `target`, trained a few steps (shared by the tests)."""
+    tmp = tmp_path_factory.mktemp("heads")
+    return {"eagle": train(target, tmp, "eagle", VOCAB), "medusa": train(target, tmp, "medusa", VOCAB)}
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_training_lowers_the_loss(tmp_path, kind):
+    """KL to the target (the part of the soft cross-entropy a head can remove) falls."""
+    target = tiny_model(3, logit_scale=6.0)  # peaked distributions: something to learn
+    out = train(target, tmp_path, kind, VOCAB, steps=30, lr=3e-3, batch_tokens=512)
+    rows = [r for r in log_rows(out) if "loss" in r]
+    assert len(rows) == 30
+    key = "kl" if kind == "eagle" else "kl1"
+    first, last = sum(r[key] for r in rows[:3]) / 3, sum(r[key] for r in rows[-3:]) / 3
+    assert last < 0.8 * first, (first, last)
+
+
+def test_training_resumes_and_is_deterministic(target, tmp_path):
+    """Same seed, same head; a run stopped at step 2 and resumed to 4 equals a run straight to 4."""
+    a = train(target, tmp_path, "eagle", VOCAB, steps=4, name="a")
+    b = train(target, tmp_path, "eagle", VOCAB, steps=2, name="b")
+    b = train(target, tmp_path, "eagle", VOCAB, steps=4, name="b")
+    ta, tb = read_head(a)[1], read_head(b)[1]
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), k
+
+
+def test_head_files_and_round_trip(target, heads):
+    config, tensors = read_head(heads["eagle"], "eagle")
+    assert config["target"] == target_identity(target)
+    assert all(v.dtype == torch.float16 for k, v in tensors.items() if k != "draft_vocab")
+    drafter = EagleDrafter(target, heads["eagle"], dtype=torch.float32)
+    for name, value in drafter.head.state_dict().items():
+        stored = tensors[name]
+        assert torch.equal(value.to(stored.dtype), stored), name
+
+
+def test_head_refuses_another_target(heads):
+    other = tiny_model(5)  # same shapes, other weights
+    with pytest.raises(ValueError, match="another target.*lm_head_sha256"):
+        EagleDrafter(other, heads["eagle"])
+    with pytest.raises(ValueError, match="another target"):
+        MedusaDrafter(other, heads["medusa"])
+    with pytest.raises(ValueError, match="expected 'medusa'"):
+        MedusaDrafter(other, heads["eagle"])
+
+
+def test_bad_arguments(target, heads, tmp_path):
+    with pytest.raises(ValueError, match="kind"):
+        train_draft_head(target, [[1, 2, 3]], kind="mtp", out_dir=tmp_path / "x")
+    with pytest.raises(ValueError, match="steps"):
+        train_draft_head(target, [[1, 2, 3]], kind="eagle", out_dir=tmp_path / "x", steps=0)
+    with pytest.raises(ValueError, match="not a head directory"):
+        EagleDrafter(target, tmp_path)
+    with pytest.raises(ValueError, match="max_nodes"):
+        EagleDrafter(target, heads["eagle"], max_nodes=0)
+    with pytest.raises(NotImplementedError, match="online"):
+        default_drafter(target, online=True)
+
+
+def test_forward_return_hidden_matches_model(target):
+    """hf.forward(return_hidden=True): the same logits as the model, and hidden states whose
+    LM-head image is those logits (what the heads are fed)."""
+    ids = torch.tensor([repetitive_prompts(1)[0].tolist()])
+    with hf.use_tree_attention(target):
+        cache = hf.TreeKVCache.for_model(target, 1, 64)
+        logits, hidden = hf.forward(target, cache, ids, torch.arange(ids.shape[1])[None], return_hidden=True)
+    expected = target(ids).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(target.lm_head(hidden), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_merged_head_and_ngram_respect_budget(target, heads):
+    drafter = HEAD_DRAFTERS["eagle+ngram"](target, heads)
+    ids, mask = left_pad(repetitive_prompts(2))
+    lengths = mask.sum(1)
+    history = torch.zeros(2, 64, dtype=torch.long)
+    for b in range(2):
+        history[b, : lengths[b]] = ids[b, ids.shape[1] - lengths[b] :]
+    with torch.no_grad():
+        hidden = target.model(history[:, : int(lengths.max()) - 1]).last_hidden_state
+    drafter.start(history, lengths, 64)
+    drafter.observe(hidden)
+    tree = drafter.propose(history, lengths, budget=torch.tensor([0, 4])).tree
+    assert tree.num_nodes.tolist() == [1, 5]  # the head alone fills a budget of 4
+    tree = drafter.propose(history, lengths, budget=torch.tensor([2, 100])).tree
+    assert int(tree.num_nodes[0]) == 3 and int(tree.num_nodes[1]) > 7  # head (6) + n-gram continuation
+
+
+# ----------------------------------------------------------------------------- greedy identity
+
+HEAD_DRAFTERS = {
+    "eagle_chain": lambda t, h: EagleDrafter(t, h["eagle"], max_nodes=4, top_k=1, depth=4),
+    "eagle_tree": lambda t, h: EagleDrafter(t, h["eagle"], max_nodes=10, top_k=3, depth=4, min_score=0.0),
+    "eagle_confident": lambda t, h: EagleDrafter(t, h["eagle"], max_nodes=10, top_k=3, depth=4, min_score=0.02),
+    "medusa_tree": lambda t, h: MedusaDrafter(t, h["medusa"], max_nodes=8, top_k=3),
+    "eagle+ngram": lambda t, h: HeadNgramDrafter(EagleDrafter(t, h["eagle"], max_nodes=6, top_k=2, depth=3, min_score=0.0),
+                                                 sk.NgramDrafter(num_tokens=3)),
+}
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("kind", list(HEAD_DRAFTERS))
+def test_greedy_matches_hf_generate(target, heads, kind, batch):
+    ids, mask = left_pad(repetitive_prompts(batch))
+    expected = hf_greedy(target, ids, mask, 24)
+    out = sk.generate(target, ids, attention_mask=mask, drafter=HEAD_DRAFTERS[kind](target, heads), max_new_tokens=24)
+    assert torch.equal(out.sequences, expected)
+    assert out.stats.new_tokens == [24] * batch
+
+
+def test_greedy_with_eos_and_one_token_prompts(target, heads):
+    """Rows stop at different steps (the drafter's state follows keep_rows); a one-token
+    prompt has no feature yet, so its first step drafts nothing."""
+    prompts = [[5], *repetitive_prompts(3)]
+    ids, mask = left_pad(prompts)
+    plain = sk.generate(target, ids, attention_mask=mask, max_new_tokens=16).sequences
+    eos = int(plain[1, ids.shape[1] + 3])  # a token row 1 emits early
+    expected = hf_greedy(target, ids, mask, 16, eos_token_id=eos)
+    for kind in HEAD_DRAFTERS:
+        out = sk.generate(target, ids, attention_mask=mask, drafter=HEAD_DRAFTERS[kind](target, heads), max_new_tokens=16,
+                          eos_token_id=eos)
+        assert torch.equal(out.sequences, expected), kind
+
+
+def test_draft_scores_and_budget(target, heads):
+    """Scores are 1 at the root and non-increasing along paths; `budget` caps each row."""
+    drafter = HEAD_DRAFTERS["eagle_tree"](target, heads)
+    ids, mask = left_pad(repetitive_prompts(3))
+    history = torch.zeros(3, 64, dtype=torch.long)
+    lengths = mask.sum(1)
+    for b in range(3):
+        history[b, : lengths[b]] = ids[b, ids.shape[1] - lengths[b] :]
+    with torch.no_grad():
+        hidden = target.model(history[:, : int(lengths.max()) - 1]).last_hidden_state
+    drafter.start(history, lengths, 64)
+    drafter.observe(hidden)
+    draft = drafter.propose(history, lengths, budget=torch.tensor([0, 3, 10]))
+    tree, scores = draft.tree, draft.scores
+    assert tree.num_nodes.tolist() == [1, 4, 11]
+    drafter.min_score = 0.02  # the confidence cut keeps only nodes scored >= 0.02
+    cut = drafter.propose(history, lengths, budget=torch.tensor([0, 3, 10]))
+    real = cut.tree.parents >= 0
+    assert torch.all(cut.scores[real] >= 0.02) and int(cut.tree.num_nodes.sum()) < 16
+    assert torch.all(scores[:, 0] == 1.0)
+    for b in range(3):
+        for i in range(1, int(tree.num_nodes[b])):
+            parent = int(tree.parents[b, i])
+            assert 0 <= parent < i and scores[b, i] <= scores[b, parent] + 1e-6
+            siblings = [j for j in range(1, int(tree.num_nodes[b])) if int(tree.parents[b, j]) == parent]
+            assert len({int(tree.tokens[b, j]) for j in siblings}) == len(siblings)  # distinct (greedy)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+@pytest.fixture(scope="module")
+def small_target_heads(tmp_path_factory):
+    target = tiny_model(20, vocab=SMALL_VOCAB, hidden=32, logit_scale=8.0)
+    tmp = tmp_path_factory.mktemp("small_heads")
+    return target, {"eagle": train(target, tmp, "eagle", SMALL_VOCAB, steps=6, lr=3e-3),
+                    "medusa": train(target, tmp, "medusa", SMALL_VOCAB, steps=6, lr=3e-3)}
+
+
+@pytest.mark.parametrize("kind", list(HEAD_DRAFTERS))
+def test_sampling_matches_target_distribution(small_target_heads, kind):
+    target, heads = small_target_heads
+    ids = torch.tensor(SAMPLE_PROMPT).expand(SAMPLE_ROWS, -1)
+    out = sk.generate(target, ids, drafter=HEAD_DRAFTERS[kind](target, heads), max_new_tokens=2, temperature=1.0, seed=1234)
+    pvalue = chi_square_pvalue(out.sequences[:, -2:], exact_pair_distribution(target, SAMPLE_PROMPT))
+    assert pvalue > 1e-3, f"{kind}: chi-square p = {pvalue}"
+    assert out.stats.acceptance_per_depth[0] > 0.05  # drafts are exercised: accepted and rejected
+
+
+@pytest.mark.parametrize("kind", ["eagle_tree", "medusa_tree"])
+def test_sampling_with_top_k_top_p_temperature(small_target_heads, kind):
+    target, heads = small_target_heads
+    ids = torch.tensor(SAMPLE_PROMPT).expand(SAMPLE_ROWS, -1)
+    args = dict(temperature=0.7, top_k=5, top_p=0.9)
+    out = sk.generate(target, ids, drafter=HEAD_DRAFTERS[kind](target, heads), max_new_tokens=2, seed=99, **args)
+    pvalue = chi_square_pvalue(out.sequences[:, -2:], exact_pair_distribution(target, SAMPLE_PROMPT, **args))
+    assert pvalue > 1e-3, f"{kind}: chi-square p = {pvalue}"
+
+
+# ----------------------------------------------------------------------------- default_drafter
+
+
+def test_default_drafter_finds_a_saved_head_by_identity(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    assert isinstance(default_drafter(target), sk.NgramDrafter)  # no head for it yet
+    folder = train(target, tmp_path / "cache" / "heads", "eagle", VOCAB, steps=2, name="tiny-eagle")
+    train(tiny_model(5), tmp_path / "cache" / "heads", "eagle", VOCAB, steps=2, name="another-target")
+    drafter = default_drafter(target)
+    assert isinstance(drafter, HeadNgramDrafter) and drafter.needs_hidden_states
+    assert drafter.head_drafter.head.draft_vocab.numel() == read_head(folder)[1]["draft_vocab"].numel()
+    for batch in (1, 3):
+        ids, mask = left_pad(repetitive_prompts(batch))
+        out = sk.generate(target, ids, attention_mask=mask, drafter=default_drafter(target), max_new_tokens=20)
+        assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 20))
+        assert out.stats.tokens_per_step > 1.0  # repetitive prompts: the n-gram part is accepted
+
+
+def test_shipped_heads_load_for_the_default_model():
+    """The shipped heads fit the size limit, name their target, and are what default_drafter
+    picks for the default model (loaded only; never retrained here)."""
+    from pathlib import Path
+
+    from specdec_kernels.heads.drafters import find_head
+
+    shipped = sorted((Path(sk.__file__).parent / "heads" / "trained").glob("*/config.json"))
+    assert shipped, "no trained head shipped"
+    for cfg in shipped:
+        assert (cfg.parent / "head.safetensors").stat().st_size <= 16 * 2**20
+        assert json.loads(cfg.read_text())["target"]["architecture"] == "LlamaForCausalLM"
+    try:
+        from specdec_kernels.models import load_model
+
+        model, _ = load_model(verbose=False)
+    except (ImportError, ModuleNotFoundError, OSError) as error:
+        pytest.skip(f"default model not available: {error}")
+    folder = find_head(model)
+    assert folder is not None and json.loads((folder / "config.json").read_text())["kind"] == "eagle"
+    drafter = default_drafter(model)
+    assert isinstance(drafter, HeadNgramDrafter)
+    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356]])  # a short chat-like prefix
+    out = sk.generate(model, ids, drafter=drafter, max_new_tokens=8)
+    assert torch.equal(out.sequences, hf_greedy(model, ids, torch.ones_like(ids), 8))

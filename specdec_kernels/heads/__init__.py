@@ -1,0 +1,12 @@
+"""Learned draft heads on the target's own hidden states and LM head (EAGLE, Medusa).
+
+    EagleDrafter(target, head)      one decoder layer autoregressing on the target's features
+    MedusaDrafter(target, heads)    K residual heads on the last hidden state
+    train_draft_head(target, prompts, *, kind, out_dir, ...)   self-distillation training
+    default_drafter(target)         the shipped/saved head for `target` merged with n-gram drafts
+"""
+
+from .drafters import EagleDrafter, HeadNgramDrafter, MedusaDrafter, default_drafter, find_head
+from .train import train_draft_head
+
+__all__ = ["EagleDrafter", "HeadNgramDrafter", "MedusaDrafter", "default_drafter", "find_head", "train_draft_head"]

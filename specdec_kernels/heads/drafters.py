@@ -1,0 +1,494 @@
+"""Drafters built on learned heads: `EagleDrafter`, `MedusaDrafter`, and `default_drafter`.
+
+Both read the target's features (its LM head's input) that `generate` hands to `observe`
+after the prefill and after every verify forward: no extra target pass. Both keep a feature
+buffer per row: `features[b, i]` is the target's feature at position i (the one whose
+logits predicted token i + 1), known for i < lengths[b] - 1 (the root's own feature is not
+computed until the root is verified).
+
+Trees are built best-first, EAGLE-2 style: every drafted node has a score, the product of
+the draft probabilities along its path (the estimated chance that the target accepts the
+whole path); each depth expands the `top_k` highest-scoring nodes of the previous depth,
+and (greedy) the final tree keeps the `budget` highest-scoring candidates, which always
+include their ancestors. Greedy trees are deterministic with distinct siblings
+(draft_probs None). With sampling, each expanded node's children are drawn i.i.d. from the
+head's (temperature / top-k / top-p warped) distribution and returned in `draft_probs`; no
+child is ever dropped because of its own value (that would bias the sample): the kept nodes
+are a prefix of the creation order, chosen by the budget alone.
+"""
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..drafters import Draft, Drafter, MergedDrafter, NgramDrafter, root_tokens, trimmed
+from ..sampling import target_probs
+from ..tree import TokenTree
+from .common import check_target, input_embedding, lm_head_weight, read_head
+from .modules import EagleHead, MedusaHeads
+
+_TIE = 1e-6  # per-depth penalty on log scores: a parent always outranks its children
+
+
+def _load(module_cls, target, head, kind):
+    """Build a head module for `target` from a head directory (or return a module as is)."""
+    if isinstance(head, module_cls):
+        return head
+    if not isinstance(head, (str, Path)):
+        raise ValueError(f"head: expected a head directory (str or Path), got {type(head).__name__}")
+    config, tensors = read_head(head, kind)
+    check_target(config["target"], target, str(head))
+    module = module_cls(config["head"])
+    param = lm_head_weight(target)
+    module.load_state_dict({k: (v.to(torch.float32) if v.is_floating_point() else v) for k, v in tensors.items()})
+    return module.to(device=param.device).eval()
+
+
+class _HeadDrafter(Drafter):
+    """What EAGLE and Medusa drafters share: the feature buffer, the draft vocabulary's LM
+    head rows, and the best-first tree construction (`_build`)."""
+
+    needs_hidden_states = True
+
+    def __init__(self, target, module, max_nodes: int, depth: int, top_k: int, dtype):
+        for name, value in (("max_nodes", max_nodes), ("depth", depth), ("top_k", top_k)):
+            if int(value) < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype must be torch.float32, bfloat16 or float16, got {dtype}")
+        self.dtype = dtype
+        self.min_score = 0.0
+        self.target, self.head = target, module.to(dtype)
+        self.max_nodes, self.depth, self.top_k = int(max_nodes), int(depth), int(top_k)
+        self.vocab = module.draft_vocab.to(lm_head_weight(target).device)
+        self.vocab_size = lm_head_weight(target).shape[0]
+        if int(self.vocab.max()) >= self.vocab_size:
+            raise ValueError("head: its draft vocabulary has token ids outside the target's vocabulary")
+        self.w_draft = lm_head_weight(target).detach()[self.vocab].to(dtype)  # [N, H]
+        self.features = None
+
+    # -- state -------------------------------------------------------------------------
+    def start(self, history, lengths, capacity):
+        hidden = self.w_draft.shape[1]
+        self.features = torch.zeros(history.shape[0], capacity, hidden, device=history.device, dtype=self.dtype)
+        self.known = lengths.long() - 1  # features known per row once observe has run
+
+    def observe(self, hidden_states, accepted_nodes=None, num_accepted=None):
+        h = hidden_states.to(self.dtype)
+        if accepted_nodes is None:
+            self.features[:, : h.shape[1]] = h
+            return
+        batch, num_nodes = accepted_nodes.shape
+        j = torch.arange(num_nodes, device=h.device)
+        keep = j[None, :] <= num_accepted.long()[:, None]
+        path = h.gather(1, accepted_nodes.long().clamp(min=0)[:, :, None].expand(-1, -1, h.shape[-1]))
+        slots = (self.known[:, None] + j).clamp(max=self.features.shape[1] - 1)
+        rows = torch.arange(batch, device=h.device)[:, None].expand_as(slots)
+        self.features[rows[keep], slots[keep]] = path[keep]
+        self.known = self.known + num_accepted.long() + 1
+
+    def keep_rows(self, rows):
+        self.features, self.known = self.features[rows], self.known[rows]
+
+    def finish(self):
+        self.features = None
+
+    # -- trees -------------------------------------------------------------------------
+    def _warped(self, logits, sampling):
+        """Draft distribution [n, N] the children are drawn from (the target's warping)."""
+        n = logits.shape[0]
+        full = lambda v, dtype: torch.full((n,), v, dtype=dtype, device=logits.device)  # noqa: E731
+        return target_probs(logits, full(sampling.temperature, torch.float32), full(sampling.top_k or 0, torch.int64),
+                            full(1.0 if sampling.top_p is None else sampling.top_p, torch.float32))
+
+    def _build(self, history, lengths, first_logits, expand, sampling, budget, can_draft):
+        """Best-first tree from `first_logits [B, N]` (the root's children) and `expand`,
+        a callable (level, parents [B, F] frontier positions in the previous frontier,
+        tokens [B, F] target ids) -> logits [B, F, N] of the new frontier's children.
+
+        Returns a Draft whose rows hold at most budget[b] drafted nodes."""
+        device = history.device
+        batch = history.shape[0]
+        limit = torch.full((batch,), self.max_nodes, dtype=torch.int64, device=device)
+        if budget is not None:
+            limit = torch.minimum(limit, budget.to(device=device, dtype=torch.int64).clamp(min=0))
+        limit = torch.where(can_draft, limit, 0)
+        max_budget = int(limit.max()) if batch else 0
+        root = root_tokens(history, lengths)
+        if max_budget == 0:
+            tree = TokenTree.chain(root, history.new_zeros(batch, 0))
+            return Draft(tree, None, torch.ones(batch, 1, device=device))
+        width = min(self.top_k, self.vocab.numel())
+        depth = min(self.depth, max_budget)
+        # Candidates (root = 0): token (draft-vocab index), parent candidate, log score, depth.
+        cand_tok = [torch.zeros(batch, 1, dtype=torch.int64, device=device)]
+        cand_par = [torch.full((batch, 1), -1, dtype=torch.int64, device=device)]
+        cand_score = [torch.zeros(batch, 1, device=device)]
+        cand_depth = [0]
+        probs_of = []  # (candidate index tensor [B, F], probs [B, F, N]) for expanded nodes
+        frontier = torch.zeros(batch, 1, dtype=torch.int64, device=device)  # candidate ids
+        frontier_score = torch.zeros(batch, 1, device=device)
+        logits = first_logits[:, None, :]
+        count = 1
+        for level in range(1, depth + 1):
+            fcount = frontier.shape[1]
+            flat = logits.reshape(batch * fcount, -1).float()
+            if sampling is None:
+                logq = torch.log_softmax(flat, -1)
+                lq, idx = logq.topk(width, dim=-1)
+            else:
+                probs = self._warped(flat, sampling)
+                idx = torch.multinomial(probs, width, replacement=True, generator=sampling.generator)
+                lq = probs.gather(1, idx).clamp(min=1e-30).log()
+                probs_of.append((frontier, probs.reshape(batch, fcount, -1)))
+            idx, lq = idx.reshape(batch, fcount * width), lq.reshape(batch, fcount * width)
+            parents = frontier.repeat_interleave(width, dim=1)
+            scores = frontier_score.repeat_interleave(width, dim=1) + lq
+            cand_tok.append(idx)
+            cand_par.append(parents)
+            cand_score.append(scores)
+            cand_depth += [level] * idx.shape[1]
+            first_new = count
+            count += idx.shape[1]
+            if level == depth or (sampling is not None and count - 1 >= max_budget):
+                break
+            # Next frontier: the top_k best new candidates (their children come next).
+            keep = min(width, idx.shape[1])
+            top = scores.topk(keep, dim=-1).indices.sort(dim=-1).values  # creation order among them
+            frontier_parent_pos = top // width  # which previous-frontier node each one hangs off
+            frontier = first_new + top
+            frontier_score = scores.gather(1, top)
+            logits = expand(level, frontier_parent_pos, self.vocab[idx.gather(1, top)])
+        tokens = torch.cat(cand_tok, 1)
+        parents = torch.cat(cand_par, 1)
+        scores = torch.cat(cand_score, 1)
+        depths = torch.tensor(cand_depth, device=device)
+        total = tokens.shape[1]
+        if sampling is None:
+            # Greedy: the limit[b] best candidates (ties: shallower first), in creation order.
+            key = scores - _TIE * depths[None, :]
+            key[:, 0] = float("inf")
+            n_keep = int(min(max_budget, total - 1)) + 1
+            chosen = key.topk(n_keep, dim=-1).indices.sort(dim=-1).values
+            # Rows with a smaller limit drop their lowest-ranked picks (never an ancestor of a kept one).
+            order_rank = key.gather(1, chosen).argsort(dim=-1, descending=True).argsort(dim=-1)
+            real = order_rank <= limit[:, None]
+            if self.min_score > 0:
+                # Confidence cut: nodes the head itself rates unlikely to be accepted cost a
+                # target forward slot for little gain (scores fall along paths: closure kept).
+                real &= (scores.gather(1, chosen).exp() >= self.min_score) | (chosen == 0)
+        else:
+            # Sampling: a prefix of the creation order, as long as the row's limit.
+            n_keep = int(min(max_budget, total - 1)) + 1
+            chosen = torch.arange(n_keep, device=device).expand(batch, -1)
+            real = chosen <= limit[:, None]
+        # Re-index: the kept candidates become nodes 0 .. kept - 1 in creation order (parents
+        # first), padding after them.
+        new_id = torch.where(real, real.long().cumsum(1) - 1, -1)
+        node_of = torch.full((batch, total), -1, dtype=torch.int64, device=device)
+        node_of.scatter_(1, chosen, new_id)
+        slot = torch.where(real, new_id, n_keep)  # padding goes to a spare column, cut below
+        rows = torch.arange(batch, device=device)[:, None].expand(-1, n_keep)
+        node_tokens = torch.full((batch, n_keep + 1), -1, dtype=torch.int64, device=device)
+        node_parent = torch.full((batch, n_keep + 1), -1, dtype=torch.int64, device=device)
+        node_scores = torch.zeros(batch, n_keep + 1, device=device)
+        node_tokens[rows, slot] = self.vocab[tokens.gather(1, chosen)]
+        node_parent[rows, slot] = node_of.gather(1, parents.gather(1, chosen).clamp(min=0))
+        node_scores[rows, slot] = scores.gather(1, chosen).exp()
+        node_tokens[:, 0], node_parent[:, 0], node_scores[:, 0] = root, -1, 1.0
+        num = int(real.sum(1).max())
+        draft_probs = None
+        if sampling is not None:
+            small = torch.zeros(batch, n_keep + 1, self.vocab.numel(), device=device)
+            for cand_ids, probs in probs_of:
+                nodes = node_of.gather(1, cand_ids)
+                ok = nodes >= 0
+                r = torch.arange(batch, device=device)[:, None].expand_as(nodes)
+                small[r[ok], nodes[ok]] = probs[ok]
+            draft_probs = torch.zeros(batch, num, self.vocab_size, device=device)
+            draft_probs.index_copy_(2, self.vocab, small[:, :num])
+        tree = TokenTree(node_tokens[:, :num], node_parent[:, :num])
+        return Draft(tree, draft_probs, node_scores[:, :num])
+
+
+class EagleDrafter(_HeadDrafter):
+    """EAGLE drafting with a trained head (`train_draft_head(kind="eagle")`).
+
+    The head keeps its own one-layer KV cache: entry i is the head's input at position i,
+    (target feature f_i, embedding of token i + 1), for i < lengths[b] - 1. Each step it
+    appends the entries of the tokens accepted since the last step (with the target's true
+    features, which `observe` recorded), whose last output g predicts the root's feature;
+    then it grows the tree one depth per head forward, feeding each expanded node as
+    (its parent's output g, its token) under a tree mask, and drops the tree entries again.
+
+    Args:
+        target: the transformers causal LM the head was trained for (checked).
+        head: a head directory written by `train_draft_head` / `specdec train-draft`.
+        max_nodes: most drafted nodes per row (the default size; `budget` can lower it).
+        depth: most tree depth; top_k: nodes expanded per depth and children per node.
+            Defaults: 4 nodes, depth 3, top_k 2 for a CPU target; 24, 6, 6 on a GPU.
+        min_score: greedy trees drop nodes whose score (the head's estimate that the path is
+            accepted) is below it, so unsure steps verify fewer nodes; default 0.25 on a CPU
+            (every node costs target compute there), 0 on a GPU. Sampled trees keep every
+            node (dropping a sampled child by its own probability would bias the sample).
+        dtype: the head's compute dtype. bfloat16 (default) halves the weight traffic and
+            uses the CPU's bf16 matrix units: drafting is memory-bound, ~3x faster than
+            fp32 here. Drafts are proposals only, so outputs stay exact in any dtype.
+    """
+
+    def __init__(self, target, head, *, max_nodes: Optional[int] = None, depth: Optional[int] = None,
+                 top_k: Optional[int] = None, min_score: Optional[float] = None, dtype=torch.bfloat16):
+        module = _load(EagleHead, target, head, "eagle")
+        small = lm_head_weight(target).device.type == "cpu"
+        # On a CPU every verified node costs target compute (a 5-node tree ~1.5x one token
+        # on the 2-core machine), so the default tree is small; a GPU verifies wide trees
+        # for nearly free (EAGLE-2's shapes).
+        max_nodes = max_nodes if max_nodes is not None else (4 if small else 24)
+        depth = depth if depth is not None else (3 if small else 6)
+        top_k = top_k if top_k is not None else (2 if small else 6)
+        super().__init__(target, module, max_nodes, depth, top_k, dtype)
+        self.min_score = float(min_score) if min_score is not None else (0.25 if small else 0.0)
+        if not 0.0 <= self.min_score <= 1.0:
+            raise ValueError(f"min_score must be in [0, 1], got {min_score}")
+        self.embed = input_embedding(target)
+        self.k_cache = self.v_cache = None
+
+    def start(self, history, lengths, capacity):
+        super().start(history, lengths, capacity)
+        h = self.head
+        size = capacity + max(self.depth * self.top_k, self.max_nodes) + 2  # tree nodes and catch-up scratch past the prefix
+        shape = (history.shape[0], size, h.num_kv_heads, h.head_dim)
+        self.k_cache = torch.zeros(shape, device=history.device, dtype=self.dtype)
+        self.v_cache = torch.zeros(shape, device=history.device, dtype=self.dtype)
+        self.cached = torch.zeros(history.shape[0], dtype=torch.int64, device=history.device)
+
+    def keep_rows(self, rows):
+        super().keep_rows(rows)
+        self.k_cache, self.v_cache, self.cached = self.k_cache[rows], self.v_cache[rows], self.cached[rows]
+
+    def finish(self):
+        super().finish()
+        self.k_cache = self.v_cache = None
+
+    def _attend(self, slots, mask):
+        """An `attend` for EagleHead: write the new k/v at `slots [B, T]`, then attend over
+        cache slots [0, S) where `mask [B, T, S]` allows."""
+        def attend(q, k, v):
+            rows = torch.arange(q.shape[0], device=q.device)[:, None].expand_as(slots)
+            self.k_cache[rows, slots] = k.to(self.dtype)
+            self.v_cache[rows, slots] = v.to(self.dtype)
+            span = mask.shape[-1]
+            keys, values = self.k_cache[:, :span], self.v_cache[:, :span]
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                                 attn_mask=mask[:, None], enable_gqa=q.shape[2] != keys.shape[2])
+            return out.transpose(1, 2)
+        return attend
+
+    @torch.inference_mode()
+    def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
+        """Catch up the head's cache, then draft a best-first tree (see the class docstring)."""
+        device = history.device
+        batch = history.shape[0]
+        lengths = lengths.long()
+        prefix = lengths - 1  # entries 0 .. L-2 exist once caught up
+        can_draft = prefix > 0
+        start = torch.minimum(self.cached, prefix)
+        pending = prefix - start
+        g_root = torch.zeros(batch, self.w_draft.shape[1], device=device, dtype=self.dtype)
+        if int(pending.max()) > 0:
+            j = torch.arange(int(pending.max()), device=device)
+            pos = (start[:, None] + j).clamp(max=history.shape[1] - 2)
+            feats = self.features.gather(1, pos[:, :, None].expand(-1, -1, self.features.shape[-1]))
+            tokens = history.gather(1, pos + 1)
+            slots = start[:, None] + j
+            span = int(slots.max()) + 1
+            mask = torch.arange(span, device=device)[None, None, :] <= slots[:, :, None]
+            out = self.head(feats.to(self.dtype), self.embed(tokens).to(self.dtype), slots, self._attend(slots, mask))
+            last = (pending - 1).clamp(min=0)
+            g_root = out.gather(1, last[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]
+        self.cached = prefix.clone()
+        # Rows that fed nothing this step still need their last entry's output: recompute it.
+        stale = can_draft & (pending == 0)
+        if bool(stale.any()):
+            g_root = torch.where(stale[:, None], self._rerun_last(history, prefix), g_root)
+        # Tree nodes: fed node n sits at cache slot prefix + n, position prefix - 1 + depth.
+        state = {"g": g_root[:, None, :], "anc": torch.zeros(batch, 1, 0, dtype=torch.bool, device=device), "fed": 0}
+
+        def expand(level, parent_pos, tokens):
+            g_parent = state["g"].gather(1, parent_pos[:, :, None].expand(-1, -1, state["g"].shape[-1]))
+            n_new = tokens.shape[1]
+            fed = state["fed"]
+            anc_parent = state["anc"].gather(1, parent_pos[:, :, None].expand(-1, -1, state["anc"].shape[-1]))
+            own = torch.eye(n_new, dtype=torch.bool, device=device)[None].expand(batch, -1, -1)
+            anc = torch.cat([anc_parent, own], dim=-1)  # [B, n_new, fed + n_new] over fed slots
+            slots = prefix[:, None] + fed + torch.arange(n_new, device=device)
+            span = int(prefix.max()) + fed + n_new
+            s = torch.arange(span, device=device)
+            mask = (s[None, None, :] < prefix[:, None, None]).expand(-1, n_new, -1).clone()
+            rel = s[None, None, :] - prefix[:, None, None]  # fed index of each slot (per row)
+            in_tree = (rel >= 0) & (rel < fed + n_new)
+            mask |= in_tree & anc.gather(2, rel.clamp(0, fed + n_new - 1).expand(-1, n_new, -1))
+            positions = (prefix - 1 + level)[:, None].expand(-1, n_new)
+            g = self.head(g_parent, self.embed(tokens).to(self.dtype), positions, self._attend(slots, mask))
+            state["g"], state["anc"], state["fed"] = g, anc, fed + n_new
+            return g @ self.w_draft.T
+
+        first = g_root @ self.w_draft.T
+        return self._build(history, lengths, first, expand, sampling, budget, can_draft)
+
+    def _rerun_last(self, history, prefix):
+        """The head's output at entry prefix - 1 (already cached): rerun that one entry."""
+        device = history.device
+        pos = (prefix - 1).clamp(min=0)
+        feats = self.features.gather(1, pos[:, None, None].expand(-1, 1, self.features.shape[-1]))
+        tokens = history.gather(1, (pos + 1)[:, None])
+        slots = pos[:, None]
+        mask = torch.arange(int(slots.max()) + 1, device=device)[None, None, :] <= slots[:, :, None]
+        return self.head(feats.to(self.dtype), self.embed(tokens).to(self.dtype), slots, self._attend(slots, mask))[:, 0]
+
+
+class MedusaDrafter(_HeadDrafter):
+    """Medusa drafting with trained heads (`train_draft_head(kind="medusa")`).
+
+    Head k applied to the feature of the last verified position predicts the token at depth
+    k of the tree. The tree is best-first over the heads' top candidates: a node at depth d
+    gets the top_k tokens of head d + 1 as children (greedy; sampled i.i.d. from head d + 1
+    when sampling), and nodes are kept by the product of their path's head probabilities.
+
+    Args:
+        target: the transformers causal LM the heads were trained for (checked).
+        heads: a head directory written by `train_draft_head(kind="medusa")`.
+        max_nodes, top_k, dtype: as in `EagleDrafter` (same defaults); depth is the number of heads.
+    """
+
+    def __init__(self, target, heads, *, max_nodes: Optional[int] = None, top_k: Optional[int] = None,
+                 dtype=torch.bfloat16):
+        module = _load(MedusaHeads, target, heads, "medusa")
+        small = lm_head_weight(target).device.type == "cpu"
+        max_nodes = max_nodes if max_nodes is not None else (4 if small else 24)
+        top_k = top_k if top_k is not None else (2 if small else 6)
+        super().__init__(target, module, max_nodes, module.weight.shape[0], top_k, dtype)
+
+    @torch.inference_mode()
+    def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
+        """Draft a best-first tree from the heads (see the class docstring)."""
+        lengths = lengths.long()
+        can_draft = lengths >= 2
+        pos = (lengths - 2).clamp(min=0)
+        feat = self.features.gather(1, pos[:, None, None].expand(-1, 1, self.features.shape[-1]))[:, 0]
+        per_head = self.head(feat.to(self.dtype)) @ self.w_draft.T  # [B, K, N]
+
+        def expand(level, parent_pos, tokens):
+            return per_head[:, level : level + 1].expand(-1, tokens.shape[1], -1)
+
+        return self._build(history, lengths, per_head[:, 0], expand, sampling, budget, can_draft)
+
+
+class HeadNgramDrafter(MergedDrafter):
+    """A head drafter's tree merged with n-gram continuations (one trie, shared prefixes
+    once, distinct siblings), as `MergedDrafter`, and the target's features passed on to the
+    head. Like every merged proposal it is deterministic (verified with draft_probs None,
+    exact when sampling too); the head proposes its greedy best-first tree.
+
+    Args:
+        head_drafter: an `EagleDrafter` or `MedusaDrafter`.
+        ngram: the n-gram drafter whose continuations are added (code edits keep their gain).
+    """
+
+    needs_hidden_states = True
+
+    def __init__(self, head_drafter: _HeadDrafter, ngram: Drafter):
+        super().__init__([head_drafter, ngram])
+        self.head_drafter, self.ngram = head_drafter, ngram
+
+    def observe(self, hidden_states, accepted_nodes=None, num_accepted=None):
+        self.head_drafter.observe(hidden_states, accepted_nodes, num_accepted)
+
+    def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
+        """The head's tree (within `budget`) merged with the n-gram chain (none for rows
+        whose budget is 0)."""
+        if budget is None:
+            return super().propose(history, lengths, None)
+        trees = [self.head_drafter.propose(history, lengths, None, budget).tree,
+                 self.ngram.propose(history, lengths, None).tree]
+        return self._merge(history, lengths, trees, budget)
+
+    def _merge(self, history, lengths, trees, budget):
+        batch = history.shape[0]
+        sequences = [[] for _ in range(batch)]
+        allowed = budget.tolist()
+        for tree in trees:
+            parents = tree.parents.tolist()
+            for b in range(batch):
+                if allowed[b] <= 0:
+                    continue
+                real = [i for i, p in enumerate(parents[b]) if i == 0 or p >= 0]
+                has_child = {p for p in parents[b] if p >= 0}
+                sequences[b] += [tree.path_tokens(b, i)[1:] for i in real if i > 0 and i not in has_child]
+        roots = root_tokens(history, lengths).tolist()
+        merged = TokenTree.from_sequences(roots, sequences, self.max_nodes)
+        # Nodes are numbered in insertion order (parents first): cutting each row at its
+        # budget keeps every kept node's ancestors.
+        cut = torch.arange(merged.tokens.shape[1])[None, :] > budget.cpu().clamp(min=0)[:, None]
+        merged = TokenTree(merged.tokens.masked_fill(cut, -1), merged.parents.masked_fill(cut, -1))
+        return Draft(trimmed(merged.to(history.device)))
+
+
+def _head_dirs():
+    """Folders searched for trained heads: the package's own, then the user's
+    (`<cache_dir>/heads`, where `specdec train-draft --out` may point)."""
+    from ..models import cache_dir
+
+    roots = [Path(__file__).resolve().parent / "trained", cache_dir() / "heads"]
+    found = []
+    for root in roots:
+        if root.is_dir():
+            found += sorted(p for p in root.iterdir() if (p / "config.json").is_file())
+    return found
+
+
+def find_head(target, kind: Optional[str] = None) -> Optional[Path]:
+    """The first head directory (shipped, then user's; EAGLE before Medusa) trained for
+    `target` (same identity), or None."""
+    import json
+
+    identity = None
+    candidates = []
+    for folder in _head_dirs():
+        try:
+            config = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if kind is not None and config.get("kind") != kind:
+            continue
+        candidates.append((0 if config.get("kind") == "eagle" else 1, folder, config))
+    for _, folder, config in sorted(candidates, key=lambda c: c[0]):
+        if identity is None:
+            from .common import target_identity
+
+            identity = target_identity(target)
+        if config.get("target") == identity:
+            return folder
+    return None
+
+
+def default_drafter(target, *, online: bool = False) -> Drafter:
+    """The best drafter this package has for `target`: its trained head (shipped in
+    `specdec_kernels/heads/trained/`, or saved by the user under `<cache_dir>/heads/`, found
+    by the target's identity) merged with n-gram drafts, else n-gram drafts alone.
+
+    online=True (the head keeps learning while it serves) is not available yet."""
+    if online:
+        raise NotImplementedError("default_drafter(online=True): online learning of the draft head while it serves "
+                                  "(issue 13) is not available yet; use online=False")
+    ngram = NgramDrafter(min_n=2, max_n=4, num_tokens=8)
+    folder = find_head(target)
+    if folder is None:
+        return NgramDrafter(num_tokens=10)
+    import json
+
+    kind = json.loads((folder / "config.json").read_text())["kind"]
+    head = EagleDrafter(target, folder) if kind == "eagle" else MedusaDrafter(target, folder)
+    return HeadNgramDrafter(head, ngram)

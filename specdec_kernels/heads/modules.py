@@ -1,0 +1,142 @@
+"""The heads' own networks (plain torch, no transformers dependency).
+
+`EagleHead`: EAGLE's draft network. Input at position i is the target's feature f_i (the LM
+head's input at i) and the embedding of the next token x_{i+1}; `fc` maps their
+concatenation to the hidden size, one Llama decoder layer (RMSNorm, RoPE attention with
+grouped KV heads, SiLU MLP: the target's own shapes) runs over the sequence with causal
+attention, and a final RMSNorm gives g_i, the head's prediction of f_{i+1}. Logits are the
+target's frozen LM head applied to g_i (restricted to the draft vocabulary), so the head
+predicts token x_{i+2}. Drafting feeds g back in as the next feature.
+
+`MedusaHeads`: K residual blocks on the target's feature f_t; head k (1-based) predicts
+token x_{t+1+k} through the target's LM head (the target itself predicts x_{t+1}).
+"""
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm (computed in fp32)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE (the rotate-half layout of HF Llama) on x [B, T, heads, D] at positions [B, T]."""
+    dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim))
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, D/2]
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, :, None, :].to(x.dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, :, None, :].to(x.dtype)
+    half = dim // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated * sin
+
+
+def causal_attention(q, k, v):
+    """Attention with a causal mask over the sequence itself (training). q [B, T, Hq, D],
+    k, v [B, T, Hkv, D] -> [B, T, Hq, D]."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         is_causal=True, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+class EagleHead(nn.Module):
+    """fc + one Llama decoder layer + final norm (see the module docstring).
+
+    Args (the keys of `config`): hidden_size, num_attention_heads, num_key_value_heads,
+    head_dim, intermediate_size, rms_norm_eps, rope_theta (the target's values), and
+    draft_vocab_size (N: how many target tokens the head can propose).
+    """
+
+    def __init__(self, config: dict):
+        super().__init__()
+        self.config = dict(config)
+        h, nh, nkv, hd = (int(config[k]) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
+        inter, eps = int(config["intermediate_size"]), float(config["rms_norm_eps"])
+        self.num_heads, self.num_kv_heads, self.head_dim, self.theta = nh, nkv, hd, float(config["rope_theta"])
+        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.input_norm = RMSNorm(h, eps)
+        self.q_proj = nn.Linear(h, nh * hd, bias=False)
+        self.k_proj = nn.Linear(h, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(h, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, h, bias=False)
+        self.post_norm = RMSNorm(h, eps)
+        self.gate_proj = nn.Linear(h, inter, bias=False)
+        self.up_proj = nn.Linear(h, inter, bias=False)
+        self.down_proj = nn.Linear(inter, h, bias=False)
+        self.norm = RMSNorm(h, eps)
+        self.register_buffer("draft_vocab", torch.zeros(int(config["draft_vocab_size"]), dtype=torch.int64))
+
+    def reset_parameters(self, generator: torch.Generator) -> None:
+        """Deterministic init: normal(0, 0.02) weights, output projections scaled down (so
+        the layer starts close to the identity on its residual stream), zero biases."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:
+                std = 0.02 / (math.sqrt(2.0) if name.startswith(("o_proj", "down_proj")) else 1.0)
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=generator) * std)
+
+    def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
+                attend: Optional[Callable] = None) -> torch.Tensor:
+        """features, token_embeds [B, T, H], positions [B, T] -> g [B, T, H].
+
+        attend(q, k, v) -> [B, T, Hq, D] does the attention (RoPE already applied):
+        default causal over the T inputs; drafting passes one that also reads and writes a
+        KV cache."""
+        x = self.fc(torch.cat([features, token_embeds], dim=-1))
+        b, t, _ = x.shape
+        h = self.input_norm(x)
+        q = rotate(self.q_proj(h).view(b, t, self.num_heads, self.head_dim), positions, self.theta)
+        k = rotate(self.k_proj(h).view(b, t, self.num_kv_heads, self.head_dim), positions, self.theta)
+        v = self.v_proj(h).view(b, t, self.num_kv_heads, self.head_dim)
+        attn = (attend or causal_attention)(q, k, v)
+        x = x + self.o_proj(attn.reshape(b, t, -1))
+        h = self.post_norm(x)
+        x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return self.norm(x)
+
+
+class MedusaHeads(nn.Module):
+    """K residual blocks r_k(f) = f + SiLU(W_k f + b_k) on the target's feature f_t; head k
+    predicts token x_{t+1+k} as the target's LM head applied to r_k(f_t).
+
+    Args (keys of `config`): hidden_size, num_heads (K), draft_vocab_size (N).
+    """
+
+    def __init__(self, config: dict):
+        super().__init__()
+        self.config = dict(config)
+        h, k = int(config["hidden_size"]), int(config["num_heads"])
+        self.weight = nn.Parameter(torch.zeros(k, h, h))
+        self.bias = nn.Parameter(torch.zeros(k, h))
+        self.register_buffer("draft_vocab", torch.zeros(int(config["draft_vocab_size"]), dtype=torch.int64))
+
+    def reset_parameters(self, generator: torch.Generator) -> None:
+        """Zero init (Medusa's choice): every head starts as the target's own next-token head."""
+        with torch.no_grad():
+            self.weight.zero_()
+            self.bias.zero_()
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """features [..., H] -> [..., K, H]."""
+        pre = torch.einsum("...h,kgh->...kg", features, self.weight) + self.bias
+        return features.unsqueeze(-2) + F.silu(pre)

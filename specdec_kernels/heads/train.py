@@ -1,0 +1,416 @@
+"""`train_draft_head`: train an EAGLE or Medusa head for a target by self-distillation.
+
+Stages, each resumable from its file in `work_dir` (default `<out_dir>/work`):
+1. data (`data.pt`): the target answers the prompts (plus, optionally, user turns it wrote
+   itself) and its features are recorded (`heads.data`).
+2. training (`checkpoint.pt`, every `checkpoint_every` steps): soft cross-entropy to the
+   target's distribution over the draft vocabulary (the target's probabilities are exact:
+   its full-vocabulary log-normaliser is stored per position), plus for EAGLE a smooth-L1
+   regression of the predicted feature on the target's next feature (teacher forcing on the
+   target's own features, with small uniform noise on the input features). A fixed number of
+   steps, batch order and noise from `seed`: the same command gives the same head. Losses go
+   to `<out_dir>/train_log.jsonl`, one JSON object per line.
+3. the head (`head.safetensors`, fp16, and `config.json` with the target's identity).
+"""
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .common import KINDS, input_embedding, lm_head_weight, rope_theta, target_identity, text_config, write_head
+from .data import collect, draft_vocabulary, load_examples, render_prompts, save_examples, self_prompts
+from .modules import EagleHead, MedusaHeads
+
+
+def head_config(target, kind: str, draft_vocab_size: int, num_heads: int = 4) -> dict:
+    """The head's shape for `target` (EAGLE: the target's decoder-layer shapes)."""
+    cfg = text_config(target)
+    if kind == "medusa":
+        return {"hidden_size": int(cfg.hidden_size), "num_heads": int(num_heads), "draft_vocab_size": int(draft_vocab_size)}
+    num_heads_q = int(cfg.num_attention_heads)
+    return {
+        "hidden_size": int(cfg.hidden_size),
+        "num_attention_heads": num_heads_q,
+        "num_key_value_heads": int(getattr(cfg, "num_key_value_heads", None) or num_heads_q),
+        "head_dim": int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads_q),
+        "intermediate_size": int(cfg.intermediate_size),
+        "rms_norm_eps": float(getattr(cfg, "rms_norm_eps", 1e-6)),
+        "rope_theta": rope_theta(cfg),
+        "draft_vocab_size": int(draft_vocab_size),
+    }
+
+
+def _windows(examples, max_len: int, kind: str, num_heads: int):
+    """(example, start, length) training windows: EAGLE inputs i = (f_i, x_{i+1}) for
+    i < n - 2; Medusa inputs f_t for t < n - 1. Long examples are cut into max_len pieces."""
+    out = []
+    for e, ex in enumerate(examples):
+        m = ex["features"].shape[0]
+        n_inputs = m - 1  # EAGLE: input i needs f_{i+1} as its target; Medusa: head 1 at t needs f_{t+1}
+        for s in range(0, max(n_inputs, 0), max_len):
+            out.append((e, s, min(max_len, n_inputs - s)))
+    return out
+
+
+def _batches(windows, batch_tokens: int, generator: torch.Generator):
+    """Shuffled windows grouped into batches of at most batch_tokens (rows x longest)."""
+    order = torch.randperm(len(windows), generator=generator).tolist()
+    batches = []
+    for chunk in range(0, len(order), 64):  # sort within chunks: little padding, still shuffled
+        group = sorted((windows[i] for i in order[chunk : chunk + 64]), key=lambda w: w[2])
+        current = []
+        for w in group:
+            if current and (len(current) + 1) * max(w[2], max(c[2] for c in current)) > batch_tokens:
+                batches.append(current)
+                current = []
+            current.append(w)
+        if current:
+            batches.append(current)
+    perm = torch.randperm(len(batches), generator=generator).tolist()
+    return [batches[i] for i in perm]
+
+
+class _Trainer:
+    """Loss computation for one head kind on padded batches of windows."""
+
+    def __init__(self, kind, head, target, examples, num_heads, reg_weight, noise, autocast=None):
+        self.kind, self.head, self.examples = kind, head, examples
+        # bf16 autocast for the head's forward/backward and its logits (CPU bf16 matrix
+        # units: several times faster); the target's labels stay fp32.
+        self.autocast = autocast
+        self.num_heads, self.reg_weight, self.noise = num_heads, reg_weight, noise
+        self.device = next(target.parameters()).device
+        vocab = head.draft_vocab.to(self.device)
+        self.w_draft = lm_head_weight(target).detach()[vocab].float()  # [N, H], frozen
+        self.w_low = self.w_draft.to(autocast) if autocast is not None else self.w_draft
+        self.embed = input_embedding(target)
+        self.vocab = vocab
+
+    def _pad(self, windows, key, offset, length_extra=0, fill=0):
+        rows = []
+        width = max(w[2] for w in windows) + length_extra
+        for e, s, n in windows:
+            t = self.examples[e][key][s + offset : s + offset + n + length_extra]
+            pad = width - t.shape[0]
+            if pad:
+                t = torch.cat([t, torch.full((pad, *t.shape[1:]), fill, dtype=t.dtype)])
+            rows.append(t)
+        return torch.stack(rows).to(self.device)
+
+    def _target_logprobs(self, feats, lse):
+        return (feats @ self.w_draft.T) - lse[..., None]
+
+    def _draft_logits(self, g):
+        return (g.to(self.w_low.dtype) @ self.w_low.T).float()
+
+    @staticmethod
+    def _soft_ce(logits, p, logp):
+        """(-sum p log q, sum p (log p - log q), argmax q) per position, q = softmax(logits);
+        one fused cross-entropy pass (p sums to the target's mass on the draft vocabulary)."""
+        shape = logits.shape[:-1]
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), p.reshape(-1, p.shape[-1]), reduction="none").view(shape)
+        with torch.no_grad():
+            neg_entropy = torch.xlogy(p, p).sum(-1) if logp is None else (p * logp).sum(-1)
+        return ce, ce.detach() + neg_entropy, logits.detach().argmax(-1)
+
+    def _run_head(self, *args):
+        if self.autocast is None:
+            return self.head(*args)
+        with torch.autocast(self.device.type, dtype=self.autocast):
+            return self.head(*args).float()
+
+    def loss(self, windows, generator: Optional[torch.Generator]):
+        """Mean loss over the batch and a dict of metrics (sums and counts)."""
+        width = max(w[2] for w in windows)
+        valid = (torch.arange(width)[None, :] < torch.tensor([w[2] for w in windows])[:, None]).to(self.device)
+        if self.kind == "eagle":
+            feats = self._pad(windows, "features", 0, 1).float()  # f_s .. f_{s+n}
+            tokens = self._pad(windows, "tokens", 1).long()  # x_{s+1} .. x_{s+n}
+            lse, argmax = self._pad(windows, "lse", 1), self._pad(windows, "argmax", 1).long()
+            inp, tgt = feats[:, :-1], feats[:, 1:]
+            if generator is not None and self.noise > 0:
+                scale = tgt.pow(2).mean(-1, keepdim=True).sqrt()
+                inp = inp + (torch.rand(inp.shape, generator=generator) * 2 - 1).to(self.device) * self.noise * scale
+            positions = torch.tensor([w[1] for w in windows], device=self.device)[:, None] + torch.arange(width, device=self.device)
+            with torch.no_grad():
+                emb = self.embed(tokens).float()
+            g = self._run_head(inp, emb, positions)
+            with torch.no_grad():
+                logp = self._target_logprobs(tgt, lse)
+                p = logp.exp()
+            ce, kl, top = self._soft_ce(self._draft_logits(g), p, logp)
+            reg = F.smooth_l1_loss(g, tgt, reduction="none").mean(-1)
+            hit = self.vocab[top] == argmax
+            n = valid.sum()
+            loss = (ce * valid).sum() / n + self.reg_weight * (reg * valid).sum() / n
+            ce, kl, reg = ce.detach(), kl.detach(), reg.detach()
+            metrics = {"ce": float((ce * valid).sum()), "kl": float((kl * valid).sum()), "reg": float((reg * valid).sum()),
+                       "acc": float((hit & valid).sum()), "n": int(n)}
+            return loss, metrics
+        # Medusa: head k at position t learns the target's distribution at t + k.
+        k_max = self.num_heads
+        feats = self._pad(windows, "features", 0, k_max).float()  # f_s .. f_{s+n-1+K}
+        lse, argmax = self._pad(windows, "lse", 0, k_max), self._pad(windows, "argmax", 0, k_max).long()
+        avail = torch.tensor([self.examples[e]["features"].shape[0] - s for e, s, _ in windows], device=self.device)
+        outs = self._run_head(feats[:, :width])  # [B, W, K, H]
+        loss, metrics = 0.0, {"n": int(valid.sum())}
+        for k in range(1, k_max + 1):
+            ok = valid & ((torch.arange(width, device=self.device)[None, :] + k) < avail[:, None])
+            with torch.no_grad():
+                logp = self._target_logprobs(feats[:, k : k + width], lse[:, k : k + width])
+                p = logp.exp()
+            ce, kl, top = self._soft_ce(self._draft_logits(outs[:, :, k - 1]), p, logp)
+            hit = self.vocab[top] == argmax[:, k : k + width]
+            cnt = ok.sum().clamp(min=1)
+            loss = loss + (0.8 ** (k - 1)) * (ce * ok).sum() / cnt
+            ce = ce.detach()
+            metrics.update({f"ce{k}": float((ce * ok).sum()), f"kl{k}": float((kl * ok).sum()),
+                            f"acc{k}": float((hit & ok).sum()), f"n{k}": int(ok.sum())})
+        return loss, metrics
+
+
+def _summary(metrics_list, kind, num_heads) -> dict:
+    total = {}
+    for m in metrics_list:
+        for k, v in m.items():
+            total[k] = total.get(k, 0) + v
+    if kind == "eagle":
+        n = max(total.get("n", 0), 1)
+        return {k: round(total[k] / n, 5) for k in ("ce", "kl", "reg", "acc")}
+    out = {}
+    for k in range(1, num_heads + 1):
+        n = max(total.get(f"n{k}", 0), 1)
+        out.update({f"ce{k}": round(total[f"ce{k}"] / n, 5), f"kl{k}": round(total[f"kl{k}"] / n, 5),
+                    f"acc{k}": round(total[f"acc{k}"] / n, 5)})
+    return out
+
+
+def train_draft_head(
+    target,
+    prompts: Sequence,
+    *,
+    kind: str = "eagle",
+    out_dir,
+    tokenizer=None,
+    work_dir=None,
+    max_new_tokens: int = 128,
+    self_prompt_count: int = 0,
+    draft_vocab_size: int = 8192,
+    num_heads: int = 4,
+    steps: int = 1000,
+    batch_tokens: int = 2048,
+    max_len: int = 1024,
+    lr: float = 1e-3,
+    reg_weight: float = 1.0,
+    noise: float = 0.05,
+    eval_fraction: float = 0.05,
+    seed: int = 0,
+    collect_batch_size: int = 8,
+    checkpoint_every: int = 50,
+    log_every: int = 10,
+    threads: Optional[int] = None,
+    mixed_precision: bool = True,
+    progress: bool = True,
+    notes: Optional[dict] = None,
+) -> Path:
+    """Train a draft head for `target` by self-distillation and save it in `out_dir`.
+
+    Args:
+        target: a transformers causal LM (Llama-like: one linear LM head); trained on its device.
+        prompts: training prompts: `workloads.Request`s, dicts with "prompt" (a user turn) or
+            "text" (raw text to continue), strs (user turns), or token-id lists. The target
+            answers them.
+        kind: "eagle" (one decoder layer on the target's features) or "medusa" (num_heads
+            residual heads).
+        out_dir: where `head.safetensors`, `config.json` and `train_log.jsonl` are written.
+        tokenizer: the target's tokenizer (default: loaded from the target's name_or_path).
+        work_dir: resumable state (collected data, checkpoints); default `<out_dir>/work`.
+        max_new_tokens: length of each response the target writes.
+        self_prompt_count: extra user turns the target writes itself (chat-like data).
+        draft_vocab_size: the head proposes only the N most frequent tokens of the data
+            (cheaper drafting and training); >= the vocabulary size keeps every token.
+        steps, batch_tokens, max_len, lr, reg_weight, noise: optimisation (AdamW, warmup then
+            cosine decay to lr / 10; batches of at most batch_tokens positions).
+        eval_fraction: share of the examples held out for the validation losses.
+        seed: makes data collection, batch order, noise and initialisation reproducible.
+        threads: torch.set_num_threads for the whole run (None: leave as is).
+        mixed_precision: run the head and its logits in bfloat16 autocast (the target's
+            labels stay fp32); ~1.5x faster on CPUs with bf16 units, slightly different numbers.
+        notes: extra facts stored under config["training"] (e.g. the command line).
+
+    Returns:
+        out_dir as a Path. Re-running with the same out_dir resumes where it stopped.
+    """
+    from tqdm import tqdm
+
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    for name, value in (("steps", steps), ("batch_tokens", batch_tokens), ("max_len", max_len), ("num_heads", num_heads),
+                        ("draft_vocab_size", draft_vocab_size), ("max_new_tokens", max_new_tokens)):
+        if int(value) < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if not 0 <= eval_fraction < 1:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    if threads is not None:
+        torch.set_num_threads(int(threads))
+    out = Path(out_dir)
+    work = Path(work_dir) if work_dir is not None else out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    identity = target_identity(target)
+    target.eval()
+    if tokenizer is None and (self_prompt_count or not all(isinstance(p, (list, tuple, torch.Tensor)) for p in prompts)):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(target.config._name_or_path)
+
+    # 1) data
+    stored = load_examples(work / "data.pt")
+    if stored is not None and stored["meta"].get("target") != identity:
+        raise ValueError(f"work_dir {work} holds data collected from another target; use a fresh work_dir")
+    if stored is None:
+        t0 = time.perf_counter()
+        own = self_prompts(target, tokenizer, self_prompt_count, seed=seed) if self_prompt_count else []
+        ids = render_prompts(tokenizer, list(prompts) + own)
+        if not ids:
+            raise ValueError("prompts: no usable prompt")
+        examples = collect(target, ids, max_new_tokens=max_new_tokens, batch_size=collect_batch_size, seed=seed,
+                           progress=progress)
+        meta = {"target": identity, "prompts": len(ids), "self_prompts": len(own), "max_new_tokens": max_new_tokens,
+                "positions": int(sum(ex["features"].shape[0] for ex in examples)),
+                "collect_s": round(time.perf_counter() - t0, 1)}
+        save_examples(work / "data.pt", examples, meta)
+        stored = {"meta": meta, "examples": examples}
+    examples, data_meta = stored["examples"], stored["meta"]
+
+    # 2) model, split, vocabulary
+    cfg_text = text_config(target)
+    eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    vocab_size = identity["vocab_size"]
+    vocab = draft_vocabulary(examples, draft_vocab_size, vocab_size, always=eos)
+    config = head_config(target, kind, len(vocab), num_heads)
+    head = (EagleHead if kind == "eagle" else MedusaHeads)(config)
+    head.reset_parameters(torch.Generator().manual_seed(seed))
+    head.draft_vocab.copy_(vocab)
+    device = next(target.parameters()).device
+    head.to(device)
+    split = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + 1)).tolist()
+    n_eval = int(round(eval_fraction * len(examples)))
+    eval_examples = [examples[i] for i in split[:n_eval]]
+    train_examples = [examples[i] for i in split[n_eval:]]
+    coverage = float(sum(torch.isin(ex["argmax"].long(), vocab).sum() for ex in examples) /
+                     max(sum(ex["argmax"].numel() for ex in examples), 1))
+    low = torch.bfloat16 if mixed_precision else None
+    trainer = _Trainer(kind, head, target, train_examples, num_heads, reg_weight, noise, low)
+    eval_trainer = _Trainer(kind, head, target, eval_examples, num_heads, reg_weight, noise, low) if eval_examples else None
+    windows = _windows(train_examples, max_len, kind, num_heads)
+    if not windows:
+        raise ValueError("prompts: the collected examples are too short to train on")
+    params = [p for p in head.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    warmup = max(1, min(100, steps // 10))
+
+    def lr_at(step):
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        progress_ = (step - warmup) / max(1, steps - warmup)
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress_)))
+
+    # 3) resume
+    step, noise_gen = 0, torch.Generator().manual_seed(seed + 2)
+    ckpt_path = work / "checkpoint.pt"
+    if ckpt_path.is_file():
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        if ckpt["config"] != config or ckpt["kind"] != kind:
+            raise ValueError(f"{ckpt_path} is a checkpoint of another head configuration; use a fresh work_dir")
+        head.load_state_dict(ckpt["model"])
+        optim.load_state_dict(ckpt["optim"])
+        noise_gen.set_state(ckpt["noise_gen"])
+        step = ckpt["step"]
+    log_path = out / "train_log.jsonl"
+    out.mkdir(parents=True, exist_ok=True)
+    if step == 0 and log_path.exists():
+        log_path.unlink()
+
+    def log(row):
+        with open(log_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def evaluate():
+        if eval_trainer is None:
+            return {}
+        head.eval()
+        metrics = []
+        with torch.no_grad():
+            eval_windows = _windows(eval_examples, max_len, kind, num_heads)
+            for i in range(0, len(eval_windows), 4):
+                metrics.append(eval_trainer.loss(eval_windows[i : i + 4], None)[1])
+        head.train()
+        return {"val_" + k: v for k, v in _summary(metrics, kind, num_heads).items()}
+
+    def save_checkpoint():
+        tmp = ckpt_path.with_suffix(".tmp")
+        torch.save({"step": step, "kind": kind, "config": config, "model": head.state_dict(), "optim": optim.state_dict(),
+                    "noise_gen": noise_gen.get_state()}, tmp)
+        tmp.replace(ckpt_path)
+
+    if step == 0:
+        log({"event": "start", "kind": kind, "positions": data_meta["positions"], "examples": len(examples),
+             "train_windows": len(windows), "draft_vocab": len(vocab), "argmax_coverage": round(coverage, 5),
+             **evaluate()})
+    head.train()
+    t_start, window_metrics = time.perf_counter(), []
+    bar = tqdm(total=steps, initial=step, desc=f"training {kind}", unit="step", disable=not progress)
+    epoch_batches, epoch = [], -1
+    consumed = step
+    while step < steps:
+        # Batch order: epoch e is a permutation seeded by (seed, e); resuming skips what was done.
+        if not epoch_batches:
+            epoch += 1
+            epoch_batches = _batches(windows, batch_tokens, torch.Generator().manual_seed(seed * 7919 + epoch))
+            if consumed >= len(epoch_batches):
+                consumed -= len(epoch_batches)
+                epoch_batches = []
+                continue
+            epoch_batches, consumed = epoch_batches[consumed:], 0
+        batch = epoch_batches.pop(0)
+        for group in optim.param_groups:
+            group["lr"] = lr_at(step)
+        loss, metrics = trainer.loss(batch, noise_gen)
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optim.step()
+        step += 1
+        window_metrics.append(metrics)
+        bar.update(1)
+        if step % log_every == 0 or step == steps:
+            row = {"step": step, "epoch": epoch, "lr": round(lr_at(step - 1), 7), "loss": round(float(loss.detach()), 5),
+                   **_summary(window_metrics, kind, num_heads), "elapsed_s": round(time.perf_counter() - t_start, 1)}
+            bar.set_postfix({k: row[k] for k in row if k in ("kl", "acc", "kl1", "acc1")})
+            log(row)
+            window_metrics = []
+        if step % checkpoint_every == 0 or step == steps:
+            if step % (checkpoint_every * 4) == 0 or step == steps:
+                log({"step": step, **evaluate()})
+            save_checkpoint()
+    bar.close()
+
+    final = {}
+    if log_path.exists():
+        rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+        train_rows = [r for r in rows if "loss" in r]
+        val_rows = [r for r in rows if any(k.startswith("val_") for k in r)]
+        final = {"train": train_rows[-1] if train_rows else {}, "val": val_rows[-1] if val_rows else {}}
+    training = {"steps": steps, "seed": seed, "lr": lr, "batch_tokens": batch_tokens, "max_len": max_len,
+                "mixed_precision": mixed_precision,
+                "reg_weight": reg_weight, "noise": noise, "argmax_coverage": round(coverage, 5), "data": data_meta,
+                "final": final, **(notes or {})}
+    state = {k: v for k, v in head.state_dict().items()}
+    write_head(out, {"kind": kind, "head": config, "target": identity, "training": training}, state)
+    return out
