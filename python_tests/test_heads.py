@@ -230,7 +230,7 @@ def small_target_heads(tmp_path_factory):
 def test_sampling_matches_target_distribution(small_target_heads, kind):
     target, heads = small_target_heads
     ids = torch.tensor(SAMPLE_PROMPT).expand(SAMPLE_ROWS, -1)
-    out = sk.generate(target, ids, drafter=HEAD_DRAFTERS[kind](target, heads), max_new_tokens=2, temperature=1.0, seed=1234)
+    out = sk.generate(target, ids, drafter=HEAD_DRAFTERS[kind](target, heads), max_new_tokens=2, temperature=1.0, seed=1234, adaptive=False)
     pvalue = chi_square_pvalue(out.sequences[:, -2:], exact_pair_distribution(target, SAMPLE_PROMPT))
     assert pvalue > 1e-3, f"{kind}: chi-square p = {pvalue}"
     assert out.stats.acceptance_per_depth[0] > 0.05  # drafts are exercised: accepted and rejected
@@ -241,7 +241,7 @@ def test_sampling_with_top_k_top_p_temperature(small_target_heads, kind):
     target, heads = small_target_heads
     ids = torch.tensor(SAMPLE_PROMPT).expand(SAMPLE_ROWS, -1)
     args = dict(temperature=0.7, top_k=5, top_p=0.9)
-    out = sk.generate(target, ids, drafter=HEAD_DRAFTERS[kind](target, heads), max_new_tokens=2, seed=99, **args)
+    out = sk.generate(target, ids, drafter=HEAD_DRAFTERS[kind](target, heads), max_new_tokens=2, seed=99, adaptive=False, **args)
     pvalue = chi_square_pvalue(out.sequences[:, -2:], exact_pair_distribution(target, SAMPLE_PROMPT, **args))
     assert pvalue > 1e-3, f"{kind}: chi-square p = {pvalue}"
 
