@@ -31,7 +31,7 @@ def test_tensor_parallel_matches_one_process(tmp_path):
     torch.save({"input_ids": ids, "attention_mask": mask}, tmp_path / "inputs.pt")
     worker = os.path.join(os.path.dirname(__file__), "tp_worker.py")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    run = subprocess.run(["torchrun", "--nproc-per-node", "2", "--master-port", "29533", worker,
+    run = subprocess.run(["torchrun", "--standalone", "--nproc-per-node", "2", worker,
                           str(tmp_path / "model"), str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
