@@ -21,18 +21,14 @@ namespace {
 
 constexpr const char* kOp = "tree_attention";
 
-// Each thread keeps its buffers across calls (see cpu_glue::run_split).
-cpu::TreeAttentionScratch& thread_scratch() {
-  static thread_local cpu::TreeAttentionScratch scratch;
-  return scratch;
-}
+struct DenseKernel;  // tag of this kernel's thread_local scratch (cpu_glue::thread_scratch)
 
 template <typename Storage, typename TorchScalar>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tree_mask,
          const int32_t* lengths, double scale, at::Tensor& out) {
   cpu::TreeAttentionProblem<Storage> p;
   cpu_glue::fill_problem<Storage, TorchScalar>(p, q, k, v, tree_mask, lengths, scale, out);
-  cpu_glue::run_split(p, q.size(0), q.options(), thread_scratch, [](int64_t chunk) { return chunk; });
+  cpu_glue::run_split<DenseKernel>(p, q.size(0), q.options(), [](int64_t chunk) { return chunk; });
 }
 
 at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

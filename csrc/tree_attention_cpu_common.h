@@ -22,6 +22,15 @@ namespace cpu_glue {
 // merging the partial results costs about what the extra thread saves.
 constexpr int64_t kMinChunkKeys = 128;
 
+// The calling thread's buffers for the kernel `Kernel` (a tag type of its file: each kernel
+// keeps its own). Kept across calls: allocating them per call costs as much as a small call's
+// work (large blocks come straight from mmap).
+template <typename Kernel>
+cpu::TreeAttentionScratch& thread_scratch() {
+  static thread_local cpu::TreeAttentionScratch scratch;
+  return scratch;
+}
+
 // How many threads at::parallel_for will really use. Under torch's OpenMP backend it is an
 // inline `#pragma omp parallel` loop, which runs serially unless the including file is
 // compiled with -fopenmp; splitting keys for threads that never come would only add work.
@@ -76,12 +85,9 @@ void fill_problem(cpu::TreeAttentionProblem<Storage>& p, const at::Tensor& q, co
 // into `parts` equal ranges (merged afterwards), so that units * parts is a multiple of the
 // thread count: at::parallel_for hands out equal contiguous blocks. round_chunk(chunk) may
 // enlarge the range length (the paged kernel aligns ranges to pages); partial results are
-// fp32 tensors with `options`' device. thread_scratch() returns the calling thread's buffers:
-// each kernel keeps its own (a thread_local in its file), which it keeps across calls because
-// allocating them per call costs as much as a small call's work.
-template <typename Problem, typename ThreadScratch, typename RoundChunk>
-void run_split(const Problem& p, int64_t batch, const at::TensorOptions& options, ThreadScratch thread_scratch,
-               RoundChunk round_chunk) {
+// fp32 tensors with `options`' device. Kernel: the calling kernel's tag (its thread_scratch).
+template <typename Kernel, typename Problem, typename RoundChunk>
+void run_split(const Problem& p, int64_t batch, const at::TensorOptions& options, RoundChunk round_chunk) {
   const int64_t units = batch * p.num_kv_heads;
   const int64_t threads = parallel_threads();
   int64_t max_keys = 0;
@@ -91,7 +97,7 @@ void run_split(const Problem& p, int64_t batch, const at::TensorOptions& options
 
   if (parts == 1) {
     at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-      cpu::TreeAttentionScratch& scratch = thread_scratch();
+      cpu::TreeAttentionScratch& scratch = thread_scratch<Kernel>();
       for (int64_t u = begin; u < end; ++u) {
         const int64_t b = u / p.num_kv_heads;
         cpu::attend_keys(p, b, u % p.num_kv_heads, 0, p.num_keys(b), scratch);
@@ -105,7 +111,7 @@ void run_split(const Problem& p, int64_t batch, const at::TensorOptions& options
   at::Tensor partials = at::empty({units * parts * size}, options.dtype(at::kFloat));
   float* partial_data = partials.mutable_data_ptr<float>();
   at::parallel_for(0, units * parts, 1, [&](int64_t begin, int64_t end) {
-    cpu::TreeAttentionScratch& scratch = thread_scratch();
+    cpu::TreeAttentionScratch& scratch = thread_scratch<Kernel>();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t u = task / parts;
       const int64_t b = u / p.num_kv_heads;
@@ -117,7 +123,7 @@ void run_split(const Problem& p, int64_t batch, const at::TensorOptions& options
     }
   });
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    cpu::TreeAttentionScratch& scratch = thread_scratch();
+    cpu::TreeAttentionScratch& scratch = thread_scratch<Kernel>();
     for (int64_t u = begin; u < end; ++u) {
       cpu::combine_partials(p, u / p.num_kv_heads, u % p.num_kv_heads, partial_data + u * parts * size, parts, scratch);
     }

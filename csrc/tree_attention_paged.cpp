@@ -23,11 +23,7 @@ namespace {
 
 constexpr const char* kOp = "tree_attention_paged";
 
-// Each thread keeps its buffers across calls (see cpu_glue::run_split).
-cpu::TreeAttentionScratch& thread_scratch() {
-  static thread_local cpu::TreeAttentionScratch scratch;
-  return scratch;
-}
+struct PagedKernel;  // tag of this kernel's thread_local scratch (cpu_glue::thread_scratch)
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& tree_mask, const at::Tensor& cache_seqlens, const at::Tensor& block_table) {
@@ -90,7 +86,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
 
   // The same split as the dense kernel (tree_attention_cpu_common.h), except that ranges start
   // on page boundaries where pages are read in place, so no range begins with a stub of a page.
-  cpu_glue::run_split(p, q.size(0), q.options(), thread_scratch, [&](int64_t chunk) {
+  cpu_glue::run_split<PagedKernel>(p, q.size(0), q.options(), [&](int64_t chunk) {
     if constexpr (std::is_same<Storage, float>::value) {
       if (p.tiles_in_place()) chunk = (chunk + p.page_size - 1) / p.page_size * p.page_size;
     }
