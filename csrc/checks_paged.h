@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "kv_cache_checks.h"
 #include "specdec/kv_cache.h"
 
 namespace specdec {
@@ -49,16 +50,7 @@ inline std::vector<KvCacheView> compact_kv_cache_paged_views(at::TensorList cach
                                                              const at::Tensor& num_accepted,
                                                              const at::Tensor& block_table, const at::Device& device) {
   constexpr const char* op = "compact_kv_cache_paged_";
-  check_tensor(op, "accepted_nodes", accepted_nodes, 2, at::kInt);
-  check_tensor(op, "cache_seqlens", cache_seqlens, 1, at::kInt);
-  check_tensor(op, "num_accepted", num_accepted, 1, at::kInt);
-  check_device(op, "accepted_nodes", accepted_nodes, device);
-  check_device(op, "cache_seqlens", cache_seqlens, device);
-  check_device(op, "num_accepted", num_accepted, device);
-  const int64_t batch = accepted_nodes.size(0);
-  check_size(op, "cache_seqlens", cache_seqlens, 0, batch, "B (accepted_nodes.size(0))");
-  check_size(op, "num_accepted", num_accepted, 0, batch, "B (accepted_nodes.size(0))");
-  check_fits_int32(op, "T (accepted_nodes.size(1))", accepted_nodes.size(1));
+  const int64_t batch = check_compact_path_args(op, cache_seqlens, accepted_nodes, num_accepted, device);
   check_block_table(op, block_table, batch, device);
 
   std::vector<KvCacheView> views;

@@ -15,13 +15,12 @@
 
 namespace specdec {
 
-// Checks compact_kv_cache_'s arguments (all on `device`) and returns each cache as bytes.
-// Node ids on the path are bounded by the cache (cache_seqlens[b] + node < S), not by
-// accepted_nodes' width T: T only bounds the path's length (num_accepted < T).
-inline std::vector<KvCacheView> compact_kv_cache_views(at::TensorList caches, const at::Tensor& cache_seqlens,
-                                                       const at::Tensor& accepted_nodes,
-                                                       const at::Tensor& num_accepted, const at::Device& device) {
-  constexpr const char* op = "compact_kv_cache_";
+// Checks the path arguments of `op` (compact_kv_cache_ or compact_kv_cache_paged_): int32
+// accepted_nodes [B, T], cache_seqlens [B] and num_accepted [B], all on `device`, T within
+// int32. Returns B.
+inline int64_t check_compact_path_args(const char* op, const at::Tensor& cache_seqlens,
+                                       const at::Tensor& accepted_nodes, const at::Tensor& num_accepted,
+                                       const at::Device& device) {
   check_tensor(op, "accepted_nodes", accepted_nodes, 2, at::kInt);
   check_tensor(op, "cache_seqlens", cache_seqlens, 1, at::kInt);
   check_tensor(op, "num_accepted", num_accepted, 1, at::kInt);
@@ -32,6 +31,17 @@ inline std::vector<KvCacheView> compact_kv_cache_views(at::TensorList caches, co
   check_size(op, "cache_seqlens", cache_seqlens, 0, batch, "B (accepted_nodes.size(0))");
   check_size(op, "num_accepted", num_accepted, 0, batch, "B (accepted_nodes.size(0))");
   check_fits_int32(op, "T (accepted_nodes.size(1))", accepted_nodes.size(1));
+  return batch;
+}
+
+// Checks compact_kv_cache_'s arguments (all on `device`) and returns each cache as bytes.
+// Node ids on the path are bounded by the cache (cache_seqlens[b] + node < S), not by
+// accepted_nodes' width T: T only bounds the path's length (num_accepted < T).
+inline std::vector<KvCacheView> compact_kv_cache_views(at::TensorList caches, const at::Tensor& cache_seqlens,
+                                                       const at::Tensor& accepted_nodes,
+                                                       const at::Tensor& num_accepted, const at::Device& device) {
+  constexpr const char* op = "compact_kv_cache_";
+  const int64_t batch = check_compact_path_args(op, cache_seqlens, accepted_nodes, num_accepted, device);
 
   std::vector<KvCacheView> views;
   views.reserve(caches.size());

@@ -1,6 +1,6 @@
-// CPU kernel for tree_attention_paged (tree attention over paged KV caches): checks, work
-// split and threading here, loops in include/specdec/tree_attention.h (the dense kernel's,
-// with rows found through the block table). The split mirrors tree_attention.cpp.
+// CPU kernel for tree_attention_paged (tree attention over paged KV caches): checks here, work
+// split and threading in tree_attention_cpu_common.h (shared with tree_attention.cpp), loops in
+// include/specdec/tree_attention.h (the dense kernel's, with rows found through the block table).
 #include <ATen/Config.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -15,26 +15,15 @@
 #include <utility>
 
 #include "checks_paged.h"
+#include "tree_attention_cpu_common.h"
 #include "specdec/tree_attention.h"
 
 namespace specdec {
 namespace {
 
 constexpr const char* kOp = "tree_attention_paged";
-constexpr int64_t kMinChunkKeys = 128;  // as in tree_attention.cpp
 
-cpu::TreeAttentionScratch& thread_scratch() {
-  static thread_local cpu::TreeAttentionScratch scratch;
-  return scratch;
-}
-
-int64_t parallel_threads() {
-#if AT_PARALLEL_OPENMP && !defined(_OPENMP)
-  return 1;
-#else
-  return at::get_num_threads();
-#endif
-}
+struct PagedKernel;  // tag of this kernel's thread_local scratch (cpu_glue::thread_scratch)
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& tree_mask, const at::Tensor& cache_seqlens, const at::Tensor& block_table) {
@@ -85,35 +74,8 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 template <typename Storage, typename TorchScalar>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tree_mask,
          const int32_t* lengths, const at::Tensor& table, double scale, at::Tensor& out) {
-  static_assert(sizeof(Storage) == sizeof(TorchScalar), "storage type must match the torch type bit for bit");
   cpu::TreeAttentionProblem<Storage> p;
-  p.q = reinterpret_cast<const Storage*>(q.const_data_ptr<TorchScalar>());
-  p.q_stride_b = q.stride(0);
-  p.q_stride_t = q.stride(1);
-  p.q_stride_h = q.stride(2);
-  p.k = reinterpret_cast<const Storage*>(k.const_data_ptr<TorchScalar>());
-  p.k_stride_b = k.stride(0);  // page stride
-  p.k_stride_s = k.stride(1);
-  p.k_stride_h = k.stride(2);
-  p.v = reinterpret_cast<const Storage*>(v.const_data_ptr<TorchScalar>());
-  p.v_stride_b = v.stride(0);
-  p.v_stride_s = v.stride(1);
-  p.v_stride_h = v.stride(2);
-  if (tree_mask.scalar_type() == at::kBool) {
-    p.mask.dense = tree_mask.const_data_ptr<bool>();
-  } else {
-    p.mask.packed = tree_mask.const_data_ptr<int64_t>();
-  }
-  p.mask.stride_b = tree_mask.stride(0);
-  p.mask.stride_t = tree_mask.stride(1);
-  p.mask.stride_col = tree_mask.stride(2);
-  p.cache_seqlens = lengths;
-  p.num_nodes = q.size(1);
-  p.num_q_heads = q.size(2);
-  p.num_kv_heads = k.size(2);
-  p.head_dim = q.size(3);
-  p.scale = static_cast<float>(scale);
-  p.out = reinterpret_cast<Storage*>(out.mutable_data_ptr<TorchScalar>());
+  cpu_glue::fill_problem<Storage, TorchScalar>(p, q, k, v, tree_mask, lengths, scale, out);
   p.block_table = table.const_data_ptr<int32_t>();
   p.block_table_stride = table.stride(0);
   p.page_size = k.size(1);
@@ -122,52 +84,13 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
     while ((int64_t{1} << p.page_shift) < p.page_size) ++p.page_shift;
   }
 
-  // The same split as the dense kernel (tree_attention.cpp): one unit per (row, KV head),
-  // each row's keys cut into `parts` ranges when there are too few units for the threads.
-  const int64_t batch = q.size(0);
-  const int64_t units = batch * p.num_kv_heads;
-  const int64_t threads = parallel_threads();
-  int64_t max_keys = 0;
-  for (int64_t b = 0; b < batch; ++b) max_keys = std::max(max_keys, p.num_keys(b));
-  int64_t parts = units >= 4 * threads ? 1 : threads / std::gcd(units, threads);
-  parts = std::max<int64_t>(1, std::min(parts, max_keys / kMinChunkKeys));
-
-  if (parts == 1) {
-    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-      cpu::TreeAttentionScratch& scratch = thread_scratch();
-      for (int64_t u = begin; u < end; ++u) {
-        const int64_t b = u / p.num_kv_heads;
-        cpu::attend_keys(p, b, u % p.num_kv_heads, 0, p.num_keys(b), scratch);
-        cpu::write_output(p, b, u % p.num_kv_heads, scratch);
-      }
-    });
-    return;
-  }
-  // Ranges start on page boundaries where pages are read in place, so no range begins with
-  // a stub of a page.
-  int64_t chunk = (max_keys + parts - 1) / parts;
-  if constexpr (std::is_same<Storage, float>::value) {
-    if (p.tiles_in_place()) chunk = (chunk + p.page_size - 1) / p.page_size * p.page_size;
-  }
-  const int64_t size = p.partial_size();
-  at::Tensor partials = at::empty({units * parts * size}, q.options().dtype(at::kFloat));
-  float* partial_data = partials.mutable_data_ptr<float>();
-  at::parallel_for(0, units * parts, 1, [&](int64_t begin, int64_t end) {
-    cpu::TreeAttentionScratch& scratch = thread_scratch();
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t u = task / parts;
-      const int64_t b = u / p.num_kv_heads;
-      const int64_t first = std::min(p.num_keys(b), (task % parts) * chunk);
-      const int64_t last = std::min(p.num_keys(b), first + chunk);
-      cpu::attend_keys(p, b, u % p.num_kv_heads, first, last, scratch);
-      cpu::save_partial(p, scratch, partial_data + task * size);
+  // The same split as the dense kernel (tree_attention_cpu_common.h), except that ranges start
+  // on page boundaries where pages are read in place, so no range begins with a stub of a page.
+  cpu_glue::run_split<PagedKernel>(p, q.size(0), q.options(), [&](int64_t chunk) {
+    if constexpr (std::is_same<Storage, float>::value) {
+      if (p.tiles_in_place()) chunk = (chunk + p.page_size - 1) / p.page_size * p.page_size;
     }
-  });
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    cpu::TreeAttentionScratch& scratch = thread_scratch();
-    for (int64_t u = begin; u < end; ++u) {
-      cpu::combine_partials(p, u / p.num_kv_heads, u % p.num_kv_heads, partial_data + u * parts * size, parts, scratch);
-    }
+    return chunk;
   });
 }
 

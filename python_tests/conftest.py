@@ -73,6 +73,22 @@ INTERPRETER_SKIP = (
 ) + "; test_interpreter_tests_in_a_fresh_process runs these"
 
 
+def interpreter_fixture(interpreted):
+    """A module-scoped `interpreter` fixture for a test module (assign it to the name
+    `interpreter`): the interpreted kernel module `interpreted` (from import_interpreted_kernels),
+    with TRITON_INTERPRET=1 set while the module's tests run (dispatch() refuses CPU tensors for
+    backend="triton" without it); skips with INTERPRETER_SKIP where `interpreted` is None."""
+
+    @pytest.fixture(scope="module")
+    def interpreter():
+        if interpreted is None:
+            pytest.skip(INTERPRETER_SKIP)
+        with triton_interpret_env():
+            yield interpreted
+
+    return interpreter
+
+
 _import_triton_for_the_interpreter()
 HAS_C = specdec_kernels.LOAD_ERROR is None
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -139,6 +155,13 @@ def random_parents(gen, batch: int, num_nodes: int, kind: str = "random", ragged
     return parents
 
 
+def tree_parents(gen, batch: int, num_nodes: int, kind: str, ragged: bool, shared_tree: bool) -> torch.Tensor:
+    """random_parents for `batch` rows, or (shared_tree) one random tree repeated in every row."""
+    if shared_tree:
+        return random_parents(gen, 1, num_nodes, kind, ragged=ragged).expand(batch, -1).contiguous()
+    return random_parents(gen, batch, num_nodes, kind, ragged=ragged)
+
+
 def ancestors(parents_row, i: int) -> list:
     """Node i and its ancestors (i first), by walking parent links in plain Python."""
     out = [i]
@@ -147,8 +170,10 @@ def ancestors(parents_row, i: int) -> list:
     return out
 
 
-def distinct_sibling_tokens(gen, parents: torch.Tensor, vocab: int) -> torch.Tensor:
-    """int64 [B, T] tokens with distinct tokens among siblings (padding nodes get -1)."""
+def sibling_tokens(gen, parents: torch.Tensor, vocab: int, choose) -> torch.Tensor:
+    """int64 [B, T] tokens for a tree: a random root token per row, then node by node
+    choose(b, p, taken) -> the token of the next child of node p in row b, where `taken` is
+    the set of tokens p's earlier children got (padding nodes get -1)."""
     batch, num_nodes = parents.shape
     tokens = torch.full((batch, num_nodes), -1, dtype=torch.int64)
     for b in range(batch):
@@ -159,11 +184,35 @@ def distinct_sibling_tokens(gen, parents: torch.Tensor, vocab: int) -> torch.Ten
             if p < 0:
                 continue
             taken = used.setdefault(p, set())
-            free = [t for t in range(vocab) if t not in taken]
-            tok = free[int(randint(gen, 0, len(free)))]
+            tok = choose(b, p, taken)
             taken.add(tok)
             tokens[b, i] = tok
     return tokens
+
+
+def distinct_sibling_tokens(gen, parents: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int64 [B, T] tokens with distinct tokens among siblings (padding nodes get -1)."""
+
+    def uniform_untaken(b, p, taken):
+        free = [t for t in range(vocab) if t not in taken]
+        return free[int(randint(gen, 0, len(free)))]
+
+    return sibling_tokens(gen, parents, vocab, uniform_untaken)
+
+
+def boundary_tie_case():
+    """(logits [4, 1, 300], tokens, parents, top_k, top_p): a root-only tree whose logits tie
+    six tokens (10..15) at the top and four (20..23) next, with top-k / top-p limits that fall
+    inside the ties (3: keeps all 6 ties; 7 and 8: keeps the 4 next ties too; top-p 0.5)."""
+    vocab = 300
+    logits = torch.full((4, 1, vocab), -3.0)
+    logits[:, 0, 10:16] = 2.0  # six tokens tied at the top
+    logits[:, 0, 20:24] = 1.0  # four tied next
+    tokens = torch.zeros(4, 1, dtype=torch.int64)
+    parents = torch.tensor([-1])
+    top_k = torch.tensor([3, 7, 8, 0])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 0.5])
+    return logits, tokens, parents, top_k, top_p
 
 
 # ----------------------------------------------------------------------------- verify backends vs reference

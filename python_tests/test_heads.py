@@ -23,14 +23,9 @@ from test_generate import (  # noqa: E402
     SAMPLE_PROMPT, SAMPLE_ROWS, SMALL_VOCAB, VOCAB, chi_square_pvalue, exact_pair_distribution, hf_greedy, left_pad,
     repetitive_prompts, tiny_model,
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Shared fixtures (pytest uses fixtures found in the module's namespace): one intra-op thread
+# for the module (autouse there), and the tiny target model.
+from test_generate import one_thread, target  # noqa: E402,F401
 
 
 def random_prompts(count: int, vocab: int, seed: int, length=(6, 20)):
@@ -49,11 +44,6 @@ def train(target, tmp_path, kind, vocab, steps=4, name=None, **kw):
 
 def log_rows(folder):
     return [json.loads(line) for line in (folder / "train_log.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_model(0)
 
 
 @pytest.fixture(scope="module")
@@ -134,17 +124,25 @@ def test_forward_return_hidden_matches_model(target):
     torch.testing.assert_close(target.lm_head(hidden), expected, rtol=1e-4, atol=1e-4)
 
 
-def test_merged_head_and_ngram_respect_budget(target, heads):
-    drafter = HEAD_DRAFTERS["eagle+ngram"](target, heads)
-    ids, mask = left_pad(repetitive_prompts(2))
+def start_on_prompts(drafter, target, rows: int, capacity: int = 64):
+    """Starts `drafter` on `rows` repetitive prompts (right-aligned history, as generate keeps
+    it) and feeds it the target's hidden states of every prompt token but the last; returns
+    (history [rows, capacity], lengths [rows])."""
+    ids, mask = left_pad(repetitive_prompts(rows))
     lengths = mask.sum(1)
-    history = torch.zeros(2, 64, dtype=torch.long)
-    for b in range(2):
+    history = torch.zeros(rows, capacity, dtype=torch.long)
+    for b in range(rows):
         history[b, : lengths[b]] = ids[b, ids.shape[1] - lengths[b] :]
     with torch.no_grad():
         hidden = target.model(history[:, : int(lengths.max()) - 1]).last_hidden_state
-    drafter.start(history, lengths, 64)
+    drafter.start(history, lengths, capacity)
     drafter.observe(hidden)
+    return history, lengths
+
+
+def test_merged_head_and_ngram_respect_budget(target, heads):
+    drafter = HEAD_DRAFTERS["eagle+ngram"](target, heads)
+    history, lengths = start_on_prompts(drafter, target, 2)
     tree = drafter.propose(history, lengths, budget=torch.tensor([0, 4])).tree
     assert tree.num_nodes.tolist() == [1, 5]  # the head alone fills a budget of 4
     tree = drafter.propose(history, lengths, budget=torch.tensor([2, 100])).tree
@@ -190,15 +188,7 @@ def test_greedy_with_eos_and_one_token_prompts(target, heads):
 def test_draft_scores_and_budget(target, heads):
     """Scores are 1 at the root and non-increasing along paths; `budget` caps each row."""
     drafter = HEAD_DRAFTERS["eagle_tree"](target, heads)
-    ids, mask = left_pad(repetitive_prompts(3))
-    history = torch.zeros(3, 64, dtype=torch.long)
-    lengths = mask.sum(1)
-    for b in range(3):
-        history[b, : lengths[b]] = ids[b, ids.shape[1] - lengths[b] :]
-    with torch.no_grad():
-        hidden = target.model(history[:, : int(lengths.max()) - 1]).last_hidden_state
-    drafter.start(history, lengths, 64)
-    drafter.observe(hidden)
+    history, lengths = start_on_prompts(drafter, target, 3)
     draft = drafter.propose(history, lengths, budget=torch.tensor([0, 3, 10]))
     tree, scores = draft.tree, draft.scores
     assert tree.num_nodes.tolist() == [1, 4, 11]

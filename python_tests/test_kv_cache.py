@@ -100,18 +100,39 @@ def run_and_check(gen, caches, prefix, accepted, num_accepted, backends=None):
     return results
 
 
+def random_tree_case(gen, kind: str, num_nodes: int, max_batch: int):
+    """(caches, prefix, accepted, num_accepted), indices int32: a batch of 1..max_batch-1 rows
+    with random accepted paths of a `kind` tree and random prefixes (row 0 starts at slot 0)."""
+    batch = int(randint(gen, 1, max_batch))
+    accepted, num_accepted = make_paths(gen, batch, num_nodes, kind)
+    prefix = randint(gen, 0, 40, (batch,))
+    prefix[0] = 0
+    caches = make_caches(gen, batch, int(prefix.max()) + num_nodes)
+    return caches, prefix.to(torch.int32), accepted.to(torch.int32), num_accepted.to(torch.int32)
+
+
+def overlapping_moves_case(gen, path):
+    """(caches, prefix, accepted, num_accepted), int32 indices: 3 rows that all accept `path`
+    (a tree of 9 nodes) after prefixes 0, 5 and 13. Each slot holds its own index, so a wrong
+    copy order shows as a wrong value."""
+    batch, num_nodes = 3, 9
+    accepted = torch.full((batch, num_nodes), -1, dtype=torch.int32)
+    accepted[:, : len(path)] = torch.tensor(path, dtype=torch.int32)
+    num_accepted = torch.full((batch,), len(path) - 1, dtype=torch.int32)
+    prefix = torch.tensor([0, 5, 13], dtype=torch.int32)
+    caches = make_caches(gen, batch, 13 + num_nodes)
+    for c in caches:
+        c.copy_(torch.arange(c.shape[1], dtype=torch.float32)[None, :, None, None].expand_as(c).to(c.dtype))
+    return caches, prefix, accepted, num_accepted
+
+
 # ----------------------------------------------------------------------------- correctness
 
 
 @pytest.mark.parametrize("num_nodes", (1, 2, 7, 26, 65))
 @pytest.mark.parametrize("kind", TREE_KINDS)
 def test_random_trees(gen, kind, num_nodes):
-    batch = int(randint(gen, 1, 5))
-    accepted, num_accepted = make_paths(gen, batch, num_nodes, kind)
-    prefix = randint(gen, 0, 40, (batch,))
-    prefix[0] = 0
-    caches = make_caches(gen, batch, int(prefix.max()) + num_nodes)
-    run_and_check(gen, caches, prefix.to(torch.int32), accepted.to(torch.int32), num_accepted.to(torch.int32))
+    run_and_check(gen, *random_tree_case(gen, kind, num_nodes, max_batch=5))
 
 
 @pytest.mark.parametrize("lens_dtype", INT_DTYPES, ids=str)
@@ -137,20 +158,10 @@ def test_index_dtypes(gen, lens_dtype, nodes_dtype, num_dtype):
     ],
 )
 def test_overlapping_moves(gen, path):
-    num_nodes = 9
-    batch = 3
-    accepted = torch.full((batch, num_nodes), -1, dtype=torch.int32)
-    accepted[:, : len(path)] = torch.tensor(path, dtype=torch.int32)
-    num_accepted = torch.full((batch,), len(path) - 1, dtype=torch.int32)
-    prefix = torch.tensor([0, 5, 13], dtype=torch.int32)
-    # Each slot holds its own index, so a wrong copy order is visible.
-    caches = make_caches(gen, batch, 13 + num_nodes)
-    for c in caches:
-        slots = torch.arange(c.shape[1], dtype=torch.float32)[None, :, None, None]
-        c.copy_(slots.expand_as(c).to(c.dtype))
+    caches, prefix, accepted, num_accepted = overlapping_moves_case(gen, path)
     results = run_and_check(gen, caches, prefix, accepted, num_accepted)
     for copies in results.values():
-        for b in range(batch):
+        for b in range(prefix.shape[0]):
             got = copies[0][b, int(prefix[b]) : int(prefix[b]) + len(path), 0, 0].tolist()
             assert got == [float(int(prefix[b]) + p) for p in path]
 

@@ -14,7 +14,7 @@ import torch
 from specdec_kernels import compact_kv_cache_
 
 from conftest import TREE_KINDS, cuda_kernel_marks, randint
-from test_kv_cache import CACHE_SPECS, brute_compact, make_caches, make_paths
+from test_kv_cache import CACHE_SPECS, brute_compact, make_caches, make_paths, overlapping_moves_case, random_tree_case
 
 pytestmark = cuda_kernel_marks("compact_kv_cache_")
 
@@ -49,12 +49,7 @@ def check_cuda(caches, prefix, accepted, num_accepted):
 @pytest.mark.parametrize("num_nodes", (1, 2, 7, 9, 26, 65, 128))
 @pytest.mark.parametrize("kind", TREE_KINDS)
 def test_random_trees(gen, kind, num_nodes):
-    batch = int(randint(gen, 1, 6))
-    accepted, num_accepted = make_paths(gen, batch, num_nodes, kind)
-    prefix = randint(gen, 0, 40, (batch,))
-    prefix[0] = 0
-    caches = make_caches(gen, batch, int(prefix.max()) + num_nodes)
-    check_cuda(caches, prefix.to(torch.int32), accepted.to(torch.int32), num_accepted.to(torch.int32))
+    check_cuda(*random_tree_case(gen, kind, num_nodes, max_batch=6))
 
 
 @pytest.mark.parametrize("num_nodes", (65, 128))
@@ -72,16 +67,9 @@ def test_full_length_chains_at_the_cache_end(gen, num_nodes):
 @pytest.mark.parametrize("path", [[0, 2, 3], [0, 2, 4, 6, 8], [0, 5, 6, 7], [0, 1, 2, 3], [0]])
 def test_overlapping_moves(gen, path):
     """Each slot holds its own index, so a wrong copy order shows as a wrong value."""
-    batch, num_nodes = 3, 9
-    accepted = torch.full((batch, num_nodes), -1, dtype=torch.int32)
-    accepted[:, : len(path)] = torch.tensor(path, dtype=torch.int32)
-    num_accepted = torch.full((batch,), len(path) - 1, dtype=torch.int32)
-    prefix = torch.tensor([0, 5, 13], dtype=torch.int32)
-    caches = make_caches(gen, batch, 13 + num_nodes)
-    for c in caches:
-        c.copy_(torch.arange(c.shape[1], dtype=torch.float32)[None, :, None, None].expand_as(c).to(c.dtype))
+    caches, prefix, accepted, num_accepted = overlapping_moves_case(gen, path)
     got = check_cuda(caches, prefix, accepted, num_accepted)
-    for b in range(batch):
+    for b in range(prefix.shape[0]):
         start = int(prefix[b])
         assert got[0][b, start : start + len(path), 0, 0].tolist() == [float(start + p) for p in path]
 

@@ -19,14 +19,9 @@ from test_generate import (  # noqa: E402
     SAMPLE_PROMPT, SAMPLE_ROWS, VOCAB, chi_square_pvalue, exact_pair_distribution, hf_greedy, left_pad,
     repetitive_prompts, tiny_model,
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Shared fixtures (pytest uses fixtures found in the module's namespace): one intra-op thread
+# for the module (autouse there), and the tiny target and draft models.
+from test_generate import draft, one_thread, target  # noqa: E402,F401
 
 
 @pytest.fixture(autouse=True)
@@ -38,16 +33,6 @@ def own_cache_dir(tmp_path, monkeypatch):
     yield
     cm._LOADED.clear()
     planner_module._LEARNED.clear()
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_model(0)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return tiny_model(1)
 
 
 def flat_cost(model, seconds=1.0):

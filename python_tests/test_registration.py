@@ -405,6 +405,16 @@ def _run_python(code: str) -> subprocess.CompletedProcess:
     )
 
 
+def _run_python_expecting_ok(code: str) -> None:
+    """Runs `code` in a fresh interpreter: it must exit 0 and print OK, or print SKIP <why>
+    (the test is then skipped with that reason)."""
+    result = _run_python(code)
+    assert result.returncode == 0, result.stderr
+    if result.stdout.startswith("SKIP"):
+        pytest.skip(result.stdout.strip())
+    assert "OK" in result.stdout
+
+
 _USE_PACKAGE = """
     import torch
     assert sk.available_backends("tree_mask", "cpu") == ["reference"]
@@ -596,11 +606,7 @@ def test_cuda_fallback_to_reference_warns_once():
         assert _extension._resolve("tree_mask", "cpu", None, torch.device("cpu")) is not None  # CPU: no warning
         print("OK")
     """
-    result = _run_python(code)
-    assert result.returncode == 0, result.stderr
-    if result.stdout.startswith("SKIP"):
-        pytest.skip(result.stdout.strip())
-    assert "OK" in result.stdout
+    _run_python_expecting_ok(code)
 
 
 def test_cuda_fallback_warning_names_the_triton_switch_for_triton_ops():
@@ -619,8 +625,4 @@ def test_cuda_fallback_warning_names_the_triton_switch_for_triton_ops():
         assert not [w for w in caught if "plain-torch reference" in str(w.message)]
         print("OK")
     """
-    result = _run_python(code)
-    assert result.returncode == 0, result.stderr
-    if result.stdout.startswith("SKIP"):
-        pytest.skip(result.stdout.strip())
-    assert "OK" in result.stdout
+    _run_python_expecting_ok(code)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import specdec_kernels as sk
 from specdec_kernels import pack_tree_mask, tree_attention, tree_mask
 
-from conftest import TREE_KINDS, ancestors, randint, random_parents
+from conftest import TREE_KINDS, ancestors, randint, tree_parents
 
 BACKENDS = [None] + sk.available_backends("tree_attention", "cpu")
 
@@ -57,10 +57,7 @@ def make_case(
     prefix=None,
 ):
     """Random inputs; slots no query may see hold large garbage."""
-    if shared_tree:
-        parents = random_parents(gen, 1, num_nodes, kind, ragged=ragged).expand(batch, -1).contiguous()
-    else:
-        parents = random_parents(gen, batch, num_nodes, kind, ragged=ragged)
+    parents = tree_parents(gen, batch, num_nodes, kind, ragged, shared_tree)
     if prefix is None:
         prefix = randint(gen, 0, max_prefix + 1, (batch,))
         prefix[int(randint(gen, 0, batch))] = int(randint(gen, 0, 2))  # a row with an empty / tiny prefix

@@ -13,7 +13,7 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels import pack_tree_mask, tree_attention, tree_mask
 
-from conftest import TREE_KINDS, cuda_kernel_marks, randint, random_parents
+from conftest import TREE_KINDS, cuda_kernel_marks, randint, tree_parents
 from test_tree_attention import TOL, brute_attention, branch_oracle
 
 pytestmark = cuda_kernel_marks("tree_attention", "tree_mask", "pack_tree_mask")
@@ -31,10 +31,7 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def gpu_case(gen, *, batch, num_nodes, q_heads, kv_heads, head_dim, dtype, max_prefix=None, prefix=None,
              kind="random", hf=False, garbage=float("nan"), ragged=True, shared_tree=False):
     """CUDA inputs (random on the GPU, seeded from `gen`); slots past each row's tree hold `garbage`."""
-    if shared_tree:
-        parents = random_parents(gen, 1, num_nodes, kind, ragged=ragged).expand(batch, -1).contiguous()
-    else:
-        parents = random_parents(gen, batch, num_nodes, kind, ragged=ragged)
+    parents = tree_parents(gen, batch, num_nodes, kind, ragged, shared_tree)
     if prefix is None:
         prefix = randint(gen, 0, max_prefix + 1, (batch,))
         prefix[0] = max_prefix  # one row at the limit, one empty or tiny, the others anywhere

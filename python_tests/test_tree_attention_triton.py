@@ -23,7 +23,8 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels import _extension, pack_tree_mask, reference, tree_attention, tree_mask
 
-from conftest import HAS_CUDA, INTERPRETER_SKIP, import_interpreted_kernels, run_in_fresh_cpu_process, triton_interpret_env, randint, random_parents, requires_cuda
+from conftest import (HAS_CUDA, import_interpreted_kernels, interpreter_fixture, randint, random_parents, requires_cuda,
+                      run_in_fresh_cpu_process)
 from test_tree_attention import TOL, brute_attention, branch_oracle, make_case
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -42,15 +43,7 @@ TOL_VS_REFERENCE = {
 
 INTERPRETED = import_interpreted_kernels(KERNEL_MODULE)
 
-
-@pytest.fixture(scope="module")
-def interpreter():
-    """The interpreted kernel module, with TRITON_INTERPRET=1 set for this module's tests
-    (dispatch() refuses CPU tensors for backend="triton" without it)."""
-    if INTERPRETED is None:
-        pytest.skip(INTERPRETER_SKIP)
-    with triton_interpret_env():
-        yield INTERPRETED
+interpreter = interpreter_fixture(INTERPRETED)
 
 
 def check(module, q, k, v, mask, prefix, *, scale=None, num_splits=None, parents=None, gen=None):

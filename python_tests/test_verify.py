@@ -32,7 +32,7 @@ import specdec_kernels
 from specdec_kernels import verify, verify_chain
 from specdec_kernels.philox import PURPOSE_ACCEPT, PURPOSE_SAMPLE, row_seeds, seeds_from_int, uniform
 
-from conftest import distinct_sibling_tokens, random_parents, randint
+from conftest import distinct_sibling_tokens, random_parents, randint, sibling_tokens
 
 INF = math.inf
 
@@ -364,7 +364,11 @@ def random_row_params(gen, batch, vocab, greedy_fraction=0.2):
     return temperature, top_k, top_p
 
 
-def random_logits(gen, batch, num_nodes, vocab, dtype, *, ties=False, nonfinite=False):
+def random_logits(gen, batch, num_nodes, vocab, dtype, *, ties=False, nonfinite=False, nonfinite_cuts=(0.1, 0.17, 0.2)):
+    """[B, T, V] logits in `dtype`: integers in [-2, 2] (ties) or Gaussian with a per-row scale
+    from flat to peaky. nonfinite: entries with a uniform r < cuts[0] become NaN, r < cuts[1]
+    -inf, r < cuts[2] +inf, and about 10% of the nodes are entirely NaN or -inf."""
+    nan_cut, neg_inf_cut, pos_inf_cut = nonfinite_cuts
     if ties:
         logits = randint(gen, -2, 3, (batch, num_nodes, vocab)).float()
     else:
@@ -372,9 +376,9 @@ def random_logits(gen, batch, num_nodes, vocab, dtype, *, ties=False, nonfinite=
         logits = torch.randn(batch, num_nodes, vocab, generator=gen) * scale
     if nonfinite:
         r = torch.rand(batch, num_nodes, vocab, generator=gen)
-        logits = torch.where(r < 0.1, float("nan"), logits)
-        logits = torch.where((r >= 0.1) & (r < 0.17), float("-inf"), logits)
-        logits = torch.where((r >= 0.17) & (r < 0.2), float("inf"), logits)
+        logits = torch.where(r < nan_cut, float("nan"), logits)
+        logits = torch.where((r >= nan_cut) & (r < neg_inf_cut), float("-inf"), logits)
+        logits = torch.where((r >= neg_inf_cut) & (r < pos_inf_cut), float("inf"), logits)
         # some nodes entirely -inf / NaN
         dead = torch.rand(batch, num_nodes, 1, generator=gen) < 0.1
         logits = torch.where(dead, torch.where(r < 0.5, float("nan"), float("-inf")), logits)
@@ -537,24 +541,17 @@ def test_greedy_is_argmax_chain_lowest_index_on_ties(gen, dtype, with_probs):
     logits[:, :, vocab - 1] = logits.amax(-1)  # the highest id always ties for the max
     logits = logits.to(dtype)
     parents = random_parents(gen, batch, num_nodes, "bushy", ragged=True)
-    tokens = torch.full((batch, num_nodes), -1, dtype=torch.int64)
-    for b in range(batch):
-        tokens[b, 0] = int(randint(gen, 0, vocab))
-        used = {}
-        for i in range(1, num_nodes):
-            p = int(parents[b, i])
-            if p < 0:
-                continue
-            row = logits[b, p].float()
-            tied = [v for v in range(vocab) if row[v] == row.max()]
-            taken = used.setdefault(p, set())
-            # Prefer the tied-for-max tokens (highest first), so ties are decided in the tree.
-            choices = [v for v in reversed(tied) if with_probs or v not in taken]
-            if not choices or float(torch.rand((), generator=gen)) < 0.3:
-                choices = [v for v in range(vocab) if with_probs or v not in taken]
-            tok = choices[0] if float(torch.rand((), generator=gen)) < 0.6 else choices[int(randint(gen, 0, len(choices)))]
-            taken.add(tok)
-            tokens[b, i] = tok
+
+    def prefer_tied(b, p, taken):
+        row = logits[b, p].float()
+        tied = [v for v in range(vocab) if row[v] == row.max()]
+        # Prefer the tied-for-max tokens (highest first), so ties are decided in the tree.
+        choices = [v for v in reversed(tied) if with_probs or v not in taken]
+        if not choices or float(torch.rand((), generator=gen)) < 0.3:
+            choices = [v for v in range(vocab) if with_probs or v not in taken]
+        return choices[0] if float(torch.rand((), generator=gen)) < 0.6 else choices[int(randint(gen, 0, len(choices)))]
+
+    tokens = sibling_tokens(gen, parents, vocab, prefer_tied)
     draft_probs = random_draft_probs(gen, batch, num_nodes, vocab) if with_probs else None
     top_k = randint(gen, 0, 4, (batch,))
     top_p = torch.full((batch,), 0.5)

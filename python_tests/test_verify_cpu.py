@@ -20,7 +20,7 @@ import torch
 import specdec_kernels as sk
 from specdec_kernels import verify, verify_chain
 
-from conftest import compare_verify, drafted_tree_case, randint
+from conftest import boundary_tie_case, compare_verify, drafted_tree_case, randint
 
 pytestmark = pytest.mark.skipif(
     "cpu" not in sk.available_backends("verify", "cpu"), reason="specdec_kernels._C has no CPU verify kernel"
@@ -132,14 +132,7 @@ def test_verify_chain(gen, num_drafts, with_probs):
 
 def test_top_k_top_p_boundary_ties():
     """Tied logits at the top-k and top-p boundaries are kept, as in the reference."""
-    vocab = 300
-    logits = torch.full((4, 1, vocab), -3.0)
-    logits[:, 0, 10:16] = 2.0  # six tokens tied at the top
-    logits[:, 0, 20:24] = 1.0  # four tied next
-    tokens = torch.zeros(4, 1, dtype=torch.int64)
-    parents = torch.tensor([-1])
-    top_k = torch.tensor([3, 7, 8, 0])  # 3: keeps all 6 ties; 7 and 8: keeps the 4 next ties too
-    top_p = torch.tensor([1.0, 1.0, 1.0, 0.5])
+    logits, tokens, parents, top_k, top_p = boundary_tie_case()
     for seed in range(20):
         out, ref = run_both(logits, tokens, parents, temperature=1.0, top_k=top_k, top_p=top_p, seed=seed)
         assert torch.equal(out.output_tokens, ref.output_tokens)

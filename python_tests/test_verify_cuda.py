@@ -14,6 +14,7 @@ import torch
 from specdec_kernels import verify, verify_chain
 
 from conftest import cuda_kernel_marks, distinct_sibling_tokens, random_parents, randint
+from test_verify import random_logits
 
 pytestmark = cuda_kernel_marks("verify")
 
@@ -21,20 +22,8 @@ pytestmark = cuda_kernel_marks("verify")
 MIN_SAMPLED_AGREEMENT = 0.97
 
 
-def random_logits(gen, batch, num_nodes, vocab, *, nonfinite=False, ties=False):
-    if ties:
-        logits = randint(gen, -2, 3, (batch, num_nodes, vocab)).float()
-    else:
-        scale = torch.rand(batch, 1, 1, generator=gen) * 3 + 0.5
-        logits = torch.randn(batch, num_nodes, vocab, generator=gen) * scale
-    if nonfinite:
-        r = torch.rand(batch, num_nodes, vocab, generator=gen)
-        logits = torch.where(r < 0.05, float("nan"), logits)
-        logits = torch.where((r >= 0.05) & (r < 0.1), float("-inf"), logits)
-        logits = torch.where((r >= 0.1) & (r < 0.102), float("inf"), logits)
-        dead = torch.rand(batch, num_nodes, 1, generator=gen) < 0.1
-        logits = torch.where(dead, torch.where(r < 0.5, float("nan"), float("-inf")), logits)
-    return logits
+# Non-finite logits here: 5% NaN, 5% -inf, 0.2% +inf (test_verify.random_logits cuts).
+NONFINITE_CUTS = (0.05, 0.1, 0.102)
 
 
 def random_draft_probs(gen, batch, num_nodes, vocab):
@@ -86,7 +75,8 @@ def row_params(gen, batch, vocab, greedy_fraction=0.25):
 
 def build(gen, batch, num_nodes, vocab, kind, *, with_probs, dtype, nonfinite=False, ties=False, guided=True):
     parents = random_parents(gen, batch, num_nodes, kind, ragged=True)
-    logits = random_logits(gen, batch, num_nodes, vocab, nonfinite=nonfinite, ties=ties)
+    logits = random_logits(gen, batch, num_nodes, vocab, torch.float32, nonfinite=nonfinite, ties=ties,
+                           nonfinite_cuts=NONFINITE_CUTS)
     if with_probs:
         draft_probs = random_draft_probs(gen, batch, num_nodes, vocab)
         tokens = sampled_tree_tokens(gen, parents, draft_probs)

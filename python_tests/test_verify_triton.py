@@ -27,8 +27,8 @@ import specdec_kernels as sk
 from specdec_kernels import verify, verify_chain
 from specdec_kernels.sampling import target_probs
 
-from conftest import (INTERPRETER_SKIP, compare_verify, drafted_tree_case, import_interpreted_kernels, randint,
-                      requires_cuda, run_in_fresh_cpu_process, triton_interpret_env)
+from conftest import (boundary_tie_case, compare_verify, drafted_tree_case, import_interpreted_kernels, interpreter_fixture,
+                      randint, requires_cuda, run_in_fresh_cpu_process)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -37,15 +37,7 @@ KERNEL_MODULE = "specdec_kernels.triton.verify"
 
 INTERPRETED = import_interpreted_kernels(KERNEL_MODULE)
 
-
-@pytest.fixture(scope="module")
-def interpreter():
-    """The interpreted kernel module, with TRITON_INTERPRET=1 set for this module's tests
-    (dispatch() refuses CPU tensors for backend="triton" without it)."""
-    if INTERPRETED is None:
-        pytest.skip(INTERPRETER_SKIP)
-    with triton_interpret_env():
-        yield INTERPRETED
+interpreter = interpreter_fixture(INTERPRETED)
 
 
 # ----------------------------------------------------------------------------- inputs and comparison
@@ -113,14 +105,7 @@ def test_mixed_rows_per_row_warps(interpreter, gen, with_probs):
 
 def test_top_k_top_p_boundary_ties(interpreter, gen):
     """Tied logits at the top-k boundary and at the top-p boundary are kept, as in the reference."""
-    vocab = 300
-    logits = torch.full((4, 1, vocab), -3.0)
-    logits[:, 0, 10:16] = 2.0  # six tokens tied at the top
-    logits[:, 0, 20:24] = 1.0  # four tied next
-    tokens = torch.zeros(4, 1, dtype=torch.int64)
-    parents = torch.tensor([-1])
-    top_k = torch.tensor([3, 7, 8, 0])  # 3: keeps all 6 ties; 7 and 8: keeps the 4 next ties too
-    top_p = torch.tensor([1.0, 1.0, 1.0, 0.5])
+    logits, tokens, parents, top_k, top_p = boundary_tie_case()
     for seed in range(6):
         out, ref = run_both(logits, tokens, parents, temperature=1.0, top_k=top_k, top_p=top_p, seed=seed)
         assert torch.equal(out.output_tokens, ref.output_tokens)
