@@ -1023,9 +1023,9 @@ def test_draft_probs_rows_without_children_may_hold_anything():
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("dtype, off", [(torch.float32, 9e-4), (torch.bfloat16, 0.0), (torch.float16, 0.0)], ids=str)
+@pytest.mark.parametrize("dtype, off", [(torch.float32, 9e-3), (torch.bfloat16, 0.0), (torch.float16, 0.0)], ids=str)
 def test_draft_probs_tolerance(dtype, off):
-    """Within the documented tolerance (1e-3 fp32, 1e-2 16-bit) a row passes: softmax output
+    """Within the documented tolerance (1e-2 for every dtype) a row passes: softmax output
     rounded to 16 bits, and an fp32 row a little off; just past it, it does not."""
     gen = torch.Generator().manual_seed(5)
     q = torch.softmax(torch.randn(B, T, 50000, generator=gen) * 3, -1)
@@ -1034,7 +1034,7 @@ def test_draft_probs_tolerance(dtype, off):
     tokens = torch.tensor([[1, 2, 3, 4, -1]] * B)
     parents = good_inputs()["parents"]
     verify(logits, tokens, parents, draft_probs=q.to(dtype), seed=2)
-    tol = {torch.float32: 1e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}[dtype]
+    tol = 1e-2
     q[:, :, 0] += 1.5 * tol
     with pytest.raises(ValueError, match="draft_probs.*sums to"):
         verify(logits, tokens, parents, draft_probs=q.to(dtype), seed=2)

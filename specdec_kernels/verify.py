@@ -54,7 +54,7 @@ def verify(
             independently from draft_probs[b, i] (siblings may repeat). None: the children
             are deterministic proposals and siblings must be distinct. The row of every
             node with children must be a probability distribution: no NaN, no negative
-            entry, summing to 1 within 1e-3 (fp32) or 1e-2 (bf16 / fp16), else ValueError
+            entry, summing to 1 within 1e-2 (any dtype: 16-bit-rounded probabilities), else ValueError
             (value checks on). Rows of nodes without children (leaves, padding) are not
             used and may hold anything. With value checks off, a bad row is read as the
             reference reads it (NaN and negative entries as 0, the sum as given).
