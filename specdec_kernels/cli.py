@@ -350,7 +350,8 @@ def cmd_generate(args) -> int:
         print("(specdec_kernels.generate has no streaming hook: the text is printed when it is done)", flush=True)
     start = time.perf_counter()
     out = sk.generate(model, input_ids, drafter=drafter, max_new_tokens=args.max_new_tokens,
-                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, **stream)
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                      kv_page_size=args.kv_page_size, **stream)
     seconds = time.perf_counter() - start
     new = out.sequences[0, input_ids.shape[1]:]
     if not stream:  # the loop has no streaming hook: print the text once it is done
@@ -496,6 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--kv-page-size", type=int, default=None, metavar="N",
+                     help="paged KV cache with N slots per page (default: dense)")
     source = gen.add_mutually_exclusive_group()
     source.add_argument("--prompt", default=None, help="prompt text")
     source.add_argument("--prompt-file", default=None, help="file with the prompt ('-': standard input)")

@@ -254,6 +254,7 @@ def generate(
     streamer=None,
     adaptive: Union[bool, Planner] = True,
     timing: bool = False,
+    kv_page_size: Optional[int] = None,
     generation_config=None,
     **generation_kwargs,
 ) -> GenerateOutput:
@@ -293,6 +294,10 @@ def generate(
             ValueError naming them (`specdec_kernels.logits_processing`).
         timing: split stats.time_total into draft / verify / accept. On a GPU that costs a
             device synchronisation per phase and step, so it is off unless asked for.
+        kv_page_size: None (default): the target's KV cache is dense, [B, S, Hkv, D] per layer.
+            N >= 1: it is paged, pools of N-slot pages addressed by a block table (the layout
+            serving engines use; `hf.TreeKVCache(page_size=N)`), with the paged tree attention
+            and compaction kernels. Same output either way. (A draft model's cache stays dense.)
 
     Returns:
         GenerateOutput(sequences [B, L + new], stats): the prompts as given, then the
@@ -300,6 +305,7 @@ def generate(
     """
     from . import hf  # transformers is an optional dependency
 
+    hf.cache.check_page_size(kv_page_size, "kv_page_size")
     t_start = time.perf_counter()
     gen_config = _generation_config(target, generation_config, generation_kwargs)
     temperature, top_k, top_p = sampling_settings(gen_config, temperature, top_k, top_p)
@@ -334,7 +340,7 @@ def generate(
     # The loop builds every op input itself: re-reading them would cost a host sync per op call
     # on GPU (one per layer per step) and about 0.2 ms per tree-attention call on CPU.
     with hf.use_tree_attention(target, *drafter.models), config.value_checks(False):
-        cache = hf.TreeKVCache.for_model(target, batch, capacity)
+        cache = hf.TreeKVCache.for_model(target, batch, capacity, page_size=kv_page_size)
         hidden = hf.prefill(target, cache, rows.history, rows.lengths, return_hidden=with_hidden)
         drafter.start(rows.history, rows.lengths, capacity)
         if with_hidden:

@@ -11,6 +11,14 @@ attention call: `specdec_tree_mask` (bool [B, T, T] / [T, T] or packed int64) an
 attention function then calls `tree_attention` on transposed views of HF's [B, H, S, D]
 tensors. Forward passes without that metadata (the prefill) fall back to SDPA.
 
+A paged `TreeKVCache` adds `specdec_block_table` (int32 [B, P], from
+`TreeKVCache.attention_block_table()`): its layers then hand attention the page pools (HF's
+`[num_pages, H, page_size, D]` view) instead of per-row buffers, and `tree_attention` reads
+them through the block table. `forward` passes the block table whenever the cache needs it,
+so a forward without a tree mask on a non-empty paged cache (which SDPA could not read) is
+refused instead of computing garbage; on an empty paged cache (the prefill) the layers return
+the new states themselves and SDPA runs on them as for a dense cache.
+
 The mask function never builds a dense mask for our loop: it returns None when no 2D
 attention_mask is given (our caches are left-aligned per row, so a prefill needs only the
 causal rule and a tree step only its tree mask). Given a 2D padding mask (an ordinary call
@@ -29,6 +37,7 @@ from ..tree_attention import tree_attention
 NAME = "specdec_tree"
 TREE_MASK_KWARG = "specdec_tree_mask"
 SEQLENS_KWARG = "specdec_cache_seqlens"
+BLOCK_TABLE_KWARG = "specdec_block_table"
 
 
 def specdec_tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -37,7 +46,7 @@ def specdec_tree_attention(module, query, key, value, attention_mask, scaling=No
     Args:
         module: the attention module (for `is_causal`, `num_key_value_groups`).
         query: [B, Hq, T, D]; key, value: [B, Hkv, S, D] (views of a `TreeKVCache`'s buffers
-            in tree steps).
+            in tree steps), or with a block table the pools' [num_pages, Hkv, page_size, D] views.
         attention_mask: whatever our mask function returned (None in our loop).
         scaling: softmax scale; kwargs: forward kwargs, including the tree metadata.
 
@@ -45,16 +54,23 @@ def specdec_tree_attention(module, query, key, value, attention_mask, scaling=No
         (attn_output [B, T, Hq, D], None), as transformers expects.
     """
     tree_mask = kwargs.get(TREE_MASK_KWARG)
+    block_table = kwargs.get(BLOCK_TABLE_KWARG)
     if tree_mask is None:
+        if block_table is not None:
+            raise NotImplementedError("specdec_tree attention: a paged TreeKVCache that already holds tokens is read "
+                                      "only by tree steps (pass a tree mask); plain forwards run on it only when it is empty")
         return _fallback_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("specdec_tree attention does not support logit soft-capping")
     window = kwargs.get("sliding_window")
-    if window is not None and key.shape[2] > window:
-        raise NotImplementedError(f"specdec_tree attention: context {key.shape[2]} exceeds the sliding window {window}")
-    out = tree_attention(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), tree_mask, kwargs[SEQLENS_KWARG], scale=scaling
-    )
+    if window is not None:
+        # Paged: the pools' shape says nothing of the context length; ask the lengths (a host
+        # sync, only for sliding-window models).
+        context = key.shape[2] if block_table is None else int(kwargs[SEQLENS_KWARG].max()) + query.shape[2]
+        if context > window:
+            raise NotImplementedError(f"specdec_tree attention: context {context} exceeds the sliding window {window}")
+    out = tree_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), tree_mask,
+                         kwargs[SEQLENS_KWARG], block_table=block_table, scale=scaling)
     return out, None
 
 
@@ -107,6 +123,7 @@ def forward(model, cache, tokens, position_ids, tree_mask=None, logits_to_keep=0
     """One forward of `model` writing `tokens [B, T]` into `cache` at cache.seqlens[b] + j.
 
     Args:
+        cache: a `TreeKVCache`, dense or paged.
         tree_mask: None for a prefill (cache.seqlens all 0, plain causal attention), else the
             ancestor mask of the T tokens, which attend to their row's prefix and ancestors.
         logits_to_keep: as in transformers (0: all positions).
@@ -120,6 +137,9 @@ def forward(model, cache, tokens, position_ids, tree_mask=None, logits_to_keep=0
     extra = {}
     if tree_mask is not None:
         extra = {TREE_MASK_KWARG: tree_mask, SEQLENS_KWARG: cache.seqlens}
+    block_table = cache.attention_block_table()
+    if block_table is not None:  # a non-empty paged cache: attention reads the pools through it
+        extra[BLOCK_TABLE_KWARG] = block_table
     args = dict(input_ids=tokens.clamp(min=0),  # padding nodes (-1) become token 0; their outputs are never used
                 position_ids=position_ids, past_key_values=cache, use_cache=True, **extra)
     if not return_hidden:

@@ -14,9 +14,20 @@ It plugs into transformers 5.x as `past_key_values=` (a `transformers.cache_util
 whose layers implement the `CacheLayerMixin` interface); `update` hands the attention
 function `[B, H, S', D]` views of the buffers (`S' = max(seqlens) + T`, no copy), which our
 attention transposes back to `[B, S', H, D]` for `tree_attention`.
+
+Paged (`page_size=N`): each layer holds a page pool `[num_pages, N, Hkv, D]` for keys and one
+for values, and all layers share one `block_table int32 [B, P]` (P = ceil(capacity / N)):
+token t of row b lives at `[block_table[b, t // N], t % N]`, the layout of vLLM / FlashInfer
+and of `tree_attention(..., block_table=)` / `compact_kv_cache_(..., block_table=)`. Writes
+scatter through the block table; tree steps hand attention the whole pools (HF's
+`[num_pages, H, N, D]` view) and the block table (`attention_block_table`, passed as a forward
+kwarg by `hf.forward`). A forward on an empty cache (the prefill: every row at seqlens 0)
+gets back just the new states, which are the whole context, so it runs plain causal SDPA
+without gathering pages. Pages are dealt to rows interleaved and in reverse order (row b's
+page p is `num_pages - 1 - (p * B + b)`), so no row's pages are contiguous or ascending.
 """
 
-from typing import List
+from typing import List, Optional
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -33,7 +44,7 @@ class _TreeKVLayer(CacheLayerMixin):
     def __init__(self, owner: "TreeKVCache", keys: torch.Tensor, values: torch.Tensor):
         super().__init__()
         self.owner = owner
-        self.k_buf, self.v_buf = keys, values  # [B, S, H, D]
+        self.k_buf, self.v_buf = keys, values  # [B, S, H, D] (paged: pools [num_pages, page_size, H, D])
         self.keys, self.values = keys.transpose(1, 2), values.transpose(1, 2)  # HF's [B, H, S, D] view
         self.is_initialized = True
         self.device, self.dtype = keys.device, keys.dtype
@@ -52,7 +63,7 @@ class _TreeKVLayer(CacheLayerMixin):
         return self.owner.max_len
 
     def get_max_length(self) -> int:
-        return self.k_buf.shape[1]
+        return self.owner.capacity
 
     get_max_cache_shape = get_max_length  # (the name in earlier transformers releases)
 
@@ -61,21 +72,49 @@ class _TreeKVLayer(CacheLayerMixin):
         self.owner.max_len = 0
 
 
+def check_page_size(page_size, name: str = "page_size") -> None:
+    """ValueError naming `name` unless `page_size` is None (dense) or an int >= 1."""
+    if page_size is None:
+        return
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"{name}: expected None (a dense cache) or an int >= 1 (slots per page), got {page_size!r}")
+
+
 class TreeKVCache(Cache):
-    """Preallocated per-layer `[B, S, H, D]` keys/values with per-row lengths (see module docstring).
+    """Preallocated per-layer keys/values with per-row lengths, dense `[B, S, H, D]` or paged
+    (see the module docstring).
 
     Args:
-        num_layers, batch_size, capacity (S), num_kv_heads, head_dim, dtype, device: the buffers.
+        num_layers, batch_size, capacity (S, tokens per row), num_kv_heads, head_dim, dtype,
+            device: the buffers.
+        page_size: None for dense buffers; N >= 1 for page pools of N slots per page, addressed
+            through `block_table`.
 
     Attributes:
         seqlens: int32 [B], tokens held per row (slots 0 .. seqlens[b]-1 are valid).
         max_len: int, max(seqlens) kept on the host (sizes the views handed to attention).
+        page_size: None (dense) or the slots per page.
+        block_table: None (dense) or int32 [B, ceil(capacity / page_size)], row b's pages in order.
     """
 
-    def __init__(self, num_layers: int, batch_size: int, capacity: int, num_kv_heads: int, head_dim: int, dtype, device):
+    def __init__(self, num_layers: int, batch_size: int, capacity: int, num_kv_heads: int, head_dim: int, dtype, device,
+                 page_size: Optional[int] = None):
+        check_page_size(page_size)
+        self.page_size = page_size
+        self.block_table = None
+        if page_size is None:
+            shape = (batch_size, capacity, num_kv_heads, head_dim)
+        else:
+            pages_per_row = -(-capacity // page_size)
+            num_pages = batch_size * pages_per_row
+            # Interleaved between rows and in reverse, so that the block table's indirection is
+            # real: a kernel that ignored it (or assumed ascending pages) would read wrong slots.
+            page = torch.arange(pages_per_row, device=device)[None, :] * batch_size + torch.arange(batch_size, device=device)[:, None]
+            self.block_table = (num_pages - 1 - page).to(torch.int32)
+            shape = (num_pages, page_size, num_kv_heads, head_dim)
         layers = []
         for _ in range(num_layers):
-            k = torch.zeros(batch_size, capacity, num_kv_heads, head_dim, dtype=dtype, device=device)
+            k = torch.zeros(shape, dtype=dtype, device=device)
             layers.append(_TreeKVLayer(self, k, torch.zeros_like(k)))
         super().__init__(layers=layers)
         self.capacity = capacity
@@ -84,8 +123,9 @@ class TreeKVCache(Cache):
         self._rows = torch.arange(batch_size, device=device)[:, None]
 
     @classmethod
-    def for_model(cls, model, batch_size: int, capacity: int) -> "TreeKVCache":
-        """A cache shaped for `model` (a transformers causal LM), in its dtype and on its device."""
+    def for_model(cls, model, batch_size: int, capacity: int, page_size: Optional[int] = None) -> "TreeKVCache":
+        """A cache shaped for `model` (a transformers causal LM), in its dtype and on its device;
+        `page_size`: None (dense) or slots per page (paged)."""
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         num_heads = cfg.num_attention_heads
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
@@ -96,11 +136,19 @@ class TreeKVCache(Cache):
             num_kv_heads //= tp_size
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         param = next(model.parameters())
-        return cls(cfg.num_hidden_layers, batch_size, capacity, num_kv_heads, head_dim, param.dtype, param.device)
+        return cls(cfg.num_hidden_layers, batch_size, capacity, num_kv_heads, head_dim, param.dtype, param.device,
+                   page_size=page_size)
 
     def buffers(self) -> List[torch.Tensor]:
-        """All layers' key and value buffers, [B, S, H, D] each (what `compact_kv_cache_` takes)."""
+        """All layers' key and value buffers (what `compact_kv_cache_` takes): [B, S, H, D]
+        each, or paged the pools [num_pages, page_size, H, D]."""
         return [buf for layer in self.layers for buf in (layer.k_buf, layer.v_buf)]
+
+    def attention_block_table(self) -> Optional[torch.Tensor]:
+        """The block table attention must read the pools through in the next forward: None for
+        a dense cache, and for an empty paged one (its forward gets the new states themselves,
+        see `_write`)."""
+        return None if self.block_table is None or self.max_len == 0 else self.block_table
 
     def _write(self, layer: _TreeKVLayer, key_states: torch.Tensor, value_states: torch.Tensor):
         num_new = key_states.shape[2]
@@ -108,9 +156,22 @@ class TreeKVCache(Cache):
         if end > self.capacity:
             raise ValueError(f"TreeKVCache: {end} slots needed but the cache holds {self.capacity}")
         slots = self.seqlens.to(torch.int64)[:, None] + torch.arange(num_new, device=self.seqlens.device)
-        layer.k_buf[self._rows, slots] = key_states.transpose(1, 2).to(layer.dtype)
-        layer.v_buf[self._rows, slots] = value_states.transpose(1, 2).to(layer.dtype)
-        return layer.keys[:, :, :end], layer.values[:, :, :end]
+        keys, values = key_states.transpose(1, 2).to(layer.dtype), value_states.transpose(1, 2).to(layer.dtype)
+        if self.block_table is None:
+            layer.k_buf[self._rows, slots] = keys
+            layer.v_buf[self._rows, slots] = values
+            return layer.keys[:, :, :end], layer.values[:, :, :end]
+        # Paged: slot t of row b is [block_table[b, t // N], t % N], one flat index into the pool.
+        pages = self.block_table.gather(1, slots // self.page_size).to(torch.int64)
+        flat = (pages * self.page_size + slots % self.page_size).reshape(-1)
+        pool_shape = (-1,) + tuple(layer.k_buf.shape[2:])
+        layer.k_buf.view(pool_shape).index_copy_(0, flat, keys.reshape(pool_shape))
+        layer.v_buf.view(pool_shape).index_copy_(0, flat, values.reshape(pool_shape))
+        if self.max_len == 0:
+            # Empty cache: the new states are each row's whole context, so attention needs
+            # nothing from the pages (the prefill runs plain causal SDPA on them).
+            return keys.transpose(1, 2), values.transpose(1, 2)
+        return layer.keys, layer.values  # the pools, [num_pages, H, N, D]: attention reads them via the block table
 
     def set_lengths(self, seqlens: torch.Tensor) -> None:
         """Set the per-row lengths (e.g. after a prefill, or to drop scratch entries)."""
@@ -120,7 +181,13 @@ class TreeKVCache(Cache):
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch rows `rows` (int64 indices, in the new order): every layer's buffers
         are copied once, so later forwards run on the smaller batch (rows that finished early
-        stop costing compute)."""
+        stop costing compute). Paged: only the block table is re-indexed, no K/V moves; the
+        dropped rows' pages stay allocated in the pools, unused (a `generate` call's batch only
+        shrinks, so there is nobody to hand them to)."""
+        if self.block_table is not None:
+            self.block_table = self.block_table[rows].contiguous()
+            self.set_lengths(self.seqlens[rows])
+            return
         for layer in self.layers:
             layer.k_buf, layer.v_buf = layer.k_buf[rows], layer.v_buf[rows]
             layer.keys, layer.values = layer.k_buf.transpose(1, 2), layer.v_buf.transpose(1, 2)
@@ -133,7 +200,8 @@ class TreeKVCache(Cache):
         The tree was written at seqlens[b] + node; afterwards the lengths grow by
         num_accepted + 1 (`compact_kv_cache_`, one call for all layers).
         """
-        self.set_lengths(compact_kv_cache_(self.buffers(), self.seqlens, accepted_nodes, num_accepted))
+        self.set_lengths(compact_kv_cache_(self.buffers(), self.seqlens, accepted_nodes, num_accepted,
+                                           block_table=self.block_table))
 
     def accept(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, counts: torch.Tensor) -> None:
         """After a verify step whose rows emitted `counts [B]` tokens: keep what the rows kept.
@@ -146,7 +214,7 @@ class TreeKVCache(Cache):
         only what it emitted).
         """
         prefix = self.seqlens
-        compact_kv_cache_(self.buffers(), prefix, accepted_nodes, num_accepted)
+        compact_kv_cache_(self.buffers(), prefix, accepted_nodes, num_accepted, block_table=self.block_table)
         self.set_lengths(prefix + counts.to(prefix.dtype))
 
     # transformers' Cache API (what models and mask builders may ask)

@@ -20,6 +20,7 @@ Methods:
   ours_plain        ours without drafts (the loop's own overhead; not in the default set)
   ours_ngram        NgramDrafter(num_tokens=10), a chain (the same k as hf_prompt_lookup), sized each step by the adaptive planner
   ours_ngram_fixed  the same drafter with adaptive=False: every step verifies its k drafts
+  ours_ngram_paged  ours_ngram on a paged KV cache (kv_page_size=16; not in the default set)
   ours_ngram_tree   NgramDrafter(num_tokens=10, tree_width=3), a tree of up to 3 continuations
   ours_draft        DraftModelDrafter(draft, num_tokens=4), a chain (with --draft-model)
   ours_draft_tree   DraftModelDrafter(draft, tree_widths=(2, 2, 1)) (with --draft-model)

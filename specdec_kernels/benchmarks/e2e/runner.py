@@ -11,8 +11,9 @@ from ...cli import first_difference, make_drafter, stop_ids
 from ...generate import _sync, eos_ids as target_eos_ids
 
 METHODS = ("hf", "hf_prompt_lookup", "hf_assisted", "ours_plain", "ours_ngram", "ours_ngram_fixed", "ours_ngram_tree",
-           "ours_draft", "ours_draft_tree")
-DEFAULT_METHODS = tuple(m for m in METHODS if m != "ours_plain")
+           "ours_draft", "ours_draft_tree", "ours_ngram_paged")
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in ("ours_plain", "ours_ngram_paged"))
+PAGED = {"ours_ngram_paged": 16}  # method -> kv_page_size (generate on a paged KV cache)
 NEEDS_DRAFT = frozenset({"hf_assisted", "ours_draft", "ours_draft_tree"})
 BATCH1_ONLY = frozenset({"hf_prompt_lookup", "hf_assisted"})  # transformers' assisted decoding: batch size 1
 TEMPERATURES = (0.0, 0.7)
@@ -26,6 +27,7 @@ SEED = 1234
 OURS = {
     "ours_plain": ("none", {}),
     "ours_ngram": ("ngram", dict(num_tokens=NGRAM_TOKENS)),
+    "ours_ngram_paged": ("ngram", dict(num_tokens=NGRAM_TOKENS)),  # ours_ngram on a paged KV cache (PAGED)
     "ours_ngram_fixed": ("ngram", dict(num_tokens=NGRAM_TOKENS)),  # adaptive=False: every step k drafts
     "ours_ngram_tree": ("ngram-tree", dict(num_tokens=NGRAM_TOKENS, ngram_tree_width=NGRAM_TREE_WIDTH)),
     "ours_draft": ("draft", dict(num_tokens=DRAFT_TOKENS)),
@@ -92,7 +94,7 @@ def run_method(method, model, draft, input_ids, mask, *, max_new_tokens, tempera
     else:
         out = sk.generate(model, input_ids, drafter=drafter(method, draft), max_new_tokens=max_new_tokens,
                           temperature=temperature, seed=seed, eos_token_id=eos, attention_mask=mask,
-                          adaptive=not method.endswith("_fixed"))
+                          adaptive=not method.endswith("_fixed"), kv_page_size=PAGED.get(method))
         sequences, stats = out.sequences, out.stats
     return sequences, _sync(input_ids.device) - start, stats
 
