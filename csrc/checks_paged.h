@@ -57,24 +57,11 @@ inline std::vector<KvCacheView> compact_kv_cache_paged_views(at::TensorList cach
   views.reserve(caches.size());
   for (size_t i = 0; i < caches.size(); ++i) {
     const at::Tensor& cache = caches[i];
-    const std::string name = "caches[" + std::to_string(i) + "]";
-    TORCH_CHECK(cache.dim() == 4, op, ": ", name, " must be a 4-D [num_pages, page_size, H, D] tensor, got shape ",
-                cache.sizes());
-    check_device(op, name.c_str(), cache, device);
-    TORCH_CHECK(cache.size(0) >= 1 && cache.size(1) >= 1, op, ": ", name,
-                " must hold at least one page of at least one slot, got shape ", cache.sizes());
-    TORCH_CHECK(cache.size(1) == caches[0].size(1), op, ": ", name, " has page size ", cache.size(1),
+    views.push_back(kv_cache_view(op, i, cache, device, "[num_pages, page_size, H, D]"));
+    TORCH_CHECK(cache.size(0) >= 1 && cache.size(1) >= 1, op, ": caches[", i,
+                "] must hold at least one page of at least one slot, got shape ", cache.sizes());
+    TORCH_CHECK(cache.size(1) == caches[0].size(1), op, ": caches[", i, "] has page size ", cache.size(1),
                 "; every cache shares the block table, so its page size (", caches[0].size(1), ")");
-    TORCH_CHECK(cache.stride(3) == 1 || cache.size(3) <= 1, op, ": ", name,
-                " needs a contiguous last dim (stride 1), got strides ", cache.strides());
-    const int64_t element = cache.element_size();
-    check_fits_int32(op, (name + ".size(1)").c_str(), cache.size(1));
-    check_fits_int32(op, (name + ".size(2)").c_str(), cache.size(2));
-    check_fits_int32(op, (name + ".size(3) * element size").c_str(), cache.size(3) * element);
-    views.push_back(KvCacheView{static_cast<char*>(cache.data_ptr()), cache.stride(0) * element,
-                                cache.stride(1) * element, cache.stride(2) * element,
-                                static_cast<int32_t>(cache.size(1)), static_cast<int32_t>(cache.size(2)),
-                                static_cast<int32_t>(cache.size(3) * element), /*vec_bytes=*/0});
   }
   return views;
 }

@@ -34,6 +34,27 @@ inline int64_t check_compact_path_args(const char* op, const at::Tensor& cache_s
   return batch;
 }
 
+// Checks what both compaction ops ask of one cache tensor `caches[index]` of `op`: 4-D
+// (`layout` names the expected shape, for the message), on `device`, a contiguous last dim,
+// and sizes the byte view holds in int32. Returns it as bytes: stride_b is the row stride of
+// a dense [B, S, H, D] cache or the page stride of a [num_pages, page_size, H, D] pool, and
+// seq_len is S or the page size. Any dtype is fine: entries are moved as bytes.
+inline KvCacheView kv_cache_view(const char* op, size_t index, const at::Tensor& cache, const at::Device& device,
+                                 const char* layout) {
+  const std::string name = "caches[" + std::to_string(index) + "]";
+  TORCH_CHECK(cache.dim() == 4, op, ": ", name, " must be a 4-D ", layout, " tensor, got shape ", cache.sizes());
+  check_device(op, name.c_str(), cache, device);
+  check_last_dim_contiguous(op, name.c_str(), cache);
+  const int64_t element = cache.element_size();
+  check_fits_int32(op, (name + ".size(1)").c_str(), cache.size(1));
+  check_fits_int32(op, (name + ".size(2)").c_str(), cache.size(2));
+  check_fits_int32(op, (name + ".size(3) * element size").c_str(), cache.size(3) * element);
+  return KvCacheView{static_cast<char*>(cache.data_ptr()), cache.stride(0) * element, cache.stride(1) * element,
+                     cache.stride(2) * element, static_cast<int32_t>(cache.size(1)),
+                     static_cast<int32_t>(cache.size(2)), static_cast<int32_t>(cache.size(3) * element),
+                     /*vec_bytes=*/0};
+}
+
 // Checks compact_kv_cache_'s arguments (all on `device`) and returns each cache as bytes.
 // Node ids on the path are bounded by the cache (cache_seqlens[b] + node < S), not by
 // accepted_nodes' width T: T only bounds the path's length (num_accepted < T).
@@ -46,21 +67,8 @@ inline std::vector<KvCacheView> compact_kv_cache_views(at::TensorList caches, co
   std::vector<KvCacheView> views;
   views.reserve(caches.size());
   for (size_t i = 0; i < caches.size(); ++i) {
-    const at::Tensor& cache = caches[i];
-    const std::string name = "caches[" + std::to_string(i) + "]";
-    // Any dtype is fine: entries are moved as bytes.
-    TORCH_CHECK(cache.dim() == 4, op, ": ", name, " must be a 4-D [B, S, H, D] tensor, got shape ", cache.sizes());
-    check_device(op, name.c_str(), cache, device);
-    check_size(op, name.c_str(), cache, 0, batch, "B (accepted_nodes.size(0))");
-    check_last_dim_contiguous(op, name.c_str(), cache);
-    const int64_t element = cache.element_size();
-    check_fits_int32(op, (name + ".size(1)").c_str(), cache.size(1));
-    check_fits_int32(op, (name + ".size(2)").c_str(), cache.size(2));
-    check_fits_int32(op, (name + ".size(3) * element size").c_str(), cache.size(3) * element);
-    views.push_back(KvCacheView{static_cast<char*>(cache.data_ptr()), cache.stride(0) * element,
-                                cache.stride(1) * element, cache.stride(2) * element,
-                                static_cast<int32_t>(cache.size(1)), static_cast<int32_t>(cache.size(2)),
-                                static_cast<int32_t>(cache.size(3) * element), /*vec_bytes=*/0});
+    views.push_back(kv_cache_view(op, i, caches[i], device, "[B, S, H, D]"));
+    check_size(op, ("caches[" + std::to_string(i) + "]").c_str(), caches[i], 0, batch, "B (accepted_nodes.size(0))");
   }
   return views;
 }

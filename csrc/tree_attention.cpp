@@ -28,7 +28,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
          const int32_t* lengths, double scale, at::Tensor& out) {
   cpu::TreeAttentionProblem<Storage> p;
   cpu_glue::fill_problem<Storage, TorchScalar>(p, q, k, v, tree_mask, lengths, scale, out);
-  cpu_glue::run_split<DenseKernel>(p, q.size(0), q.options(), [](int64_t chunk) { return chunk; });
+  cpu_glue::run_split<DenseKernel>(p, q.size(0), q.options());
 }
 
 at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -83,11 +83,10 @@ void fill_problem(cpu::TreeAttentionProblem<Storage>& p, const at::Tensor& q, co
 // Runs problem `p` (a cpu::TreeAttentionProblem, dense or paged) for `batch` rows. One unit
 // per (row, KV head). With fewer units than threads to keep busy, each row's keys are split
 // into `parts` equal ranges (merged afterwards), so that units * parts is a multiple of the
-// thread count: at::parallel_for hands out equal contiguous blocks. round_chunk(chunk) may
-// enlarge the range length (the paged kernel aligns ranges to pages); partial results are
+// thread count: at::parallel_for hands out equal contiguous blocks. Partial results are
 // fp32 tensors with `options`' device. Kernel: the calling kernel's tag (its thread_scratch).
-template <typename Kernel, typename Problem, typename RoundChunk>
-void run_split(const Problem& p, int64_t batch, const at::TensorOptions& options, RoundChunk round_chunk) {
+template <typename Kernel, typename Problem>
+void run_split(const Problem& p, int64_t batch, const at::TensorOptions& options) {
   const int64_t units = batch * p.num_kv_heads;
   const int64_t threads = parallel_threads();
   int64_t max_keys = 0;
@@ -106,7 +105,7 @@ void run_split(const Problem& p, int64_t batch, const at::TensorOptions& options
     });
     return;
   }
-  const int64_t chunk = round_chunk((max_keys + parts - 1) / parts);
+  const int64_t chunk = (max_keys + parts - 1) / parts;
   const int64_t size = p.partial_size();
   at::Tensor partials = at::empty({units * parts * size}, options.dtype(at::kFloat));
   float* partial_data = partials.mutable_data_ptr<float>();

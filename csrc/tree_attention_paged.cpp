@@ -84,14 +84,9 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
     while ((int64_t{1} << p.page_shift) < p.page_size) ++p.page_shift;
   }
 
-  // The same split as the dense kernel (tree_attention_cpu_common.h), except that ranges start
-  // on page boundaries where pages are read in place, so no range begins with a stub of a page.
-  cpu_glue::run_split<PagedKernel>(p, q.size(0), q.options(), [&](int64_t chunk) {
-    if constexpr (std::is_same<Storage, float>::value) {
-      if (p.tiles_in_place()) chunk = (chunk + p.page_size - 1) / p.page_size * p.page_size;
-    }
-    return chunk;
-  });
+  // The same split as the dense kernel (tree_attention_cpu_common.h): tiles follow row
+  // pointers across page ends, so ranges need no alignment to pages.
+  cpu_glue::run_split<PagedKernel>(p, q.size(0), q.options());
 }
 
 at::Tensor tree_attention_paged_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -153,6 +153,23 @@ def test_attention_strided_pool_and_scale(gen):
     check_attention(q, k, v, tree_mask(parents), prefix, k_view, v_view, table, ATTENTION_BACKENDS, scale=0.3)
 
 
+@pytest.mark.parametrize("page_size", (1, 16))
+def test_attention_hidden_tree_key_may_hold_nan(gen, page_size):
+    """A tree key that no query sees (its mask column all False) is never weighted: NaN in its
+    key and value rows leaves every output finite and equal to the dense op's (the CPU kernel
+    points such a row at zeros instead of reading it)."""
+    q, k, v, parents, prefix, k_pool, v_pool, table = attention_case(
+        gen, batch=2, num_nodes=6, q_heads=4, kv_heads=2, head_dim=64, dtype=torch.float32, page_size=page_size)
+    mask = tree_mask(parents).clone()
+    mask[:, :, 4] = False  # node 4: seen by nobody, itself included
+    for b in range(2):
+        s = int(prefix[b]) + 4
+        for pool, dense in ((k_pool, k), (v_pool, v)):
+            pool[table[b, s // page_size], s % page_size] = float("nan")
+            dense[b, s] = float("nan")
+    check_attention(q, k, v, mask, prefix, k_pool, v_pool, table, ATTENTION_BACKENDS)
+
+
 def test_attention_values_checks_off_same_result(gen):
     q, k, v, parents, prefix, k_pool, v_pool, table = attention_case(
         gen, batch=2, num_nodes=5, q_heads=2, kv_heads=1, head_dim=16, dtype=torch.float32, page_size=3)

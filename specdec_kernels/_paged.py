@@ -17,30 +17,44 @@ from ._extension import dispatch
 
 
 def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, block_table, scale: Optional[float], backend):
-    """`specdec_kernels.tree_attention` with block_table (see its docstring)."""
-    _checks.tensor("q", q, dims=4, dtypes=_checks.FLOAT_DTYPES)
-    _checks.tensor("k_cache", k_cache, dims=4, dtypes=(q.dtype,))
-    _checks.tensor("v_cache", v_cache, dims=4, dtypes=(q.dtype,))
-    _checks.tensor("cache_seqlens", cache_seqlens, dims=1, dtypes=_checks.INT_DTYPES)
-    _checks.tensor("tree_mask", tree_mask, dims=(2, 3), dtypes=(torch.bool, torch.int64))
+    """`specdec_kernels.tree_attention` with block_table (see its docstring).
+
+    Like `_checks.tree_attention`, the common case costs plain comparisons: each helper that
+    builds a message runs only once its rule is broken (on a small CPU call the checks are
+    otherwise a large share of the time).
+    """
+    _checks.tensor("q", q, 4, _checks.FLOAT_DTYPES)
+    dtype = (q.dtype,)
+    _checks.tensor("k_cache", k_cache, 4, dtype)
+    _checks.tensor("v_cache", v_cache, 4, dtype)
+    _checks.tensor("cache_seqlens", cache_seqlens, 1, _checks.INT_DTYPES)
+    _checks.tensor("tree_mask", tree_mask, (2, 3), (torch.bool, torch.int64))
     _checks.nonempty_batch("q", q)
     batch, num_nodes, num_q_heads, head_dim = q.shape
     if num_nodes == 0:
         _checks.fail("q", f"expected T >= 1 tree nodes, got shape {tuple(q.shape)}")
     # [num_pages, page_size, Hkv, D]
-    _checks.shape("k_cache", k_cache, (None, None, None, head_dim))
-    _checks.shape("v_cache", v_cache, tuple(k_cache.shape))
-    num_pages, page_size, num_kv_heads = k_cache.shape[:3]
+    k_shape = k_cache.shape
+    if k_shape[3] != head_dim:
+        _checks.shape("k_cache", k_cache, (None, None, None, head_dim))
+    if v_cache.shape != k_shape:
+        _checks.shape("v_cache", v_cache, tuple(k_shape))
+    num_pages, page_size, num_kv_heads = k_shape[:3]
     if num_pages == 0 or page_size == 0:
-        _checks.fail("k_cache", f"expected a [num_pages, page_size, Hkv, D] pool with pages of >= 1 slot, got {tuple(k_cache.shape)}")
+        _checks.fail("k_cache", f"expected a [num_pages, page_size, Hkv, D] pool with pages of >= 1 slot, got {tuple(k_shape)}")
     if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
         _checks.fail("k_cache", f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
-    _checks.shape("cache_seqlens", cache_seqlens, (batch,))
+    if cache_seqlens.shape[0] != batch:
+        _checks.shape("cache_seqlens", cache_seqlens, (batch,))
     mask_cols = num_nodes if tree_mask.dtype == torch.bool else (num_nodes + 63) // 64
     mask = tree_mask if tree_mask.dim() == 3 else tree_mask.unsqueeze(0).expand(batch, -1, -1)
-    _checks.shape("tree_mask", mask, (batch, num_nodes, mask_cols))
-    _checks.same_device("q", q, k_cache=k_cache, v_cache=v_cache, tree_mask=tree_mask, cache_seqlens=cache_seqlens)
-    _checks.block_table(block_table, batch=batch, device=q.device, like="q")
+    if mask.shape != (batch, num_nodes, mask_cols):
+        _checks.shape("tree_mask", mask, (batch, num_nodes, mask_cols))
+    if not _checks._all_on(q.device, k_cache, v_cache, tree_mask, cache_seqlens):
+        _checks.same_device("q", q, k_cache=k_cache, v_cache=v_cache, tree_mask=tree_mask, cache_seqlens=cache_seqlens)
+    if not (type(block_table) is torch.Tensor and block_table.dtype == torch.int32 and block_table.dim() == 2
+            and block_table.shape[0] == batch and block_table.shape[1] > 0 and block_table.device == q.device):
+        _checks.block_table(block_table, batch=batch, device=q.device, like="q")
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _checks.last_dim_contiguous(name, x)
     if _checks.checking_values():
@@ -49,10 +63,9 @@ def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, block_table, s
             _checks.fail("cache_seqlens", f"row {b}: prefix length {int(cache_seqlens[b])} is negative")
         _checks.block_table_pages(block_table, cache_seqlens.to(torch.int64) + num_nodes, page_size, num_pages,
                                   what=f"cache_seqlens[b] + T (T={num_nodes})")
-    if scale is None:
-        scale = head_dim ** -0.5
-    return dispatch("tree_attention_paged", backend, q, q, k_cache, v_cache, mask, cache_seqlens.to(torch.int32), block_table,
-               float(scale))
+    scale = head_dim**-0.5 if scale is None else float(scale)
+    return dispatch("tree_attention_paged", backend, q, q, k_cache, v_cache, mask,
+                    _checks.as_dtype(cache_seqlens, torch.int32), block_table, scale)
 
 
 def compact_kv_cache_(caches, cache_seqlens, accepted_nodes, num_accepted, block_table, backend) -> torch.Tensor:

@@ -4,6 +4,7 @@ once cut into shuffled pages [num_pages, page_size, Hkv, D] behind a block table
     python bench/bench_paged.py                 # CPU: SmolLM2-135M shapes, page size 16
     python bench/bench_paged.py --page-size 32  # another page size (written to another file)
     python bench/bench_paged.py --smoke         # one tiny config, nothing recorded
+    python bench/bench_paged.py --e2e           # generate end to end: paged against dense KV cache
 
 Sweep (CPU): SmolLM2-135M attention (Hq=9, Hkv=3, D=64), fp32 (the dtype the CPU models
 run in), T in {1, 11, 64} tree nodes (random trees), prefix in {512, 2048}, batch in {1, 8}.
@@ -25,6 +26,15 @@ medians carry the other processes' noise, and best / best is the closer estimate
 uncontended ratio. CUDA: CUDA-event timing (benchmarks.common.time_cuda).
 Writes bench/results/paged_<device>.json (paged_<device>_ps<N>.json for page sizes other
 than 16); not in --smoke mode.
+
+--e2e: `generate` end to end on the default model (SmolLM2-135M-Instruct), batch 1, greedy,
+code edit and chat prompts: the e2e benchmark's methods ours_ngram (dense KV cache) and
+ours_ngram_paged (kv_page_size=16), run by its runner (`benchmarks.e2e.runner.run_method`).
+Each prompt runs dense, paged, dense, paged, ... (--rounds each, wall time, after a warm-up
+call of both), so load from other processes hits both alike; paged output must equal dense
+output token for token. Reports per workload the median tokens/s of each and paged / dense
+(medians of the per-prompt ratios and of the best rounds). Writes
+bench/results/paged_e2e_<device>.json.
 """
 
 import argparse
@@ -51,6 +61,10 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads for the run (default: torch's); on a loaded machine 1 is steadier")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/paged_<device>.json)")
+    parser.add_argument("--e2e", action="store_true", help="generate end to end, paged against dense (see above)")
+    parser.add_argument("--prompts", type=int, default=4, help="--e2e: prompts per workload (default 4)")
+    parser.add_argument("--rounds", type=int, default=3, help="--e2e: timed runs of each cache per prompt (default 3)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="--e2e: default 64")
     return parser.parse_args(argv)
 
 
@@ -112,11 +126,84 @@ def time_gpu(calls, device):
              for name, call in calls.items())}
 
 
+E2E_WORKLOADS = ("code_edit", "chat")
+E2E_METHODS = {"dense": "ours_ngram", "paged": "ours_ngram_paged"}
+
+
+def run_e2e(args, device) -> dict:
+    """The --e2e comparison (see the module docstring); returns the result to write."""
+    from ..cli import stop_ids
+    from ..models import load_model
+    from ..workloads import load_workload
+    from .e2e.runner import PAGED, SEED, make_batches, run_method
+
+    model, tokenizer = load_model(None, dtype=torch.float32, device=device, verbose=False)
+    eos, pad = stop_ids(model, tokenizer)
+    run = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, eos=eos, pad=pad, seed=SEED)
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    print(f"e2e paged vs dense: {common.device_name(device)}, {torch.get_num_threads()} threads; load average {load}",
+          flush=True)
+    rows = []
+    for workload in E2E_WORKLOADS:
+        batches = make_batches(load_workload(workload, limit=args.prompts), tokenizer, 1, device)
+        rates = {name: [] for name in E2E_METHODS}
+        ratios, best_ratios = [], []
+        for index, (input_ids, mask, _) in enumerate(batches):
+            for method in E2E_METHODS.values():  # warm-up (and the planner's first look at this prompt)
+                run_method(method, model, None, input_ids, mask, **run)
+            prompt_rates = {name: [] for name in E2E_METHODS}
+            outputs = {}
+            for _ in range(args.rounds):
+                for name, method in E2E_METHODS.items():
+                    sequences, seconds, stats = run_method(method, model, None, input_ids, mask, **run)
+                    prompt_rates[name].append(sum(stats.new_tokens) / seconds)
+                    outputs.setdefault(name, sequences)
+            if not torch.equal(outputs["paged"], outputs["dense"]):
+                raise AssertionError(f"{workload} prompt {index}: the paged cache's output differs from the dense one's")
+            for name in E2E_METHODS:
+                rates[name] += prompt_rates[name]
+            median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+            ratios.append(median(prompt_rates["dense"]) / median(prompt_rates["paged"]))
+            best_ratios.append(max(prompt_rates["dense"]) / max(prompt_rates["paged"]))
+            print(f"  {workload} prompt {index}: {input_ids.shape[1]} tokens, dense {median(prompt_rates['dense']):.1f} "
+                  f"tok/s, paged {median(prompt_rates['paged']):.1f} tok/s, paged time / dense {ratios[-1]:.3f}",
+                  flush=True)
+        geo = lambda xs: torch.tensor(xs).log().mean().exp().item()  # noqa: E731
+        rows.append({
+            "config": {"workload": workload, "batch": 1, "temperature": 0.0, "method": E2E_METHODS["paged"],
+                       "peer": E2E_METHODS["dense"], "page_size": PAGED[E2E_METHODS["paged"]],
+                       "prompts": len(batches), "rounds": args.rounds, "max_new_tokens": args.max_new_tokens},
+            "tokens_per_s": sorted(rates["paged"])[len(rates["paged"]) // 2],
+            "peers_tokens_per_s": {"dense": sorted(rates["dense"])[len(rates["dense"]) // 2]},
+            "paged_time_over_dense": geo(ratios), "paged_time_over_dense_best": geo(best_ratios),
+            "outputs_identical": True,
+        })
+    table = [[r["config"]["workload"], f"{r['peers_tokens_per_s']['dense']:.1f}", f"{r['tokens_per_s']:.1f}",
+              f"{r['paged_time_over_dense']:.3f}x", f"{r['paged_time_over_dense_best']:.3f}x"] for r in rows]
+    print()
+    common.print_table(["workload", "dense tok/s", "paged tok/s", "paged/dense time", "best/best"], table)
+    result = common.metadata(
+        "paged_e2e", device, "cpu" if device.type == "cpu" else "cuda", model="SmolLM2-135M-Instruct",
+        load_average_at_start=load, load_average_at_end=os.getloadavg() if hasattr(os, "getloadavg") else None,
+        stat=("generate, batch 1, greedy, n-gram chain (the e2e benchmark's ours_ngram, adaptive planner) on a dense "
+              "and on a paged KV cache, alternating per prompt; tokens_per_s (paged) and peers_tokens_per_s.dense: "
+              "median over prompts and rounds; paged_time_over_dense: geometric mean over prompts of the median "
+              "dense tok/s / median paged tok/s (*_best: of the best rounds); wall time"))
+    result["rows"] = rows
+    return result
+
+
 def main(argv=None) -> int:
-    """Run the paged-vs-dense sweep on this machine's device; returns the exit status."""
+    """Run the paged-vs-dense sweep (or with --e2e the end-to-end comparison) on this
+    machine's device; returns the exit status."""
     args = parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.e2e:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        result = run_e2e(args, device)
+        common.write_json(result, args.out or str(common.results_dir() / f"paged_e2e_{common.device_slug(device)}.json"))
+        return 0
     import specdec_kernels as sk
     from specdec_kernels import config, reference
 

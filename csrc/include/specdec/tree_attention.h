@@ -16,7 +16,9 @@
 // Layouts are chosen so that no loop needs a horizontal reduction: queries are
 // transposed once per unit to [D][M] (scaled), so scores come out as [key][query] with
 // the queries along the vector lanes (max, exp and sums over keys are then plain
-// lane-wise operations), and P @ V runs along D. fp32 keys and values are read in place.
+// lane-wise operations), and P @ V runs along D. fp32 keys and values are read in place:
+// a dense cache's tile is rows one stride apart, a paged cache's tile is a list of row
+// pointers (page by page), so a tile spans page boundaries at the dense tile size.
 #pragma once
 
 #include <algorithm>
@@ -111,13 +113,30 @@ SPECDEC_CPU_INLINE V exp_nonpositive(const V& input) {
 
 // ----------------------------------------------------------------------------- tile kernels
 
+// Where a tile's key / value rows are. StridedRows: rows `stride` floats apart (a dense cache,
+// or the scratch tiles); RowList: one pointer per row (a paged cache, read in place). The
+// tile kernels take either, so paged tiles need neither a copy nor a cut at each page end.
+struct StridedRows {
+  const float* base;
+  int64_t stride;
+  SPECDEC_CPU_INLINE const float* operator[](int64_t n) const { return base + n * stride; }
+  SPECDEC_CPU_INLINE StridedRows from(int64_t n) const { return {base + n * stride, stride}; }
+};
+struct RowList {
+  const float* const* rows;
+  SPECDEC_CPU_INLINE const float* operator[](int64_t n) const { return rows[n]; }
+  SPECDEC_CPU_INLINE RowList from(int64_t n) const { return {rows + n}; }
+};
+
 // For kKeys keys r and the query lanes of kVecs full vectors plus, if kHalf, a half vector:
 // scores[r][lane] = sum_d keys[r][d] * queries_t[d][lane].
-template <int kKeys, int kVecs, bool kHalf>
-SPECDEC_CPU_INLINE void score_block(const float* queries_t, int64_t stride, const float* keys, int64_t key_stride,
-                                    int64_t head_dim, float* scores) {
+template <int kKeys, int kVecs, bool kHalf, typename Rows>
+SPECDEC_CPU_INLINE void score_block(const float* queries_t, int64_t stride, const Rows& keys, int64_t head_dim,
+                                    float* scores) {
   Vec acc[kKeys][kVecs > 0 ? kVecs : 1] = {};
   HalfVec acc_half[kKeys] = {};
+  const float* key[kKeys];
+  for (int r = 0; r < kKeys; ++r) key[r] = keys[r];
   for (int64_t d = 0; d < head_dim; ++d) {
     const float* q_row = queries_t + d * stride;
     Vec q[kVecs > 0 ? kVecs : 1];
@@ -126,7 +145,7 @@ SPECDEC_CPU_INLINE void score_block(const float* queries_t, int64_t stride, cons
     const HalfVec q_half = kHalf ? load<HalfVec>(q_row + kVecs * kLanes) : HalfVec{};
 #pragma GCC unroll 8
     for (int r = 0; r < kKeys; ++r) {
-      const float k = keys[r * key_stride + d];
+      const float k = key[r][d];
 #pragma GCC unroll 4
       for (int c = 0; c < kVecs; ++c) acc[r][c] += q[c] * k;
       if (kHalf) acc_half[r] += q_half * k;
@@ -140,52 +159,62 @@ SPECDEC_CPU_INLINE void score_block(const float* queries_t, int64_t stride, cons
 
 // All keys against one group of lanes; blocks of more keys when the group is narrow, so
 // each loaded query vector feeds enough multiply-adds.
-template <int kVecs, bool kHalf>
-SPECDEC_CPU_INLINE void score_lanes(const float* queries_t, int64_t stride, const float* keys, int64_t key_stride,
-                                    int64_t num_keys, int64_t head_dim, float* scores) {
+template <int kVecs, bool kHalf, typename Rows>
+SPECDEC_CPU_INLINE void score_lanes(const float* queries_t, int64_t stride, const Rows& keys, int64_t num_keys,
+                                    int64_t head_dim, float* scores) {
   constexpr int kKeys = kVecs + kHalf <= 2 ? 8 : 4;
   int64_t n = 0;
   for (; n + kKeys <= num_keys; n += kKeys) {
-    score_block<kKeys, kVecs, kHalf>(queries_t, stride, keys + n * key_stride, key_stride, head_dim,
-                                     scores + n * stride);
+    score_block<kKeys, kVecs, kHalf>(queries_t, stride, keys.from(n), head_dim, scores + n * stride);
   }
   for (; n < num_keys; ++n) {
-    score_block<1, kVecs, kHalf>(queries_t, stride, keys + n * key_stride, key_stride, head_dim, scores + n * stride);
+    score_block<1, kVecs, kHalf>(queries_t, stride, keys.from(n), head_dim, scores + n * stride);
   }
 }
 
-// scores [num_keys][stride] = keys [num_keys][head_dim] (rows key_stride apart) @
+// scores [num_keys][stride] = keys [num_keys][head_dim] (rows as `keys` says) @
 // queries_t [head_dim][stride], for the first `lanes` query lanes (a multiple of 8).
-SPECDEC_CPU_MULTIVERSION
-inline void tile_scores(const float* queries_t, int64_t stride, int64_t lanes, const float* keys, int64_t key_stride,
-                        int64_t num_keys, int64_t head_dim, float* scores) {
+template <typename Rows>
+SPECDEC_CPU_INLINE void tile_scores_impl(const float* queries_t, int64_t stride, int64_t lanes, const Rows& keys,
+                                         int64_t num_keys, int64_t head_dim, float* scores) {
   for (int64_t c = 0; c < lanes; c += 4 * kLanes) {
     const float* q = queries_t + c;
     float* s = scores + c;
     const int64_t left = lanes - c;
     const bool half = left < 4 * kLanes && left % kLanes != 0;
     switch (std::min<int64_t>(4, left / kLanes) * 2 + half) {
-      case 1: score_lanes<0, true>(q, stride, keys, key_stride, num_keys, head_dim, s); break;
-      case 2: score_lanes<1, false>(q, stride, keys, key_stride, num_keys, head_dim, s); break;
-      case 3: score_lanes<1, true>(q, stride, keys, key_stride, num_keys, head_dim, s); break;
-      case 4: score_lanes<2, false>(q, stride, keys, key_stride, num_keys, head_dim, s); break;
-      case 5: score_lanes<2, true>(q, stride, keys, key_stride, num_keys, head_dim, s); break;
-      case 6: score_lanes<3, false>(q, stride, keys, key_stride, num_keys, head_dim, s); break;
-      case 7: score_lanes<3, true>(q, stride, keys, key_stride, num_keys, head_dim, s); break;
-      default: score_lanes<4, false>(q, stride, keys, key_stride, num_keys, head_dim, s); break;
+      case 1: score_lanes<0, true>(q, stride, keys, num_keys, head_dim, s); break;
+      case 2: score_lanes<1, false>(q, stride, keys, num_keys, head_dim, s); break;
+      case 3: score_lanes<1, true>(q, stride, keys, num_keys, head_dim, s); break;
+      case 4: score_lanes<2, false>(q, stride, keys, num_keys, head_dim, s); break;
+      case 5: score_lanes<2, true>(q, stride, keys, num_keys, head_dim, s); break;
+      case 6: score_lanes<3, false>(q, stride, keys, num_keys, head_dim, s); break;
+      case 7: score_lanes<3, true>(q, stride, keys, num_keys, head_dim, s); break;
+      default: score_lanes<4, false>(q, stride, keys, num_keys, head_dim, s); break;
     }
   }
 }
+SPECDEC_CPU_MULTIVERSION
+inline void tile_scores(const float* queries_t, int64_t stride, int64_t lanes, StridedRows keys, int64_t num_keys,
+                        int64_t head_dim, float* scores) {
+  tile_scores_impl(queries_t, stride, lanes, keys, num_keys, head_dim, scores);
+}
+SPECDEC_CPU_MULTIVERSION
+inline void tile_scores(const float* queries_t, int64_t stride, int64_t lanes, RowList keys, int64_t num_keys,
+                        int64_t head_dim, float* scores) {
+  tile_scores_impl(queries_t, stride, lanes, keys, num_keys, head_dim, scores);
+}
 
 // acc[r][c*16 + lane] += sum_n probs[n][r] * values[n][c*16 + lane], r < kRows, c < kVecs.
-template <int kRows, int kVecs>
-SPECDEC_CPU_INLINE void pv_block(const float* probs, int64_t p_stride, const float* values, int64_t v_stride,
+template <int kRows, int kVecs, typename Rows>
+SPECDEC_CPU_INLINE void pv_block(const float* probs, int64_t p_stride, const Rows& values, int64_t column,
                                  int64_t num_keys, float* acc, int64_t acc_stride) {
   Vec o[kRows][kVecs] = {};
   for (int64_t n = 0; n < num_keys; ++n) {
     Vec v[kVecs];
+    const float* row = values[n] + column;
 #pragma GCC unroll 4
-    for (int c = 0; c < kVecs; ++c) v[c] = load(values + n * v_stride + c * kLanes);
+    for (int c = 0; c < kVecs; ++c) v[c] = load(row + c * kLanes);
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r) {
       const float p = probs[n * p_stride + r];
@@ -201,18 +230,18 @@ SPECDEC_CPU_INLINE void pv_block(const float* probs, int64_t p_stride, const flo
   }
 }
 
-template <int kRows>
-SPECDEC_CPU_INLINE void pv_rows(const float* probs, int64_t p_stride, const float* values, int64_t v_stride,
-                                int64_t padded_dim, int64_t num_keys, float* acc) {
+template <int kRows, typename Rows>
+SPECDEC_CPU_INLINE void pv_rows(const float* probs, int64_t p_stride, const Rows& values, int64_t padded_dim,
+                                int64_t num_keys, float* acc) {
   const int64_t total_vecs = padded_dim / kLanes;
   for (int64_t c = 0; c < total_vecs; c += 4) {
-    const float* v = values + c * kLanes;
-    float* o = acc + c * kLanes;
+    const int64_t column = c * kLanes;
+    float* o = acc + column;
     switch (std::min<int64_t>(4, total_vecs - c)) {
-      case 1: pv_block<kRows, 1>(probs, p_stride, v, v_stride, num_keys, o, padded_dim); break;
-      case 2: pv_block<kRows, 2>(probs, p_stride, v, v_stride, num_keys, o, padded_dim); break;
-      case 3: pv_block<kRows, 3>(probs, p_stride, v, v_stride, num_keys, o, padded_dim); break;
-      default: pv_block<kRows, 4>(probs, p_stride, v, v_stride, num_keys, o, padded_dim); break;
+      case 1: pv_block<kRows, 1>(probs, p_stride, values, column, num_keys, o, padded_dim); break;
+      case 2: pv_block<kRows, 2>(probs, p_stride, values, column, num_keys, o, padded_dim); break;
+      case 3: pv_block<kRows, 3>(probs, p_stride, values, column, num_keys, o, padded_dim); break;
+      default: pv_block<kRows, 4>(probs, p_stride, values, column, num_keys, o, padded_dim); break;
     }
   }
 }
@@ -247,12 +276,12 @@ SPECDEC_CPU_INLINE void softmax_lanes(float* scores, int64_t num_keys, int64_t s
 // One online-softmax step over a tile of scores [num_keys][stride] (masked entries -inf)
 // for the first `lanes` query lanes: updates the running max and denominator of each,
 // rescales the first `rows` accumulator rows [rows][padded_dim], overwrites scores with
-// the probabilities and adds probs^T @ values [num_keys][padded_dim] (rows value_stride
-// apart) into the accumulators.
-SPECDEC_CPU_MULTIVERSION
-inline void tile_softmax_pv(float* scores, int64_t num_keys, int64_t stride, int64_t lanes, int64_t rows,
-                            const float* values, int64_t value_stride, int64_t padded_dim, float* row_max,
-                            float* row_sum, float* alpha, float* acc) {
+// the probabilities and adds probs^T @ values [num_keys][padded_dim] (rows as `values`
+// says) into the accumulators.
+template <typename Rows>
+SPECDEC_CPU_INLINE void tile_softmax_pv_impl(float* scores, int64_t num_keys, int64_t stride, int64_t lanes,
+                                             int64_t rows, const Rows& values, int64_t padded_dim, float* row_max,
+                                             float* row_sum, float* alpha, float* acc) {
   int64_t c = 0;
   for (; c + kLanes <= lanes; c += kLanes) {
     softmax_lanes<Vec>(scores + c, num_keys, stride, row_max + c, row_sum + c, alpha + c);
@@ -266,15 +295,27 @@ inline void tile_softmax_pv(float* scores, int64_t num_keys, int64_t stride, int
   }
   int64_t m = 0;
   for (; m + 4 <= rows; m += 4) {
-    pv_rows<4>(scores + m, stride, values, value_stride, padded_dim, num_keys, acc + m * padded_dim);
+    pv_rows<4>(scores + m, stride, values, padded_dim, num_keys, acc + m * padded_dim);
   }
   float* last = acc + m * padded_dim;
   switch (rows - m) {  // the last 1..3 rows in one pass over the values
-    case 3: pv_rows<3>(scores + m, stride, values, value_stride, padded_dim, num_keys, last); break;
-    case 2: pv_rows<2>(scores + m, stride, values, value_stride, padded_dim, num_keys, last); break;
-    case 1: pv_rows<1>(scores + m, stride, values, value_stride, padded_dim, num_keys, last); break;
+    case 3: pv_rows<3>(scores + m, stride, values, padded_dim, num_keys, last); break;
+    case 2: pv_rows<2>(scores + m, stride, values, padded_dim, num_keys, last); break;
+    case 1: pv_rows<1>(scores + m, stride, values, padded_dim, num_keys, last); break;
     default: break;
   }
+}
+SPECDEC_CPU_MULTIVERSION
+inline void tile_softmax_pv(float* scores, int64_t num_keys, int64_t stride, int64_t lanes, int64_t rows,
+                            StridedRows values, int64_t padded_dim, float* row_max, float* row_sum, float* alpha,
+                            float* acc) {
+  tile_softmax_pv_impl(scores, num_keys, stride, lanes, rows, values, padded_dim, row_max, row_sum, alpha, acc);
+}
+SPECDEC_CPU_MULTIVERSION
+inline void tile_softmax_pv(float* scores, int64_t num_keys, int64_t stride, int64_t lanes, int64_t rows,
+                            RowList values, int64_t padded_dim, float* row_max, float* row_sum, float* alpha,
+                            float* acc) {
+  tile_softmax_pv_impl(scores, num_keys, stride, lanes, rows, values, padded_dim, row_max, row_sum, alpha, acc);
 }
 
 // ----------------------------------------------------------------------------- row loads
@@ -335,40 +376,32 @@ struct TreeAttentionProblem {
   const int32_t* block_table = nullptr;
   int64_t block_table_stride = 0, page_size = 0;
   int page_shift = -1;  // log2(page_size) for a power of two (shift, no division)
-  static constexpr int64_t kMinInPlacePage = 16;  // smallest page whose fp32 rows are read in place
 
-  // Element offset of key (value) s of row b from k (v), for the KV head at offset 0.
-  int64_t row_offset(int64_t b, int64_t s, int64_t stride_b, int64_t stride_s) const {
-    if (block_table == nullptr) return b * stride_b + s * stride_s;
-    const int64_t page = page_shift >= 0 ? s >> page_shift : s / page_size;
-    return block_table[b * block_table_stride + page] * stride_b + (s - page * page_size) * stride_s;
-  }
+  // Key (value) s of row b of a dense cache (paged caches: paged_rows).
   const Scalar* key_row(int64_t b, int64_t kv_head, int64_t s) const {
-    return k + row_offset(b, s, k_stride_b, k_stride_s) + kv_head * k_stride_h;
+    return k + b * k_stride_b + s * k_stride_s + kv_head * k_stride_h;
   }
   const Scalar* value_row(int64_t b, int64_t kv_head, int64_t s) const {
-    return v + row_offset(b, s, v_stride_b, v_stride_s) + kv_head * v_stride_h;
+    return v + b * v_stride_b + s * v_stride_s + kv_head * v_stride_h;
   }
-  // Whether fp32 tiles are read in place (rows one stride apart): always for a dense cache;
-  // for a paged one, tiles are then cut at page ends, and every extra cut costs one more
-  // pass over the accumulators ([M][D] loads and stores), while copying the rows of a full
-  // tile costs a pass over 2 * kTileKeys rows of D. So pages of >= kMinInPlacePage keys are
-  // read in place when (cuts per tile - 1) * M <= 2 * kTileKeys (a few query rows: T = 1 or
-  // a small tree), else copied like 16-bit rows; smaller pages are always copied.
-  bool tiles_in_place() const {
-    constexpr int64_t tile = attention_detail::kTileKeys;
-    if (block_table == nullptr || page_size >= tile) return true;
-    return page_size >= kMinInPlacePage && (tile / page_size - 1) * rows() <= 2 * tile;
-  }
-  // Keys of the tile starting at `first` (before `end`): up to a full tile, and, for paged
-  // tiles read in place, no further than the end of first's page.
-  int64_t tile_keys(int64_t first, int64_t end, int64_t full_tile, bool in_place) const {
-    int64_t last = std::min(end, first + full_tile);
-    if (block_table != nullptr && in_place) {
-      const int64_t page = page_shift >= 0 ? first >> page_shift : first / page_size;  // no division for 16/32/64
-      last = std::min(last, (page + 1) * page_size);
+  // Row pointers of keys first .. first + count - 1 of row b (KV head kv_head) of a paged
+  // cache, page by page: one block-table read per page, not per key.
+  void paged_rows(int64_t b, int64_t kv_head, int64_t first, int64_t count, const Scalar** key_rows,
+                  const Scalar** value_rows) const {
+    const int32_t* pages = block_table + b * block_table_stride;
+    for (int64_t n = 0; n < count;) {
+      const int64_t pos = first + n;
+      const int64_t page = page_shift >= 0 ? pos >> page_shift : pos / page_size;  // no division for 16/32/64
+      const int64_t slot = pos - page * page_size;
+      const int64_t run = std::min(count - n, page_size - slot);
+      const Scalar* key = k + pages[page] * k_stride_b + slot * k_stride_s + kv_head * k_stride_h;
+      const Scalar* value = v + pages[page] * v_stride_b + slot * v_stride_s + kv_head * v_stride_h;
+      for (int64_t i = 0; i < run; ++i) {
+        key_rows[n + i] = key + i * k_stride_s;
+        value_rows[n + i] = value + i * v_stride_s;
+      }
+      n += run;
     }
-    return last - first;
   }
 
   int64_t group() const { return num_q_heads / num_kv_heads; }
@@ -447,26 +480,32 @@ void attend_keys(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_he
   std::fill(s.values, s.values + kTileKeys * dp, 0.0f);  // the padding columns stay 0
 
   const int64_t prefix_len = p.cache_seqlens[b];
-  // fp32 rows as wide as the vectors are used in place; others are converted (and padded)
-  // into the scratch tiles. Row addresses come from p.key_row / p.value_row (dense or paged).
+  // fp32 keys are read in place, and values too when their rows are as wide as the vectors
+  // (D a multiple of 16): a dense cache's rows one stride apart, a paged cache's through a
+  // pointer per row (found page by page), so paged tiles are as long as dense ones. Other
+  // rows are converted (and padded) into the scratch tiles.
   constexpr bool kFloat = std::is_same<Scalar, float>::value;
-  const bool keys_in_place = kFloat && p.tiles_in_place();
-  const bool in_place = keys_in_place && dp == head_dim;
+  const bool paged = p.block_table != nullptr;
+  const bool values_in_place = kFloat && dp == head_dim;
+  const Scalar* key_rows[kTileKeys];
+  const Scalar* value_rows[kTileKeys];
   bool hidden[kTileKeys];
   for (int64_t first = key_begin, count = 0; first < key_end; first += count) {
-    count = p.tile_keys(first, key_end, kTileKeys, keys_in_place);
-    const float* keys = s.keys;
-    int64_t key_stride = head_dim;
+    count = std::min(key_end - first, kTileKeys);
+    if (paged) p.paged_rows(b, kv_head, first, count, key_rows, value_rows);
     if constexpr (kFloat) {
-      if (keys_in_place) {
-        keys = p.key_row(b, kv_head, first);
-        key_stride = p.k_stride_s;
+      if (paged) {
+        tile_scores(s.queries_t, mp, lanes, RowList{key_rows}, count, head_dim, s.scores);
+      } else {
+        tile_scores(s.queries_t, mp, lanes, StridedRows{p.key_row(b, kv_head, first), p.k_stride_s}, count, head_dim,
+                    s.scores);
       }
+    } else {
+      for (int64_t n = 0; n < count; ++n) {
+        load_row(paged ? key_rows[n] : p.key_row(b, kv_head, first + n), head_dim, s.keys + n * head_dim);
+      }
+      tile_scores(s.queries_t, mp, lanes, StridedRows{s.keys, head_dim}, count, head_dim, s.scores);
     }
-    if (keys == s.keys) {
-      for (int64_t n = 0; n < count; ++n) load_row(p.key_row(b, kv_head, first + n), head_dim, s.keys + n * head_dim);
-    }
-    tile_scores(s.queries_t, mp, lanes, keys, key_stride, count, head_dim, s.scores);
 
     // Tree keys: mask per query (overwriting, so NaN keys cannot leak through), and note
     // the keys no query sees, whose values must be zeroed (0 * NaN would still be NaN).
@@ -487,24 +526,32 @@ void attend_keys(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_he
       any_hidden |= !seen;
     }
 
-    const float* values = s.values;
-    int64_t value_stride = dp;
     if constexpr (kFloat) {
-      if (in_place && !any_hidden) {
-        values = p.value_row(b, kv_head, first);
-        value_stride = p.v_stride_s;
-      }
-    }
-    if (values == s.values) {
-      for (int64_t n = 0; n < count; ++n) {
-        if (hidden[n]) {
-          std::fill_n(s.values + n * dp, head_dim, 0.0f);
-        } else {
-          load_row(p.value_row(b, kv_head, first + n), head_dim, s.values + n * dp);
+      if (values_in_place && paged) {
+        // A hidden key's value row points at zeros instead (s.values is all zeros: with
+        // values read in place, nothing is ever copied into it).
+        for (int64_t n = 0; n < count; ++n) {
+          if (hidden[n]) value_rows[n] = s.values;
         }
+        tile_softmax_pv(s.scores, count, mp, lanes, rows, RowList{value_rows}, dp, s.row_max, s.row_sum, s.alpha,
+                        s.acc);
+        continue;
+      }
+      if (values_in_place && !any_hidden) {
+        tile_softmax_pv(s.scores, count, mp, lanes, rows, StridedRows{p.value_row(b, kv_head, first), p.v_stride_s},
+                        dp, s.row_max, s.row_sum, s.alpha, s.acc);
+        continue;
       }
     }
-    tile_softmax_pv(s.scores, count, mp, lanes, rows, values, value_stride, dp, s.row_max, s.row_sum, s.alpha, s.acc);
+    for (int64_t n = 0; n < count; ++n) {
+      if (hidden[n]) {
+        std::fill_n(s.values + n * dp, head_dim, 0.0f);
+      } else {
+        load_row(paged ? value_rows[n] : p.value_row(b, kv_head, first + n), head_dim, s.values + n * dp);
+      }
+    }
+    tile_softmax_pv(s.scores, count, mp, lanes, rows, StridedRows{s.values, dp}, dp, s.row_max, s.row_sum, s.alpha,
+                    s.acc);
   }
 }
 
