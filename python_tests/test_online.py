@@ -93,7 +93,7 @@ def online_drafters(target, heads):
                                                          online=dict(every_step, loss="jsd")),
                                             sk.NgramDrafter(num_tokens=3)),
         "eagle_reverse_kl": EagleDrafter(target, heads["eagle"], max_nodes=4, top_k=1, depth=4, min_score=0.0,
-                                         online=dict(every_step, loss="reverse_kl")),
+                                         online=dict(every_step, loss="reverse_kl", refresh_cache=True)),
     }
 
 

@@ -70,6 +70,8 @@ def add_arguments(parser):
     parser.add_argument("--warmup", type=int, default=3, help="prompts left out of the summary ratios (default 3)")
     parser.add_argument("--online", type=_online_settings, default={},
                         help="online settings, e.g. interval=8,lr=3e-4,loss=jsd (default: OnlineOptions' defaults)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's; 1 is steadier on a shared, loaded machine)")
     parser.add_argument("--model", default=None, help="target (default SmolLM2-135M-Instruct; needs a trained head)")
     parser.add_argument("--out-dir", default=None, help="results folder (default bench/results of the checkout)")
     return parser
@@ -225,6 +227,10 @@ def run_args(args) -> int:
 
     if args.prompts < 1:
         raise ValueError(f"--prompts must be >= 1, got {args.prompts}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     if args.prompts > HELD_OUT:
         print(f"note: --prompts {args.prompts} > {HELD_OUT}: the stream includes requests the shipped head trained on")
     target, tokenizer = load_model(args.model, verbose=False)

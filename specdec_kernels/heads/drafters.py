@@ -15,6 +15,10 @@ include their ancestors. Greedy trees are deterministic with distinct siblings
 head's (temperature / top-k / top-p warped) distribution and returned in `draft_probs`; no
 child is ever dropped because of its own value (that would bias the sample): the kept nodes
 are a prefix of the creation order, chosen by the budget alone.
+
+`online=` (both drafters, and `default_drafter`): the head keeps learning from the target's
+verified features while it serves (`heads.online.OnlineLearner`, hooked into `start`,
+`propose`, `keep_rows` and `finish`); drafts stay proposals, so outputs stay exact.
 """
 
 from pathlib import Path
