@@ -302,3 +302,39 @@ def test_online_stats_in_saved_config_are_json(target, heads, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     assert config["training"]["online"]["options"]["loss"] == "kl"
     assert config["kind"] == "eagle"
+
+
+# ----------------------------------------------------------------------------- benchmark
+
+
+def test_bench_online_summary_settings_and_cli(tmp_path):
+    """The benchmark's pieces that need no model: its settings parser, the summary ratios
+    (ratios of sums over the prompts after the warm-up), the plot, and the CLI wiring."""
+    import argparse
+
+    from specdec_kernels.benchmarks import online as bench
+    from specdec_kernels.cli import build_parser
+
+    assert bench._online_settings("interval=4,lr=1e-4,loss=jsd,refresh_cache=true") == \
+        {"interval": 4, "lr": 1e-4, "loss": "jsd", "refresh_cache": True}
+    with pytest.raises(argparse.ArgumentTypeError, match="key=value"):
+        bench._online_settings("interval")
+
+    def arm(new, steps, seconds, **extra):
+        return dict(new_tokens=new, steps=steps, seconds=seconds, tokens_per_step=new / steps, tokens_per_s=new / seconds,
+                    step_tokens=[new // steps] * steps, **extra)
+
+    rows = []
+    for i, (f_steps, o_steps) in enumerate([(50, 50), (40, 30), (60, 40)]):
+        rows.append({"config": {"workload": "chat", "index": i}, "identical": True,
+                     "frozen": arm(60, f_steps, 10.0), "online": arm(60, o_steps, 12.0, update_s=1.2)})
+    summary = bench.summarize(rows, warmup=1)["chat"]
+    assert summary["prompts"] == 2
+    assert summary["ratio_tokens_per_step"] == pytest.approx((120 / 70) / (120 / 100), abs=1e-4)
+    assert summary["ratio_tokens_per_s"] == pytest.approx(10 / 12, abs=1e-4)
+    assert summary["update_share"] == pytest.approx(0.1) and summary["identical"]
+    if bench.common.pyplot() is not None:
+        assert bench.plot(rows, tmp_path / "online.png").stat().st_size > 0
+    args = build_parser().parse_args(["bench", "online", "--workloads", "chat", "--prompts", "3", "--online", "interval=4"])
+    assert args.workloads == ("chat",) and args.prompts == 3 and args.online == {"interval": 4}
+    assert args.func.__name__ == "cmd_bench_online"
