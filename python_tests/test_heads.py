@@ -108,8 +108,8 @@ def test_bad_arguments(target, heads, tmp_path):
         EagleDrafter(target, tmp_path)
     with pytest.raises(ValueError, match="max_nodes"):
         EagleDrafter(target, heads["eagle"], max_nodes=0)
-    with pytest.raises(NotImplementedError, match="online"):
-        default_drafter(target, online=True)
+    with pytest.raises(ValueError, match="online: loss"):  # online=True exists now (test_online.py)
+        default_drafter(target, online={"loss": "mse"})
 
 
 def test_forward_return_hidden_matches_model(target):

@@ -425,6 +425,13 @@ def cmd_bench_e2e(args) -> int:
     return e2e.run_args(args)
 
 
+def cmd_bench_online(args) -> int:
+    """Online draft adaptation against the frozen head (specdec_kernels.benchmarks.online)."""
+    from .benchmarks import online
+
+    return online.run_args(args)
+
+
 def cmd_bench_all(args) -> int:
     """Kernels, then end to end, same --full / --out-dir: every table and plot of the README."""
     from .benchmarks import e2e, kernels
@@ -438,12 +445,12 @@ def cmd_bench_all(args) -> int:
 
 
 def _add_bench_parser(sub) -> None:
-    from .benchmarks import e2e, kernels
+    from .benchmarks import e2e, kernels, online
 
-    bench = sub.add_parser("bench", help="benchmark suite: kernels, e2e, or all (results in bench/results)",
+    bench = sub.add_parser("bench", help="benchmark suite: kernels, e2e, online, or all (results in bench/results)",
                            description="Benchmarks with peers measured in the same run; JSON, Markdown and PNG "
                                        "results under bench/results (or --out-dir).")
-    kinds = bench.add_subparsers(dest="bench", metavar="{kernels,e2e,all}")
+    kinds = bench.add_subparsers(dest="bench", metavar="{kernels,e2e,online,all}")
     kinds.required = True
     k = kinds.add_parser("kernels", help="per-op benchmarks (n-gram drafting; verify and tree attention on a GPU)",
                          description=kernels.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -453,6 +460,10 @@ def _add_bench_parser(sub) -> None:
                          description=e2e.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     e2e.add_arguments(e)
     e.set_defaults(func=cmd_bench_e2e)
+    o = kinds.add_parser("online", help="online draft-head adaptation vs the frozen head on a prompt stream",
+                         description=online.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    online.add_arguments(o)
+    o.set_defaults(func=cmd_bench_online)
     a = kinds.add_parser("all", help="kernels then e2e (the e2e options apply to the e2e part)")
     e2e.add_arguments(a)
     a.set_defaults(func=cmd_bench_all)

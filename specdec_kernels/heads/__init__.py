@@ -4,9 +4,13 @@
     MedusaDrafter(target, heads)    K residual heads on the last hidden state
     train_draft_head(target, prompts, *, kind, out_dir, ...)   self-distillation training
     default_drafter(target)         the shipped/saved head for `target` merged with n-gram drafts
+    default_drafter(target, online=True), EagleDrafter(..., online=True)
+                                    the head keeps learning while it serves (`heads.online`)
 """
 
 from .drafters import EagleDrafter, HeadNgramDrafter, MedusaDrafter, default_drafter, find_head
+from .online import OnlineLearner, OnlineOptions
 from .train import train_draft_head
 
-__all__ = ["EagleDrafter", "HeadNgramDrafter", "MedusaDrafter", "default_drafter", "find_head", "train_draft_head"]
+__all__ = ["EagleDrafter", "HeadNgramDrafter", "MedusaDrafter", "OnlineLearner", "OnlineOptions", "default_drafter",
+           "find_head", "train_draft_head"]

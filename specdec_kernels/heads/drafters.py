@@ -15,6 +15,10 @@ include their ancestors. Greedy trees are deterministic with distinct siblings
 head's (temperature / top-k / top-p warped) distribution and returned in `draft_probs`; no
 child is ever dropped because of its own value (that would bias the sample): the kept nodes
 are a prefix of the creation order, chosen by the budget alone.
+
+`online=` (both drafters, and `default_drafter`): the head keeps learning from the target's
+verified features while it serves (`heads.online.OnlineLearner`, hooked into `start`,
+`propose`, `keep_rows` and `finish`); drafts stay proposals, so outputs stay exact.
 """
 
 from pathlib import Path
@@ -28,6 +32,7 @@ from ..sampling import target_probs
 from ..tree import TokenTree
 from .common import check_target, input_embedding, lm_head_weight, read_head
 from .modules import EagleHead, MedusaHeads
+from .online import OnlineLearner, OnlineOptions, training_copy
 
 _TIE = 1e-6  # per-depth penalty on log scores: a parent always outranks its children
 
@@ -46,13 +51,18 @@ def _load(module_cls, target, head, kind):
     return module.to(device=param.device).eval()
 
 
+def _source(head):
+    """The head directory a drafter was loaded from (None for a module passed as is)."""
+    return Path(head) if isinstance(head, (str, Path)) else None
+
+
 class _HeadDrafter(Drafter):
     """What EAGLE and Medusa drafters share: the feature buffer, the draft vocabulary's LM
     head rows, and the best-first tree construction (`_build`)."""
 
     needs_hidden_states = True
 
-    def __init__(self, target, module, max_nodes: int, depth: int, top_k: int, dtype):
+    def __init__(self, target, module, max_nodes: int, depth: int, top_k: int, dtype, online=None, source=None):
         for name, value in (("max_nodes", max_nodes), ("depth", depth), ("top_k", top_k)):
             if int(value) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -60,6 +70,8 @@ class _HeadDrafter(Drafter):
             raise ValueError(f"dtype must be torch.float32, bfloat16 or float16, got {dtype}")
         self.dtype = dtype
         self.min_score = 0.0
+        options = OnlineOptions.coerce(online)
+        master = training_copy(module) if options is not None else None  # fp32, before the cast below
         self.target, self.head = target, module.to(dtype)
         self.max_nodes, self.depth, self.top_k = int(max_nodes), int(depth), int(top_k)
         self.vocab = module.draft_vocab.to(lm_head_weight(target).device)
@@ -68,12 +80,30 @@ class _HeadDrafter(Drafter):
             raise ValueError("head: its draft vocabulary has token ids outside the target's vocabulary")
         self.w_draft = lm_head_weight(target).detach()[self.vocab].to(dtype)  # [N, H]
         self.features = None
+        self.source = source
+        # Online adaptation (heads.online): the head keeps learning from what the target verifies.
+        self.online = OnlineLearner(self, master, options, source) if options is not None else None
+
+    def save(self, out_dir) -> Path:
+        """Write the head (adapted, when online) as a head directory that `EagleDrafter` /
+        `MedusaDrafter` load: fp16 weights, config naming the target. Online: the learner's
+        fp32 weights; frozen: the serving head's (in the drafter's dtype)."""
+        if self.online is not None:
+            return self.online.save(out_dir)
+        from .common import target_identity, write_head
+
+        kind = "eagle" if isinstance(self.head, EagleHead) else "medusa"
+        training = read_head(self.source)[0].get("training", {}) if self.source is not None else {}
+        return write_head(out_dir, {"kind": kind, "head": dict(self.head.config), "target": target_identity(self.target),
+                                    "training": training}, self.head.state_dict())
 
     # -- state -------------------------------------------------------------------------
     def start(self, history, lengths, capacity):
         hidden = self.w_draft.shape[1]
         self.features = torch.zeros(history.shape[0], capacity, hidden, device=history.device, dtype=self.dtype)
         self.known = lengths.long() - 1  # features known per row once observe has run
+        if self.online is not None:
+            self.online.started(history, lengths, capacity)
 
     def observe(self, hidden_states, accepted_nodes=None, num_accepted=None):
         h = hidden_states.to(self.dtype)
@@ -90,10 +120,24 @@ class _HeadDrafter(Drafter):
         self.known = self.known + num_accepted.long() + 1
 
     def keep_rows(self, rows):
+        if self.online is not None:
+            self.online.keeping(rows)  # (reads the leaving rows' features first)
         self.features, self.known = self.features[rows], self.known[rows]
 
     def finish(self):
+        if self.online is not None:
+            self.online.finishing()
         self.features = None
+
+    def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
+        """Draft a tree per row (`_propose`, see the class docstring); online, the learner
+        first labels the last step's outcome and, every `interval` steps, updates the head."""
+        if self.online is not None:
+            self.online.before_propose(history, lengths)
+        draft = self._propose(history, lengths, sampling, budget)
+        if self.online is not None:
+            self.online.proposed(draft, lengths)
+        return draft
 
     # -- trees -------------------------------------------------------------------------
     def _warped(self, logits, sampling):
@@ -236,10 +280,14 @@ class EagleDrafter(_HeadDrafter):
         dtype: the head's compute dtype. bfloat16 (default) halves the weight traffic and
             uses the CPU's bf16 matrix units: drafting is memory-bound, ~3x faster than
             fp32 here. Drafts are proposals only, so outputs stay exact in any dtype.
+        online: False (a frozen head), True, a dict of `heads.online.OnlineOptions` settings,
+            or an `OnlineOptions`: the head keeps learning from the target's verified
+            features while it serves (`self.online`, an `OnlineLearner`: stats, `update`;
+            `save(dir)` writes the adapted head). Outputs stay exact either way.
     """
 
     def __init__(self, target, head, *, max_nodes: Optional[int] = None, depth: Optional[int] = None,
-                 top_k: Optional[int] = None, min_score: Optional[float] = None, dtype=torch.bfloat16):
+                 top_k: Optional[int] = None, min_score: Optional[float] = None, dtype=torch.bfloat16, online=False):
         module = _load(EagleHead, target, head, "eagle")
         small = lm_head_weight(target).device.type == "cpu"
         # On a CPU every verified node costs target compute (a 5-node tree ~1.5x one token
@@ -248,7 +296,7 @@ class EagleDrafter(_HeadDrafter):
         max_nodes = max_nodes if max_nodes is not None else (4 if small else 24)
         depth = depth if depth is not None else (3 if small else 6)
         top_k = top_k if top_k is not None else (2 if small else 6)
-        super().__init__(target, module, max_nodes, depth, top_k, dtype)
+        super().__init__(target, module, max_nodes, depth, top_k, dtype, online, _source(head))
         self.min_score = float(min_score) if min_score is not None else (0.25 if small else 0.0)
         if not 0.0 <= self.min_score <= 1.0:
             raise ValueError(f"min_score must be in [0, 1], got {min_score}")
@@ -287,7 +335,7 @@ class EagleDrafter(_HeadDrafter):
         return attend
 
     @torch.inference_mode()
-    def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
+    def _propose(self, history, lengths, sampling=None, budget=None) -> Draft:
         """Catch up the head's cache, then draft a best-first tree (see the class docstring)."""
         device = history.device
         batch = history.shape[0]
@@ -360,19 +408,20 @@ class MedusaDrafter(_HeadDrafter):
     Args:
         target: the transformers causal LM the heads were trained for (checked).
         heads: a head directory written by `train_draft_head(kind="medusa")`.
-        max_nodes, top_k, dtype: as in `EagleDrafter` (same defaults); depth is the number of heads.
+        max_nodes, top_k, dtype, online: as in `EagleDrafter` (same defaults); depth is the
+            number of heads.
     """
 
     def __init__(self, target, heads, *, max_nodes: Optional[int] = None, top_k: Optional[int] = None,
-                 dtype=torch.bfloat16):
+                 dtype=torch.bfloat16, online=False):
         module = _load(MedusaHeads, target, heads, "medusa")
         small = lm_head_weight(target).device.type == "cpu"
         max_nodes = max_nodes if max_nodes is not None else (4 if small else 24)
         top_k = top_k if top_k is not None else (2 if small else 6)
-        super().__init__(target, module, max_nodes, module.weight.shape[0], top_k, dtype)
+        super().__init__(target, module, max_nodes, module.weight.shape[0], top_k, dtype, online, _source(heads))
 
     @torch.inference_mode()
-    def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
+    def _propose(self, history, lengths, sampling=None, budget=None) -> Draft:
         """Draft a best-first tree from the heads (see the class docstring)."""
         lengths = lengths.long()
         can_draft = lengths >= 2
@@ -405,6 +454,15 @@ class HeadNgramDrafter(MergedDrafter):
 
     def observe(self, hidden_states, accepted_nodes=None, num_accepted=None):
         self.head_drafter.observe(hidden_states, accepted_nodes, num_accepted)
+
+    @property
+    def online(self):
+        """The head's `OnlineLearner`, or None for a frozen head."""
+        return self.head_drafter.online
+
+    def save(self, out_dir) -> Path:
+        """The head drafter's `save` (the adapted head when online)."""
+        return self.head_drafter.save(out_dir)
 
     def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
         """The head's tree (within `budget`) merged with the n-gram chain (none for rows
@@ -474,15 +532,19 @@ def find_head(target, kind: Optional[str] = None) -> Optional[Path]:
     return None
 
 
-def default_drafter(target, *, online: bool = False) -> Drafter:
+def default_drafter(target, *, online=False) -> Drafter:
     """The best drafter this package has for `target`: its trained head (shipped in
     `specdec_kernels/heads/trained/`, or saved by the user under `<cache_dir>/heads/`, found
     by the target's identity) merged with n-gram drafts, else n-gram drafts alone.
 
-    online=True (the head keeps learning while it serves) is not available yet."""
-    if online:
-        raise NotImplementedError("default_drafter(online=True): online learning of the draft head while it serves "
-                                  "(issue 13) is not available yet; use online=False")
+    online: False (a frozen head), True (default settings) or a dict / `OnlineOptions` of
+    settings (`heads.online`): the head keeps learning from the target's verified features
+    while it serves, and the same drafter object reused across `generate` calls keeps what
+    it learned (`drafter.online.stats`; `drafter.save(dir)` writes the adapted head, which
+    `EagleDrafter(target, dir)` loads, and which `default_drafter` finds when dir is under
+    `<cache_dir>/heads/`). Output stays exactly the target's either way. Without a head for
+    `target` there is nothing to adapt: n-gram drafts alone, whatever `online` says."""
+    options = OnlineOptions.coerce(online)  # bad settings fail here, head or not
     ngram = NgramDrafter(min_n=2, max_n=4, num_tokens=8)
     folder = find_head(target)
     if folder is None:
@@ -490,5 +552,5 @@ def default_drafter(target, *, online: bool = False) -> Drafter:
     import json
 
     kind = json.loads((folder / "config.json").read_text())["kind"]
-    head = EagleDrafter(target, folder) if kind == "eagle" else MedusaDrafter(target, folder)
+    head = (EagleDrafter if kind == "eagle" else MedusaDrafter)(target, folder, online=options or False)
     return HeadNgramDrafter(head, ngram)

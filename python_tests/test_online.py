@@ -1,0 +1,340 @@
+"""Online adaptation of draft heads (heads.online) on tiny random Llama targets (CPU, seconds).
+
+A head that starts random learns the target's continuations on a repetitive stream (and a
+frozen copy does not); with updates every step the output stays exactly the target's
+(greedy identity with HF, chi-square when sampling); a forced NaN / explosion / non-finite
+step is rolled back to the last good weights; the buffer stays within its capacity; the
+adapted head saves in the trained-head format and loads back; the same drafter object keeps
+its weights across generate calls.
+"""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("scipy.stats")
+pytest.importorskip("safetensors")
+
+import specdec_kernels as sk  # noqa: E402
+from specdec_kernels.heads import EagleDrafter, HeadNgramDrafter, MedusaDrafter, default_drafter  # noqa: E402
+from specdec_kernels.heads.common import read_head, target_identity  # noqa: E402
+from specdec_kernels.heads.modules import EagleHead, MedusaHeads  # noqa: E402
+from specdec_kernels.heads.online import OnlineOptions  # noqa: E402
+from specdec_kernels.heads.train import head_config  # noqa: E402
+from test_generate import (  # noqa: E402
+    SAMPLE_PROMPT, SAMPLE_ROWS, SMALL_VOCAB, VOCAB, chi_square_pvalue, exact_pair_distribution, hf_greedy, left_pad,
+    repetitive_prompts, tiny_model,
+)
+from test_generate import one_thread, target  # noqa: E402,F401  (fixtures)
+from test_heads import train  # noqa: E402
+
+
+def random_head(target, kind: str, vocab: int = VOCAB, seed: int = 0):
+    """An untrained head module for `target` (EAGLE: small random init; Medusa: zero init,
+    i.e. every head starts as the target's own next-token head)."""
+    module = (EagleHead if kind == "eagle" else MedusaHeads)(head_config(target, kind, vocab))
+    module.reset_parameters(torch.Generator().manual_seed(seed))
+    module.draft_vocab.copy_(torch.arange(vocab))
+    return module
+
+
+def eagle(target, online, head=None, **kw):
+    args = dict(max_nodes=4, depth=4, top_k=1, min_score=0.0, dtype=torch.float32)
+    args.update(kw)
+    return EagleDrafter(target, head if head is not None else random_head(target, "eagle"), online=online, **args)
+
+
+def weights(module):
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+# ----------------------------------------------------------------------------- learning
+
+
+def stream(drafter, target, prompts, new_tokens=32):
+    """Tokens per step of each prompt of the stream, served one after another by `drafter`."""
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        result = sk.generate(target, ids, drafter=drafter, max_new_tokens=new_tokens, adaptive=False)
+        assert torch.equal(result.sequences, hf_greedy(target, ids, torch.ones_like(ids), new_tokens))
+        out.append(result.stats.tokens_per_step)
+    return out
+
+
+def test_random_head_learns_a_repetitive_stream():
+    """A random EAGLE head (a chain of 4, every node verified) serving a repetitive stream
+    (three prompts, three times): online, its tokens per step in the last round clearly beat
+    its first round and the same head frozen (which stays near 1). With a learning rate too
+    small to teach anything (1e-6) both assertions fail: online equals frozen then."""
+    target = tiny_model(3, logit_scale=6.0)  # peaked distributions: something to learn
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, VOCAB, (12,), generator=g).tolist() for _ in range(3)] * 3
+    settings = dict(interval=1, lr=3e-3, batch=64, window=32, min_positions=8, prompt_weight=1.0)
+    online = stream(eagle(target, settings), target, prompts)
+    frozen = stream(eagle(target, False), target, prompts)
+    first, last, last_frozen = sum(online[:3]) / 3, sum(online[-3:]) / 3, sum(frozen[-3:]) / 3
+    assert last > 1.5 * last_frozen, (online, frozen)
+    assert last > first + 0.5, online
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+def online_drafters(target, heads):
+    """Head drafters whose head takes an optimiser step before every propose."""
+    every_step = dict(interval=1, min_positions=4, batch=32, window=8, lr=1e-2)
+    return {
+        "eagle_tree": EagleDrafter(target, heads["eagle"], max_nodes=8, top_k=3, depth=3, min_score=0.0, online=every_step),
+        "medusa_tree": MedusaDrafter(target, heads["medusa"], max_nodes=8, top_k=3, online=every_step),
+        "eagle+ngram_jsd": HeadNgramDrafter(EagleDrafter(target, heads["eagle"], max_nodes=6, top_k=2, depth=3, min_score=0.0,
+                                                         online=dict(every_step, loss="jsd")),
+                                            sk.NgramDrafter(num_tokens=3)),
+        "eagle_reverse_kl": EagleDrafter(target, heads["eagle"], max_nodes=4, top_k=1, depth=4, min_score=0.0,
+                                         online=dict(every_step, loss="reverse_kl", refresh_cache=True)),
+    }
+
+
+@pytest.fixture(scope="module")
+def heads(target, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("online_heads")
+    return {"eagle": train(target, tmp, "eagle", VOCAB), "medusa": train(target, tmp, "medusa", VOCAB)}
+
+
+def learner_of(drafter):
+    return drafter.online
+
+
+def test_greedy_identity_with_updates_every_step(target, heads):
+    """Batch 1 and 4 (left padding, rows stopping at an eos at different steps): the
+    output equals HF greedy while the head changes every step."""
+    for name, drafter in online_drafters(target, heads).items():
+        for batch, eos in ((1, None), (4, None), (4, "early")):
+            ids, mask = left_pad(repetitive_prompts(batch, seed=11))
+            eos_id = None
+            if eos:
+                plain = sk.generate(target, ids, attention_mask=mask, max_new_tokens=20).sequences
+                eos_id = int(plain[1, ids.shape[1] + 4])
+            expected = hf_greedy(target, ids, mask, 20, eos_token_id=eos_id)
+            before = learner_of(drafter).stats.updates
+            out = sk.generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=20, eos_token_id=eos_id)
+            assert torch.equal(out.sequences, expected), (name, batch, eos)
+        stats = learner_of(drafter).stats
+        assert stats.updates > before and stats.rollbacks == 0, (name, stats)
+
+
+@pytest.fixture(scope="module")
+def small_target_heads(tmp_path_factory):
+    target = tiny_model(20, vocab=SMALL_VOCAB, hidden=32, logit_scale=8.0)
+    tmp = tmp_path_factory.mktemp("small_online_heads")
+    return target, {"eagle": train(target, tmp, "eagle", SMALL_VOCAB, steps=6, lr=3e-3),
+                    "medusa": train(target, tmp, "medusa", SMALL_VOCAB, steps=6, lr=3e-3)}
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_sampling_exact_with_updates_between_steps(small_target_heads, kind):
+    """Chi-square against the exact distribution of the first two tokens while the head is
+    updated before each of the call's steps (its buffer holds an earlier call's rows)."""
+    target, heads = small_target_heads
+    settings = dict(interval=1, min_positions=4, batch=64, window=8, lr=1e-2)
+    if kind == "eagle":
+        drafter = EagleDrafter(target, heads["eagle"], max_nodes=6, top_k=2, depth=3, online=settings)
+    else:
+        drafter = MedusaDrafter(target, heads["medusa"], max_nodes=6, top_k=2, online=settings)
+    warm = torch.tensor(SAMPLE_PROMPT).expand(16, -1)
+    sk.generate(target, warm, drafter=drafter, max_new_tokens=6, temperature=1.0, seed=5, adaptive=False)
+    updates = drafter.online.stats.updates
+    ids = torch.tensor(SAMPLE_PROMPT).expand(SAMPLE_ROWS, -1)
+    out = sk.generate(target, ids, drafter=drafter, max_new_tokens=2, temperature=1.0, seed=1234, adaptive=False)
+    assert drafter.online.stats.updates >= updates + 1  # the head changed during this call
+    pvalue = chi_square_pvalue(out.sequences[:, -2:], exact_pair_distribution(target, SAMPLE_PROMPT))
+    assert pvalue > 1e-3, f"{kind}: chi-square p = {pvalue}"
+    assert out.stats.acceptance_per_depth[0] > 0.05  # drafts exercised
+
+
+# ----------------------------------------------------------------------------- safety
+
+
+def warmed(target, **settings):
+    """An online EAGLE drafter (updates only when asked) after one call filled its buffer."""
+    drafter = eagle(target, dict(dict(interval=10**6, min_positions=4, batch=32, window=8), **settings))
+    ids, mask = left_pad(repetitive_prompts(2))
+    sk.generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=16, adaptive=False)
+    for _ in range(4):  # a running average of the loss and a few steps
+        drafter.online.update()
+    return drafter
+
+
+def assert_restored(drafter, good):
+    learner = drafter.online
+    for (name, p), g in zip(learner.master.named_parameters(), good):
+        assert torch.equal(p.detach(), g), name
+    for (name, p), (_, q) in zip(drafter.head.named_parameters(), learner.master.named_parameters()):
+        assert torch.equal(p, q.detach().to(p.dtype)), name  # the serving head too
+
+
+def test_forced_nan_rolls_back(target):
+    drafter = warmed(target)
+    learner = drafter.online
+    assert learner.stats.updates == 4 and learner.stats.rollbacks == 0
+    # The last good point: the weights (and AdamW state) the last update's loss was checked
+    # on, before its step (the step's result is only judged by the next update's loss).
+    good = [g.clone() for g in learner.good]
+    state = [t.clone() for t in learner.good_state]
+    with torch.no_grad():
+        learner.master.fc.weight[0, 0] = float("nan")  # as if the last step had diverged
+    assert learner.update() is False
+    assert learner.stats.rollbacks == 1
+    assert_restored(drafter, good)
+    for a, b in zip(learner._state_tensors(), state):
+        assert torch.equal(a, b)  # the optimiser state came back too
+    assert learner.update() and torch.isfinite(torch.tensor(learner.stats.last_loss))  # and learning goes on
+    assert learner.stats.rollbacks == 1
+
+
+def test_exploding_loss_rolls_back_and_a_hard_batch_does_not(target):
+    drafter = warmed(target)
+    learner = drafter.online
+    good = [g.clone() for g in learner.good]
+    with torch.no_grad():
+        learner.master.norm.weight.mul_(100.0)  # finite, but the loss explodes
+    assert learner.update() is False and learner.stats.rollbacks == 1
+    assert_restored(drafter, good)
+    # A loss far above the average that the good weights share (hard data, not divergence)
+    # is trained on, not rolled back.
+    learner.stats.loss_avg = learner.stats.loss_avg / 100.0
+    assert learner.update() is True and learner.stats.rollbacks == 1
+
+
+def test_non_finite_step_is_undone(target):
+    drafter = warmed(target, lr=1e39)  # AdamW moves every weight by ~lr: inf
+    learner = drafter.online  # (the four warm-up steps above already rolled back)
+    assert learner.stats.rollbacks >= 1
+    assert all(torch.isfinite(p).all() for p in learner.master.parameters())
+    assert all(torch.isfinite(p).all() for p in drafter.head.parameters())
+
+
+def test_buffer_stays_within_capacity(target):
+    drafter = eagle(target, dict(interval=2, capacity=40, min_positions=4, batch=16, window=8))
+    for seed in range(4):
+        ids, mask = left_pad(repetitive_prompts(3, seed=seed))
+        sk.generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=12, adaptive=False)
+        sizes = sum(s.size for s in drafter.online.segments)
+        assert sizes == drafter.online.stats.buffered <= 40
+    assert drafter.online.stats.buffered >= 30  # filled (then bounded)
+    assert drafter.online.stats.updates > 0
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def test_save_and_load_round_trip(target, heads, tmp_path):
+    drafter = EagleDrafter(target, heads["eagle"], dtype=torch.float32, online=dict(interval=1, min_positions=4, lr=1e-2))
+    ids, mask = left_pad(repetitive_prompts(2))
+    sk.generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=12, adaptive=False)
+    assert drafter.online.stats.updates > 0
+    folder = drafter.save(tmp_path / "adapted")
+    config, tensors = read_head(folder, "eagle")
+    assert config["target"] == target_identity(target)
+    assert config["training"]["online"]["updates"] == drafter.online.stats.updates
+    assert config["training"]["base"] == read_head(heads["eagle"])[0]["training"]
+    loaded = EagleDrafter(target, folder, dtype=torch.float32)
+    for name, value in drafter.online.master.state_dict().items():
+        assert torch.equal(loaded.head.state_dict()[name], value.to(torch.float16).to(value.dtype)), name
+    original = read_head(heads["eagle"])[1]
+    assert any(not torch.equal(tensors[k], original[k]) for k in original if k != "draft_vocab")  # it did adapt
+    # Medusa and the merged drafter save the same way.
+    medusa = MedusaDrafter(target, heads["medusa"], online=True)
+    MedusaDrafter(target, medusa.save(tmp_path / "medusa"))
+    merged = HeadNgramDrafter(EagleDrafter(target, heads["eagle"], online=True), sk.NgramDrafter())
+    EagleDrafter(target, merged.save(tmp_path / "merged"))
+    with pytest.raises(ValueError, match="another target"):
+        EagleDrafter(tiny_model(5), folder)
+
+
+def test_same_object_keeps_learning_across_calls(target):
+    drafter = eagle(target, dict(interval=1, min_positions=4, batch=32, window=8, lr=3e-3))
+    start = weights(drafter.head)
+    ids, mask = left_pad(repetitive_prompts(2))
+    sk.generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=12, adaptive=False)
+    after_first = weights(drafter.head)
+    updates, buffered = drafter.online.stats.updates, drafter.online.stats.buffered
+    assert updates > 0 and buffered > 0
+    assert any(not torch.equal(start[k], after_first[k]) for k in start)
+    drafter.online.options.interval = 10**6  # no update in the second call: it must start where the first ended
+    drafter.online._since = 0
+    ids2, mask2 = left_pad(repetitive_prompts(1, seed=9))
+    sk.generate(target, ids2, attention_mask=mask2, drafter=drafter, max_new_tokens=8, adaptive=False)
+    assert all(torch.equal(after_first[k], v) for k, v in weights(drafter.head).items())
+    assert drafter.online.stats.buffered > buffered  # the second call's rows joined the buffer
+
+
+def test_default_drafter_online(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    assert isinstance(default_drafter(target, online=True), sk.NgramDrafter)  # no head: nothing to adapt
+    train(target, tmp_path / "cache" / "heads", "eagle", VOCAB, steps=2, name="tiny-eagle")
+    drafter = default_drafter(target, online=dict(interval=1, min_positions=4))
+    assert isinstance(drafter, HeadNgramDrafter) and drafter.online is not None
+    assert default_drafter(target).online is None
+    ids, mask = left_pad(repetitive_prompts(3))
+    out = sk.generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=20)
+    assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 20))
+    assert drafter.online.stats.updates > 0
+
+
+def test_bad_settings(target, heads):
+    for bad, match in ((dict(loss="mse"), "loss"), (dict(interval=0), "interval"), (dict(capacity=0), "capacity"),
+                       (dict(lr=0.0), "lr"), (dict(explode_factor=1.5), "explode_factor"), (dict(bogus=1), "bogus")):
+        with pytest.raises(ValueError, match=match):
+            EagleDrafter(target, heads["eagle"], online=bad)
+    with pytest.raises(ValueError, match="online"):
+        EagleDrafter(target, heads["eagle"], online="yes")
+    with pytest.raises(ValueError, match="loss"):
+        default_drafter(target, online={"loss": "mse"})
+    assert OnlineOptions.coerce(False) is None and OnlineOptions.coerce(True) == OnlineOptions()
+
+
+def test_online_stats_in_saved_config_are_json(target, heads, tmp_path):
+    drafter = EagleDrafter(target, heads["eagle"], online=True)
+    folder = drafter.save(tmp_path / "h")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["training"]["online"]["options"]["loss"] == "kl"
+    assert config["kind"] == "eagle"
+
+
+# ----------------------------------------------------------------------------- benchmark
+
+
+def test_bench_online_summary_settings_and_cli(tmp_path):
+    """The benchmark's pieces that need no model: its settings parser, the summary ratios
+    (ratios of sums over the prompts after the warm-up), the plot, and the CLI wiring."""
+    import argparse
+
+    from specdec_kernels.benchmarks import online as bench
+    from specdec_kernels.cli import build_parser
+
+    assert bench._online_settings("interval=4,lr=1e-4,loss=jsd,refresh_cache=true") == \
+        {"interval": 4, "lr": 1e-4, "loss": "jsd", "refresh_cache": True}
+    with pytest.raises(argparse.ArgumentTypeError, match="key=value"):
+        bench._online_settings("interval")
+
+    def arm(new, steps, seconds, **extra):
+        return dict(new_tokens=new, steps=steps, seconds=seconds, tokens_per_step=new / steps, tokens_per_s=new / seconds,
+                    step_tokens=[new // steps] * steps, **extra)
+
+    rows = []
+    for i, (f_steps, o_steps) in enumerate([(50, 50), (40, 30), (60, 40)]):
+        rows.append({"config": {"workload": "chat", "index": i}, "identical": True,
+                     "frozen": arm(60, f_steps, 10.0), "online": arm(60, o_steps, 12.0, update_s=1.2)})
+    summary = bench.summarize(rows, warmup=1)["chat"]
+    assert summary["prompts"] == 2
+    assert summary["ratio_tokens_per_step"] == pytest.approx((120 / 70) / (120 / 100), abs=1e-4)
+    assert summary["ratio_tokens_per_s"] == pytest.approx(10 / 12, abs=1e-4)
+    assert summary["update_share"] == pytest.approx(0.1) and summary["identical"]
+    if bench.common.pyplot() is not None:
+        assert bench.plot(rows, tmp_path / "online.png").stat().st_size > 0
+    args = build_parser().parse_args(["bench", "online", "--workloads", "chat", "--prompts", "3", "--online", "interval=4"])
+    assert args.workloads == ("chat",) and args.prompts == 3 and args.online == {"interval": 4}
+    assert args.func.__name__ == "cmd_bench_online"
