@@ -186,25 +186,68 @@ class CostModel:
     @classmethod
     def for_model(cls, model, *, path: Optional[Path] = None, verbose: bool = True) -> "CostModel":
         """The cost model of `model` on its device and dtype: from this process, else from the
-        cache file, else measured now (a few seconds, with a progress line) and cached."""
+        cache file, else measured now (a few seconds, with a progress line) and cached.
+
+        Under tensor parallelism (see `tensor_parallel`) every rank must plan the same trees,
+        or the ranks' forwards would run different shapes and their collectives would not
+        match: the ranks measure together when any of them lacks a usable file (the
+        calibration's forwards are collective), and all take rank 0's numbers.
+        """
         key = identity(model)
         name = json.dumps(key, sort_keys=True)
         if path is None and name in _LOADED:
             return _LOADED[name]
         path = Path(path) if path is not None else default_path(key)
+        parallel = tensor_parallel(model)
         try:
-            cost = cls.load(path, key)
-        except ValueError as error:
-            if path.exists() and verbose:
+            cost, error = cls.load(path, key), None
+        except ValueError as load_error:
+            cost, error = None, load_error
+        if parallel and _all_ranks_have(cost is not None, model):
+            pass
+        elif parallel or cost is None:
+            if error is not None and path.exists() and verbose:
                 print(f"specdec: {error}; measuring again", file=sys.stderr)
             cost = calibrate(model, verbose=verbose)
-            try:
-                cost.save(path)
-            except OSError as save_error:  # a read-only cache only costs the next process a calibration
-                if verbose:
-                    print(f"specdec: could not cache the cost model at {path} ({save_error})", file=sys.stderr)
+            if not parallel or torch.distributed.get_rank() == 0:
+                try:
+                    cost.save(path)
+                except OSError as save_error:  # a read-only cache only costs the next process a calibration
+                    if verbose:
+                        print(f"specdec: could not cache the cost model at {path} ({save_error})", file=sys.stderr)
+        if parallel:
+            cost = _from_rank0(cost, model)
         _LOADED[name] = cost
         return cost
+
+
+def tensor_parallel(model) -> bool:
+    """Whether `model` is sharded over the ranks of torch.distributed's default group
+    (transformers' tensor parallelism sets `model.tp_size`)."""
+    return ((getattr(model, "tp_size", None) or 1) > 1 and torch.distributed.is_available()
+            and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1)
+
+
+def _collective_device(model) -> torch.device:
+    """Where collectives' tensors live: the model's device for NCCL, else the CPU."""
+    backend = torch.distributed.get_backend()
+    return next(model.parameters()).device if backend == "nccl" else torch.device("cpu")
+
+
+def _all_ranks_have(ok: bool, model) -> bool:
+    """True on every rank iff `ok` is true on every rank."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=_collective_device(model))
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _from_rank0(cost: "CostModel", model) -> "CostModel":
+    """Rank 0's table on every rank (same grid everywhere: the calibration's or the file's)."""
+    numbers = torch.tensor(cost.seconds.tolist() + [cost.per_key], dtype=torch.float64,
+                           device=_collective_device(model))
+    torch.distributed.broadcast(numbers, src=0)
+    numbers = numbers.cpu().tolist()
+    return CostModel(cost.key, cost.tokens.tolist(), numbers[:-1], numbers[-1], cost.prefix)
 
 
 def default_path(key: dict) -> Path:

@@ -38,7 +38,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .cost_model import CostModel, identity
+from .cost_model import CostModel, identity, tensor_parallel
 from .drafters import Draft, keep_nodes, rank_nodes
 
 
@@ -233,7 +233,10 @@ class Planner:
         measured step times, nothing learned in earlier calls), so the plan, and with it a
         sampled output, is the same for the same seed every time. Greedy output never
         depends on the plan; sampled output does (a different tree draws other numbers).
+        A tensor-parallel target always plans this way: every rank must choose the same
+        trees (the same forward shapes), so no rank may plan from its own step timings.
         """
+        reproducible = reproducible or tensor_parallel(target)
         key = identity(target)
         if self._measure or self.cost_model is None:
             if self.cost_model is None or self.cost_model.key != key:
