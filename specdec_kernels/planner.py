@@ -110,7 +110,9 @@ class AcceptanceModel:
     score_sum[r, k]: decayed sum of the drafter's scores of the verified rank-k nodes; a
     node's estimate is its rank's rate scaled by its score over the rank's typical score
     (a draft surer than usual is more likely accepted than usual, and the other way round),
-    which keeps a drafter's badly calibrated scores from misleading the plan.
+    which keeps a drafter's badly calibrated scores from misleading the plan. The typical
+    score starts from the rank's guessed rate, so a row without history takes scores at face
+    value (drafters' scores are acceptance estimates: path probabilities, n-gram match odds).
     """
 
     def __init__(self, rows: int, max_nodes: int, device, *, decay: float = 0.8, prior: float = 0.6,
@@ -149,7 +151,11 @@ class AcceptanceModel:
             return rates
         scores = scores.double().clamp(min=0)
         w = self.prior_weight
-        typical = (self.score_sum[:, :k] + scores * w) / (self.tried[:, :k] + w)  # no history: the score itself
+        # The rank's typical score, starting from the rate guessed for it: without history a
+        # score is taken at face value (estimate = score), and as the row verifies nodes of
+        # that rank, its scores are judged against what they turned out to be worth.
+        guess = self.alpha()[:, None] ** self.powers[:k]
+        typical = (self.score_sum[:, :k] + guess * w) / (self.tried[:, :k] + w)
         ratio = torch.where(typical > 0, scores / typical, 1.0).clamp(max=4.0)
         return (rates * ratio).clamp(max=1.0).cummin(1).values
 
