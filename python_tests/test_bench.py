@@ -99,6 +99,29 @@ def test_e2e_every_method_batch_and_sampling(tiny_models):
     check_rows(rows)
 
 
+def test_e2e_repeats_report_medians_of_paired_ratios(tiny_models):
+    model, _ = tiny_models
+    requests = {"code_edit": short_requests()["code_edit"]}
+    rows = e2e.run(model, WordTokenizer(), requests, methods=("hf", "ours_ngram", "ours_ngram_fixed"), batch_sizes=(1,),
+                   temperatures=(0.0,), max_new_tokens=4, prompts_per_workload=1, profile_kernels=False,
+                   progress=False, repeats=3)
+    assert len(rows) == 3
+    check_rows(rows)
+    for r in rows:
+        runs = r["runs"]
+        assert len(runs) == 3
+        assert r["tokens_per_s"] == sorted(x["tokens_per_s"] for x in runs)[1]
+        assert r["speedup_vs_hf"] == sorted(x["speedup_vs_hf"] for x in runs)[1]
+        if r["config"]["method"] != "hf":
+            assert 0.0 <= r["plan_share"] < 1.0
+            steps = sum(v[0] for v in r["size_vs_acceptance"].values())
+            assert steps == r["steps"]  # the first pass's record
+            assert all(0.0 <= v[1] <= int(k) for k, v in r["size_vs_acceptance"].items())
+    with pytest.raises(ValueError, match="repeats"):
+        e2e.run(model, WordTokenizer(), requests, methods=("hf",), batch_sizes=(1,), temperatures=(0.0,),
+                max_new_tokens=2, prompts_per_workload=1, progress=False, repeats=0)
+
+
 def test_e2e_kernel_share(tiny_models):
     model, _ = tiny_models
     (input_ids, mask, _), = e2e.make_batches(short_requests()["code_edit"][:1], WordTokenizer(), 1, "cpu")
@@ -119,7 +142,7 @@ def test_e2e_four_workloads_write_json_and_plots(tiny_models, tmp_path):
     result = json.loads(paths["json"].read_text())
     assert HEADER_KEYS <= set(result) and result["benchmark"] == "e2e"
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", result["date"]) and result["torch"] == torch.__version__
-    for kind in ("speedup_png", "acceptance_png"):
+    for kind in ("speedup_png", "acceptance_png", "planner_png"):
         assert paths[kind].stat().st_size > 1000 and paths[kind].read_bytes()[:4] == b"\x89PNG"
     assert "| code_edit |" in paths["md"].read_text()
 

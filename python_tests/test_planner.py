@@ -138,6 +138,36 @@ def test_accepting_rows_look_deeper():
 # ----------------------------------------------------------------------------- trees
 
 
+def test_scores_count_at_face_value_until_history_says_otherwise():
+    model = AcceptanceModel(2, 3, "cpu", prior=0.6)
+    scores = torch.tensor([[0.9, 0.8, 0.7], [0.2, 0.1, 0.05]])
+    assert torch.allclose(model.estimates(scores), scores.double())  # no history: the scores themselves
+    # Row 0's confident drafts keep being rejected: its estimates fall below its scores.
+    ranks = torch.tensor([[-1, 0, 1, 2]] * 2)
+    for _ in range(6):
+        model.update(ranks, torch.tensor([[True, False, False, False]] * 2), torch.cat([torch.ones(2, 1), scores], 1),
+                     torch.ones(2, dtype=torch.bool))
+    assert (model.estimates(scores)[0] < 0.5 * scores[0]).all()
+
+
+def test_ngram_chain_scores_follow_the_match_length():
+    # Row 0's last 3 tokens (7 8 9) occurred before; row 1 only its last token (5); row 2 nothing.
+    history = torch.tensor([[7, 8, 9, 1, 2, 3, 4, 7, 8, 9], [5, 6, 1, 2, 3, 4, 8, 0, 0, 5], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
+    lengths = torch.tensor([10, 10, 10])
+    drafter = sk.NgramDrafter(num_tokens=4)
+    unindexed = drafter.propose(history, lengths)  # the op path (no index: start() not called)
+    drafter.start(history, lengths, 16)
+    indexed = drafter.propose(history, lengths)
+    for draft in (indexed, unindexed):
+        assert draft.tree.tokens[0, 1:].tolist() == [1, 2, 3, 4] and draft.tree.tokens[1, 1:].tolist() == [6, 1, 2, 3]
+        assert (draft.tree.parents[2, 1:] == -1).all()
+        expected = sk.drafters.match_scores(torch.tensor([3, 1, 0]), 4)
+        assert torch.equal(draft.scores, expected)
+    s = expected
+    assert s[0, 1] > s[1, 1] and (s[:, 1:].diff(dim=1) <= 0).all() and (s[:, 0] == 1).all() and (s[2, 1:] == 0).all()
+    assert abs(float(s[1, 1]) - 0.2) < 1e-6 and abs(float(s[0, 1]) - 0.758) < 1e-3
+
+
 def test_keep_nodes_renumbers_and_first_nodes_cuts():
     parents = torch.tensor([[-1, 0, 0, 1, 2, 3], [-1, 0, 1, -1, -1, -1]])
     tokens = torch.tensor([[5, 10, 11, 12, 13, 14], [6, 20, 21, -1, -1, -1]])

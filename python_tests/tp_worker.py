@@ -8,16 +8,27 @@ import sys
 import torch
 
 import specdec_kernels as sk
+from specdec_kernels import cost_model
 from transformers import AutoModelForCausalLM
 
 
 def main(model_dir, out_dir):
+    # Each rank its own cache folder, and only rank 1 holds a cost model for the target: the
+    # ranks must still agree to measure it together (a rank that calibrated alone would run
+    # collective forwards the other rank never joins).
+    rank = os.environ["RANK"]
+    os.environ["SPECDEC_CACHE_DIR"] = os.path.join(out_dir, f"cache{rank}")
     target = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto")
+    if rank == "1":
+        key = cost_model.identity(target)
+        cost_model.CostModel(key, [1, 2, 4], [1e-3, 1.5e-3, 2e-3]).save(cost_model.default_path(key))
     ids = torch.load(os.path.join(out_dir, "inputs.pt"))
     results = {}
     for name, kwargs in CASES.items():
         out = sk.generate(target, ids["input_ids"], attention_mask=ids["attention_mask"], **kwargs())
         results[name] = out.sequences
+        # The trees each step verified: ranks must plan alike (their forwards are collective).
+        results[name + "_widths"] = torch.tensor([step["width"] for step in out.stats.trace])
     results["hf_greedy"] = target.generate(ids["input_ids"], attention_mask=ids["attention_mask"], max_new_tokens=12,
                                            do_sample=False, pad_token_id=0)
     torch.save(results, os.path.join(out_dir, f"rank{os.environ['RANK']}.pt"))

@@ -35,7 +35,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-FORMAT = 1
+FORMAT = 2  # 2: interleaved calibration rounds (files of 1 may hold shapes bent by load)
 GRID = (1, 2, 4, 8, 16, 32, 64, 128)  # token counts timed at calibration
 CAL_PREFIX = 64  # prefix length of the table's forwards
 LONG_PREFIX = 1024  # prefix length of the forward that measures the attention term
@@ -186,25 +186,68 @@ class CostModel:
     @classmethod
     def for_model(cls, model, *, path: Optional[Path] = None, verbose: bool = True) -> "CostModel":
         """The cost model of `model` on its device and dtype: from this process, else from the
-        cache file, else measured now (a few seconds, with a progress line) and cached."""
+        cache file, else measured now (a few seconds, with a progress line) and cached.
+
+        Under tensor parallelism (see `tensor_parallel`) every rank must plan the same trees,
+        or the ranks' forwards would run different shapes and their collectives would not
+        match: the ranks measure together when any of them lacks a usable file (the
+        calibration's forwards are collective), and all take rank 0's numbers.
+        """
         key = identity(model)
         name = json.dumps(key, sort_keys=True)
         if path is None and name in _LOADED:
             return _LOADED[name]
         path = Path(path) if path is not None else default_path(key)
+        parallel = tensor_parallel(model)
         try:
-            cost = cls.load(path, key)
-        except ValueError as error:
-            if path.exists() and verbose:
+            cost, error = cls.load(path, key), None
+        except ValueError as load_error:
+            cost, error = None, load_error
+        if parallel and _all_ranks_have(cost is not None, model):
+            pass
+        elif parallel or cost is None:
+            if error is not None and path.exists() and verbose:
                 print(f"specdec: {error}; measuring again", file=sys.stderr)
             cost = calibrate(model, verbose=verbose)
-            try:
-                cost.save(path)
-            except OSError as save_error:  # a read-only cache only costs the next process a calibration
-                if verbose:
-                    print(f"specdec: could not cache the cost model at {path} ({save_error})", file=sys.stderr)
+            if not parallel or torch.distributed.get_rank() == 0:
+                try:
+                    cost.save(path)
+                except OSError as save_error:  # a read-only cache only costs the next process a calibration
+                    if verbose:
+                        print(f"specdec: could not cache the cost model at {path} ({save_error})", file=sys.stderr)
+        if parallel:
+            cost = _from_rank0(cost, model)
         _LOADED[name] = cost
         return cost
+
+
+def tensor_parallel(model) -> bool:
+    """Whether `model` is sharded over the ranks of torch.distributed's default group
+    (transformers' tensor parallelism sets `model.tp_size`)."""
+    return ((getattr(model, "tp_size", None) or 1) > 1 and torch.distributed.is_available()
+            and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1)
+
+
+def _collective_device(model) -> torch.device:
+    """Where collectives' tensors live: the model's device for NCCL, else the CPU."""
+    backend = torch.distributed.get_backend()
+    return next(model.parameters()).device if backend == "nccl" else torch.device("cpu")
+
+
+def _all_ranks_have(ok: bool, model) -> bool:
+    """True on every rank iff `ok` is true on every rank."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=_collective_device(model))
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _from_rank0(cost: "CostModel", model) -> "CostModel":
+    """Rank 0's table on every rank (same grid everywhere: the calibration's or the file's)."""
+    numbers = torch.tensor(cost.seconds.tolist() + [cost.per_key], dtype=torch.float64,
+                           device=_collective_device(model))
+    torch.distributed.broadcast(numbers, src=0)
+    numbers = numbers.cpu().tolist()
+    return CostModel(cost.key, cost.tokens.tolist(), numbers[:-1], numbers[-1], cost.prefix)
 
 
 def default_path(key: dict) -> Path:
@@ -216,9 +259,9 @@ def default_path(key: dict) -> Path:
     return cache_dir() / "cost_models" / f"{safe}-{key['dtype']}-{digest}.json"
 
 
-def _time_forward(model, cache, num_tokens: int, prefix: int, repeats: int) -> float:
-    """Best-of-`repeats` seconds of one forward of a `num_tokens` chain after `prefix` cached
-    tokens (the cache's contents do not change the cost; nothing is prefilled)."""
+def _time_forward(model, cache, num_tokens: int, prefix: int) -> float:
+    """Seconds of one forward of a `num_tokens` chain after `prefix` cached tokens (the cache's
+    contents do not change the cost; nothing is prefilled)."""
     from . import hf
     from .generate import _sync
     from .tree import tree_mask
@@ -227,41 +270,50 @@ def _time_forward(model, cache, num_tokens: int, prefix: int, repeats: int) -> f
     tokens = torch.zeros(1, num_tokens, dtype=torch.int64, device=device)  # any ids cost the same
     depth = torch.arange(num_tokens, device=device)
     mask = tree_mask(depth[None, :] - 1)
-    best = math.inf
-    for _ in range(repeats):
-        cache.set_lengths(torch.tensor([prefix], device=device))
-        start = _sync(device)
-        hf.forward(model, cache, tokens, prefix + depth[None, :], mask)
-        best = min(best, _sync(device) - start)
-    return best
+    cache.set_lengths(torch.tensor([prefix], device=device))
+    start = _sync(device)
+    hf.forward(model, cache, tokens, prefix + depth[None, :], mask)
+    return _sync(device) - start
 
 
 @torch.inference_mode()
 def calibrate(model, *, grid: Sequence[int] = GRID, prefix: int = CAL_PREFIX, long_prefix: int = LONG_PREFIX,
-              repeats: int = 2, verbose: bool = True) -> CostModel:
-    """Measure `model`'s forward on its device: one chain forward per token count in `grid` at
-    `prefix`, and one at `long_prefix` for the attention term (best of `repeats` each, after a
-    warm-up)."""
+              repeats: int = 3, verbose: bool = True) -> CostModel:
+    """Measure `model`'s forward on its device: a chain forward per token count in `grid` at
+    `prefix`, and one at `long_prefix` for the attention term, after a warm-up.
+
+    The points are timed in `repeats` interleaved rounds (every size once per round) and each
+    keeps its best time. What the planner needs is the table's shape (how much a wider step
+    costs over a narrower one); timing each size back to back would let a busy spell of the
+    machine (other processes) land on some sizes only and bend that shape, while rounds spread
+    it over all of them and the minimum drops most of it.
+    """
     from . import config, hf
 
+    if repeats < 1:
+        raise ValueError(f"repeats: expected >= 1, got {repeats}")
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     max_positions = getattr(cfg, "max_position_embeddings", None) or (long_prefix + max(grid) + 1)
     long_prefix = min(long_prefix, max_positions - max(grid) - 1)
     prefix = min(prefix, max(long_prefix, 0))
+    probe = min(8, max(grid))
+    use_long = long_prefix > prefix + 64
     start = time.perf_counter()
     if verbose:
         print(f"specdec: measuring the target forward on this device (once per model, device and dtype) ...",
               end="", file=sys.stderr, flush=True)
     with hf.use_tree_attention(model), config.value_checks(False):
         cache = hf.TreeKVCache.for_model(model, 1, max(prefix, long_prefix) + max(grid) + 1)
-        _time_forward(model, cache, grid[0], prefix, 1)  # warm-up (first-call allocations)
-        seconds = [_time_forward(model, cache, n, prefix, repeats) for n in grid]
-        per_key = 0.0
-        probe = min(8, max(grid))
-        if long_prefix > prefix + 64:
-            short = seconds[list(grid).index(probe)] if probe in grid else _time_forward(model, cache, probe, prefix, repeats)
-            long = _time_forward(model, cache, probe, long_prefix, repeats)
-            per_key = max(long - short, 0.0) / (probe * (long_prefix - prefix))
+        _time_forward(model, cache, grid[0], prefix)  # warm-up (first-call allocations)
+        seconds = [math.inf] * len(grid)
+        short = long = math.inf
+        for _ in range(repeats):
+            for i, n in enumerate(grid):
+                seconds[i] = min(seconds[i], _time_forward(model, cache, n, prefix))
+            if use_long:  # the attention term: the probe at both prefixes, in the same round
+                short = min(short, _time_forward(model, cache, probe, prefix))
+                long = min(long, _time_forward(model, cache, probe, long_prefix))
+        per_key = max(long - short, 0.0) / (probe * (long_prefix - prefix)) if use_long else 0.0
     # The table must not fall. Noise (other processes, interrupts) only ever adds time and
     # the best of a few runs removes most of it, so where a smaller forward measured slower
     # than a larger one, the smaller one is the outlier: cap each point by the points after it

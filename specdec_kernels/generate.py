@@ -194,14 +194,15 @@ class _Rows:
 
 
 def _draft(drafter: Drafter, planner: Optional[Planner], rows: _Rows, sampling, stats: GenerateStats):
-    """The step's draft: with a planner, at most the nodes it budgets from the rows' history,
-    then cut to the nodes worth verifying (its host time goes to stats.time_plan)."""
+    """The step's draft: with a planner, at most the nodes it budgets from the rows' history
+    (all a drafter that `drafts_for_free` has), then cut to the nodes worth verifying (its host
+    time goes to stats.time_plan)."""
     if planner is None:
         return drafter.propose(rows.history, rows.lengths, sampling)
     start, prefix = time.perf_counter(), float(rows.lengths.double().mean())
     budget = planner.budget(prefix)
     middle = time.perf_counter()
-    draft = drafter.propose(rows.history, rows.lengths, sampling, budget)
+    draft = drafter.propose(rows.history, rows.lengths, sampling, None if drafter.drafts_for_free else budget)
     end = time.perf_counter()
     draft = planner.select(draft, prefix)
     stats.time_plan += (middle - start) + (time.perf_counter() - end)

@@ -38,7 +38,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .cost_model import CostModel, identity
+from .cost_model import CostModel, identity, tensor_parallel
 from .drafters import Draft, keep_nodes, rank_nodes
 
 
@@ -110,7 +110,9 @@ class AcceptanceModel:
     score_sum[r, k]: decayed sum of the drafter's scores of the verified rank-k nodes; a
     node's estimate is its rank's rate scaled by its score over the rank's typical score
     (a draft surer than usual is more likely accepted than usual, and the other way round),
-    which keeps a drafter's badly calibrated scores from misleading the plan.
+    which keeps a drafter's badly calibrated scores from misleading the plan. The typical
+    score starts from the rank's guessed rate, so a row without history takes scores at face
+    value (drafters' scores are acceptance estimates: path probabilities, n-gram match odds).
     """
 
     def __init__(self, rows: int, max_nodes: int, device, *, decay: float = 0.8, prior: float = 0.6,
@@ -149,7 +151,11 @@ class AcceptanceModel:
             return rates
         scores = scores.double().clamp(min=0)
         w = self.prior_weight
-        typical = (self.score_sum[:, :k] + scores * w) / (self.tried[:, :k] + w)  # no history: the score itself
+        # The rank's typical score, starting from the rate guessed for it: without history a
+        # score is taken at face value (estimate = score), and as the row verifies nodes of
+        # that rank, its scores are judged against what they turned out to be worth.
+        guess = self.alpha()[:, None] ** self.powers[:k]
+        typical = (self.score_sum[:, :k] + guess * w) / (self.tried[:, :k] + w)
         ratio = torch.where(typical > 0, scores / typical, 1.0).clamp(max=4.0)
         return (rates * ratio).clamp(max=1.0).cummin(1).values
 
@@ -233,7 +239,10 @@ class Planner:
         measured step times, nothing learned in earlier calls), so the plan, and with it a
         sampled output, is the same for the same seed every time. Greedy output never
         depends on the plan; sampled output does (a different tree draws other numbers).
+        A tensor-parallel target always plans this way: every rank must choose the same
+        trees (the same forward shapes), so no rank may plan from its own step timings.
         """
+        reproducible = reproducible or tensor_parallel(target)
         key = identity(target)
         if self._measure or self.cost_model is None:
             if self.cost_model is None or self.cost_model.key != key:

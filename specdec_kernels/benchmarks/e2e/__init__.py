@@ -29,8 +29,11 @@ Batch size B uses B distinct prompts per batch, left padded (HF: attention_mask;
 attention_mask), ceil(prompts_per_workload / B) batches. Rows that stop at eos count the tokens
 up to and including eos. On a GPU each of our runs is profiled once more (not timed) for the
 share of the decoding steps spent inside our ops (`specdec::*`, device time).
+With --repeats N the whole plan runs N times and rows report medians (speedups: the median of
+the per-pass ratios against the same pass's HF row). Each of our rows also reports the adaptive
+planner's share of the decoding time and, per verified draft size, the drafts the rows accepted.
 Writes bench/results/e2e_<device>.json, e2e_<device>.md (the README table),
-e2e_speedup_<device>.png and e2e_acceptance_<device>.png.
+e2e_speedup_<device>.png, e2e_acceptance_<device>.png and e2e_planner_<device>.png.
 """
 
 import argparse
@@ -79,6 +82,9 @@ def add_arguments(parser):
     parser.add_argument("--temperatures", type=_csv(float), default=None, help="comma-separated (default 0,0.7)")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--prompts-per-workload", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="passes over the whole plan; rows report medians (speedup: median of the per-pass "
+                             "ratios against that pass's hf row) (default 1)")
     parser.add_argument("--layers", type=int, default=None, help=f"{RANDOM_LLAMA}: layers (default 32 if memory allows)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help=f"weights (default float32; {RANDOM_LLAMA}: bfloat16)")
@@ -109,8 +115,9 @@ def run_args(args) -> int:
     batch_sizes = args.batch_sizes or preset["batch_sizes"]
     max_new_tokens = args.max_new_tokens or preset["max_new_tokens"]
     prompts = args.prompts_per_workload or preset["prompts_per_workload"]
-    if min(batch_sizes) < 1 or max_new_tokens < 1 or prompts < 1:
-        raise SystemExit("specdec bench e2e: batch sizes, --max-new-tokens and --prompts-per-workload must be >= 1")
+    if min(batch_sizes) < 1 or max_new_tokens < 1 or prompts < 1 or args.repeats < 1:
+        raise SystemExit("specdec bench e2e: batch sizes, --max-new-tokens, --prompts-per-workload and --repeats "
+                         "must be >= 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     start = time.perf_counter()
     model, tokenizer, draft, label = load_models(args, device)
@@ -127,11 +134,13 @@ def run_args(args) -> int:
           f"{prompts} prompt(s) per workload and batch size", flush=True)
     rows = run(model, tokenizer, requests, draft=draft, methods=methods, batch_sizes=batch_sizes,
                temperatures=args.temperatures or TEMPERATURES, max_new_tokens=max_new_tokens,
-               prompts_per_workload=prompts, profile_kernels=profile, progress=not args.no_progress)
+               prompts_per_workload=prompts, profile_kernels=profile, progress=not args.no_progress,
+               repeats=args.repeats)
     headers, cells = table_rows(rows)
     print()
     common.print_table(headers, cells)
     settings = dict(mode="full" if args.full else "short", max_new_tokens=max_new_tokens, prompts_per_workload=prompts,
+                    repeats=args.repeats,
                     batch_sizes=list(batch_sizes), workloads=list(workloads),
                     methods=sorted({r["config"]["method"] for r in rows}), dtype=str(next(model.parameters()).dtype),
                     hf_prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS, ngram_num_tokens=NGRAM_TOKENS,

@@ -10,14 +10,14 @@ def table_rows(rows):
     """(headers, cells) of the summary table."""
     depth = max((len(r.get("acceptance_by_depth") or []) for r in rows), default=0)
     depth = min(depth, 5)
-    headers = ["workload", "B", "temp", "method", "tok/s", "speedup", "tok/step"] + [f"acc@{d + 1}" for d in range(depth)]
-    headers += ["kernels %", "greedy == HF"]
+    headers = ["workload", "B", "temp", "method", "tok/s", "speedup", "tok/step", "nodes/row"]
+    headers += [f"acc@{d + 1}" for d in range(depth)] + ["plan %", "kernels %", "greedy == HF"]
     cells = []
     for r in rows:
         c = r["config"]
         if "skipped" in r:
-            cells.append([c["workload"], str(c["batch"]), f"{c['temperature']:g}", c["method"], "-", "-", "-"]
-                         + ["-"] * depth + ["-", "skipped: batch 1 only"])
+            cells.append([c["workload"], str(c["batch"]), f"{c['temperature']:g}", c["method"], "-", "-", "-", "-"]
+                         + ["-"] * depth + ["-", "-", "skipped: batch 1 only"])
             continue
         acc = list(r.get("acceptance_by_depth") or [])[:depth]
         identical = r.get("greedy_identical")
@@ -27,9 +27,11 @@ def table_rows(rows):
         share = r.get("kernel_share")
         cells.append([c["workload"], str(c["batch"]), f"{c['temperature']:g}", c["method"], f"{r['tokens_per_s']:.1f}",
                       f"{r['speedup_vs_hf']:.2f}x" if r.get("speedup_vs_hf") else "-",
-                      f"{r['tokens_per_step']:.2f}" if r.get("tokens_per_step") else "-"]
+                      f"{r['tokens_per_step']:.2f}" if r.get("tokens_per_step") else "-",
+                      f"{r['nodes_per_step']:.2f}" if r.get("nodes_per_step") is not None else "-"]
                      + [f"{a:.2f}" for a in acc] + ["-"] * (depth - len(acc))
-                     + [f"{100 * share['total']:.0f}%" if share else "-", check])
+                     + [f"{100 * r['plan_share']:.1f}%" if r.get("plan_share") is not None else "-",
+                        f"{100 * share['total']:.0f}%" if share else "-", check])
     return headers, cells
 
 
@@ -98,6 +100,40 @@ def plot_acceptance(rows, path, title):
     return common.save_figure(plt, fig, path)
 
 
+def plot_planner(rows, path, title):
+    """Scatter per workload: verified draft nodes per row (the planner's choice, rounded) against
+    the mean drafts the rows then accepted, for our adaptive rows (marker size: how many steps
+    chose that size); the diagonal is "every verified node accepted"."""
+    plt = common.pyplot()
+    ours = [r for r in rows if r.get("size_vs_acceptance") and not r["config"]["method"].endswith("_fixed")]
+    if plt is None or not ours:
+        return None
+    workloads = list(dict.fromkeys(r["config"]["workload"] for r in ours))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(4 * len(workloads), 3.4), squeeze=False)
+    for ax, w in zip(axes[0], workloads):
+        top = 1
+        for r in ours:
+            c = r["config"]
+            if c["workload"] != w:
+                continue
+            sizes = [int(k) for k in r["size_vs_acceptance"]]
+            steps = [v[0] for v in r["size_vs_acceptance"].values()]
+            accepted = [v[1] for v in r["size_vs_acceptance"].values()]
+            total = sum(steps)
+            sampling = "greedy" if c["temperature"] == 0 else f"t={c['temperature']:g}"
+            ax.scatter(sizes, accepted, s=[8 + 200 * n / total for n in steps], alpha=0.6,
+                       label=f"{c['method']} B={c['batch']} {sampling}")
+            top = max(top, *sizes)
+        ax.plot([0, top], [0, top], color="black", linewidth=0.6, linestyle=":")
+        ax.set_title(w, fontsize=9)
+        ax.set_xlabel("verified draft nodes per row (planner)")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("accepted drafts per row")
+    axes[0][-1].legend(fontsize=5)
+    fig.suptitle(title, fontsize=9)
+    return common.save_figure(plt, fig, path)
+
+
 def write_results(rows, out_dir, *, device, model_label, settings, name=None):
     """JSON, Markdown table and both plots under out_dir; returns {kind: path}."""
     slug = name or common.device_slug(device)
@@ -117,4 +153,5 @@ def write_results(rows, out_dir, *, device, model_label, settings, name=None):
     print(f"wrote {paths['md']}", flush=True)
     paths["speedup_png"] = plot_speedup(rows, out_dir / f"e2e_speedup_{slug}.png", title)
     paths["acceptance_png"] = plot_acceptance(rows, out_dir / f"e2e_acceptance_{slug}.png", title)
+    paths["planner_png"] = plot_planner(rows, out_dir / f"e2e_planner_{slug}.png", title)
     return paths

@@ -2,6 +2,7 @@
 of the results (tokens/s, acceptance, the greedy check against HF, kernel shares)."""
 
 import math
+import statistics
 import sys
 import time
 
@@ -186,11 +187,27 @@ def bench_row(method, batches, model, draft, *, workload, batch_size, temperatur
             sum(p * (s.acceptance_per_depth[d] if d < len(s.acceptance_per_depth) else 0.0) for s, p in pairs)
             / total_pairs if total_pairs else 0.0 for d in range(depth)]
         row["time_s"] = {k: sum(getattr(s, f"time_{k}") for s, _ in pairs) for k in ("prefill", "draft", "verify", "accept")}
+        decoding = sum(s.time_total - s.time_prefill for s, _ in pairs)
+        row["plan_share"] = sum(s.time_plan for s, _ in pairs) / decoding if decoding > 0 else None
+        row["size_vs_acceptance"] = size_vs_acceptance([s.trace for s, _ in pairs])
         if profile_kernels:
             input_ids, mask, _ = batches[0]
             row["kernel_share"] = kernel_share(method, model, draft, input_ids, mask, max_new_tokens=max_new_tokens,
                                                temperature=temperature, eos=eos, pad=pad, seed=SEED)
     return row
+
+
+def size_vs_acceptance(traces):
+    """{verified draft nodes per row (rounded): [steps, mean accepted drafts per row]} over the
+    steps of `traces` (GenerateStats.trace lists): what the planner chose against what the rows
+    then accepted."""
+    buckets = {}
+    for trace in traces:
+        for step in trace:
+            size = int(round(step["nodes_per_row"]))
+            steps, accepted = buckets.get(size, (0, 0.0))
+            buckets[size] = (steps + 1, accepted + step["accepted_per_row"])
+    return {str(size): [steps, accepted / steps] for size, (steps, accepted) in sorted(buckets.items())}
 
 
 def warm_up(methods, batches_by_size, model, draft, temperatures, eos, pad):
@@ -212,13 +229,19 @@ def warm_up(methods, batches_by_size, model, draft, temperatures, eos, pad):
 
 
 def run(model, tokenizer, requests_by_workload, *, draft=None, methods=DEFAULT_METHODS, batch_sizes=(1, 8),
-        temperatures=TEMPERATURES, max_new_tokens=64, prompts_per_workload=2, profile_kernels=None, progress=True):
+        temperatures=TEMPERATURES, max_new_tokens=64, prompts_per_workload=2, profile_kernels=None, progress=True,
+        repeats=1):
     """The benchmark on loaded models: a list of rows (see `bench_row`), in table order.
 
     requests_by_workload: {workload: [Request, ...]} with at least max(batch_sizes) requests
     each when a batch needs them (fewer: the batch is smaller). methods needing a draft model
     are left out without one; `hf` always runs (the baseline).
+    repeats: the whole plan runs this many times, one pass after the other (so a slow spell of
+    the machine hits every method alike); a row's tokens_per_s is the median over the passes and
+    its speedup the median of the per-pass ratios against that pass's `hf` row.
     """
+    if repeats < 1:
+        raise ValueError(f"repeats: expected >= 1, got {repeats}")
     from tqdm import tqdm
 
     device = next(model.parameters()).device
@@ -235,23 +258,27 @@ def run(model, tokenizer, requests_by_workload, *, draft=None, methods=DEFAULT_M
             batches[workload, batch_size] = make_batches(requests[:count], tokenizer, batch_size, device)
     first = next(iter(requests_by_workload))
     warm_up(methods, {b: batches[first, b] for b in batch_sizes}, model, draft, temperatures, eos, pad)
-    plan = [(w, b, t, m) for w in requests_by_workload for b in batch_sizes for t in temperatures for m in methods]
-    rows, hf_greedy = [], {}
+    cells = [(w, b, t, m) for w in requests_by_workload for b in batch_sizes for t in temperatures for m in methods]
+    plan = [(r, cell) for r in range(repeats) for cell in cells]
+    passes, hf_greedy = [[] for _ in range(repeats)], {}
     bar = tqdm(plan, desc="e2e", unit="run", disable=not progress or None, file=sys.stderr, dynamic_ncols=True)
     start = time.perf_counter()
-    for index, (workload, batch_size, temperature, method) in enumerate(bar):
-        bar.set_postfix_str(f"{workload} B={batch_size} t={temperature:g} {method}")
-        rows.append(bench_row(method, batches[workload, batch_size], model, draft, workload=workload,
-                              batch_size=batch_size, temperature=temperature, max_new_tokens=max_new_tokens, eos=eos,
-                              pad=pad, eos_ids=eos_ids, hf_greedy=hf_greedy, profile_kernels=profile_kernels))
+    for index, (repeat, (workload, batch_size, temperature, method)) in enumerate(bar):
+        bar.set_postfix_str(f"{workload} B={batch_size} t={temperature:g} {method}"
+                            + (f" (pass {repeat + 1}/{repeats})" if repeats > 1 else ""))
+        passes[repeat].append(bench_row(method, batches[workload, batch_size], model, draft, workload=workload,
+                                        batch_size=batch_size, temperature=temperature, max_new_tokens=max_new_tokens,
+                                        eos=eos, pad=pad, eos_ids=eos_ids, hf_greedy=hf_greedy,
+                                        profile_kernels=profile_kernels and repeat == 0))
         if bar.disable and progress:  # no terminal for a bar (a log file): one line per run instead
-            rate = rows[-1].get("tokens_per_s")
+            rate = passes[repeat][-1].get("tokens_per_s")
             print(f"  [{index + 1}/{len(plan)}] {workload} B={batch_size} t={temperature:g} {method}: "
                   f"{'skipped' if rate is None else f'{rate:.1f} tok/s'} ({time.perf_counter() - start:.0f} s)",
                   flush=True)
     bar.close()
-    _add_speedups(rows)
-    return rows
+    for rows in passes:
+        _add_speedups(rows)
+    return passes[0] if repeats == 1 else [_median_row(list(runs)) for runs in zip(*passes)]
 
 
 def _add_speedups(rows):
@@ -262,3 +289,22 @@ def _add_speedups(rows):
         c = r["config"]
         ref = base.get((c["workload"], c["batch"], c["temperature"]))
         r["speedup_vs_hf"] = r["tokens_per_s"] / ref if r.get("tokens_per_s") and ref else None
+
+
+def _median_row(runs):
+    """One cell's passes as one row: the first pass's record (acceptance, the greedy check of
+    every pass), with the medians of tokens/s and of the per-pass speedups, and every pass's
+    numbers under `runs`."""
+    row = dict(runs[0])
+    if "skipped" in row:
+        return row
+    row["runs"] = [dict(tokens_per_s=r.get("tokens_per_s"), seconds=r.get("seconds"), speedup_vs_hf=r.get("speedup_vs_hf"))
+                   for r in runs]
+    for key in ("tokens_per_s", "seconds", "speedup_vs_hf", "plan_share"):
+        values = [r[key] for r in runs if r.get(key) is not None]
+        row[key] = statistics.median(values) if values else None
+    if "greedy_identical" in row:
+        checked = [r["greedy_identical"] for r in runs if r.get("greedy_identical") is not None]
+        row["greedy_identical"] = all(checked) if checked else None
+        row["mismatches"] = [m for r in runs for m in r.get("mismatches", [])]
+    return row
