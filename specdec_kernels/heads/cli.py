@@ -57,6 +57,8 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--unroll", action=argparse.BooleanOptionalAction, default=True,
+                   help="EAGLE: also train the second draft depth on the head's own predicted features (default on)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.set_defaults(func=run)
@@ -95,6 +97,6 @@ def run(args) -> int:
                            collect_batch_size=args.collect_batch_size,
                            generation_dtype=None if args.generation_dtype == "model" else getattr(torch, args.generation_dtype),
                            draft_vocab_size=args.draft_vocab, num_heads=args.num_heads, steps=args.steps,
-                           batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed, notes=notes)
+                           batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed, unroll=args.unroll, notes=notes)
     print(f"specdec train-draft: head written to {out}")
     return 0

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from .common import KINDS, input_embedding, lm_head_weight, rope_theta, target_identity, text_config, write_head
 from .data import collect, draft_vocabulary, load_examples, render_prompts, save_examples, self_prompts
-from .modules import EagleHead, MedusaHeads
+from .modules import EagleHead, MedusaHeads, causal_attention
 
 
 def head_config(target, kind: str, draft_vocab_size: int, num_heads: int = 4) -> dict:
@@ -79,8 +79,9 @@ def _batches(windows, batch_tokens: int, generator: torch.Generator):
 class _Trainer:
     """Loss computation for one head kind on padded batches of windows."""
 
-    def __init__(self, kind, head, target, examples, num_heads, reg_weight, noise, autocast=None):
+    def __init__(self, kind, head, target, examples, num_heads, reg_weight, noise, autocast=None, unroll=False):
         self.kind, self.head, self.examples = kind, head, examples
+        self.unroll = unroll
         # bf16 autocast for the head's forward/backward and its logits (CPU bf16 matrix
         # units: several times faster); the target's labels stay fp32.
         self.autocast = autocast
@@ -125,6 +126,23 @@ class _Trainer:
         with torch.autocast(self.device.type, dtype=self.autocast):
             return self.head(*args).float()
 
+    @staticmethod
+    def _drafted_attention(first_kv):
+        """The attention of the unrolled pass: query i sees the first pass's keys j < i (the
+        entries built from the target's true features, as in the drafter's cache) and its own
+        new key (the entry built from the head's own prediction, as a drafted node)."""
+        def attend(q, k, v):
+            k1, v1 = first_kv
+            t = q.shape[1]
+            i = torch.arange(t, device=q.device)
+            mask = torch.cat([i[None, :] < i[:, None], i[None, :] == i[:, None]], dim=1)  # [T, 2T]
+            keys, values = torch.cat([k1, k.to(k1.dtype)], 1), torch.cat([v1, v.to(v1.dtype)], 1)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2).to(q.dtype),
+                                                 values.transpose(1, 2).to(q.dtype), attn_mask=mask,
+                                                 enable_gqa=q.shape[2] != keys.shape[2])
+            return out.transpose(1, 2)
+        return attend
+
     def loss(self, windows, generator: Optional[torch.Generator]):
         """Mean loss over the batch and a dict of metrics (sums and counts)."""
         width = max(w[2] for w in windows)
@@ -140,7 +158,13 @@ class _Trainer:
             positions = torch.tensor([w[1] for w in windows], device=self.device)[:, None] + torch.arange(width, device=self.device)
             with torch.no_grad():
                 emb = self.embed(tokens).float()
-            g = self._run_head(inp, emb, positions)
+            first_kv = []
+
+            def keep_kv(q, k, v):  # the first pass's keys/values, for the unrolled pass
+                first_kv[:] = [k, v]
+                return causal_attention(q, k, v)
+
+            g = self._run_head(inp, emb, positions, keep_kv if self.unroll else None)
             with torch.no_grad():
                 logp = self._target_logprobs(tgt, lse)
                 p = logp.exp()
@@ -152,6 +176,19 @@ class _Trainer:
             ce, kl, reg = ce.detach(), kl.detach(), reg.detach()
             metrics = {"ce": float((ce * valid).sum()), "kl": float((kl * valid).sum()), "reg": float((reg * valid).sum()),
                        "acc": float((hit & valid).sum()), "n": int(n)}
+            if self.unroll:
+                # Unrolled pass (the drafter's second depth): input i is the head's own
+                # prediction g_{i-1} of f_i instead of the true feature, with the true entries
+                # before it as context; same targets. Position 0 has no prediction to feed.
+                inp2 = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1].detach()], 1)
+                g2 = self._run_head(inp2, emb, positions, self._drafted_attention(first_kv))
+                ok = valid & (torch.arange(width, device=self.device) >= 1)[None, :]
+                ce2, kl2, top2 = self._soft_ce(self._draft_logits(g2), p, logp)
+                reg2 = F.smooth_l1_loss(g2, tgt, reduction="none").mean(-1)
+                n2 = ok.sum().clamp(min=1)
+                loss = loss + (ce2 * ok).sum() / n2 + self.reg_weight * (reg2 * ok).sum() / n2
+                metrics.update({"ce2": float((ce2.detach() * ok).sum()), "kl2": float((kl2 * ok).sum()),
+                                "acc2": float(((self.vocab[top2] == argmax) & ok).sum()), "n2": int(ok.sum())})
             return loss, metrics
         # Medusa: head k at position t learns the target's distribution at t + k.
         k_max = self.num_heads
@@ -182,7 +219,11 @@ def _summary(metrics_list, kind, num_heads) -> dict:
             total[k] = total.get(k, 0) + v
     if kind == "eagle":
         n = max(total.get("n", 0), 1)
-        return {k: round(total[k] / n, 5) for k in ("ce", "kl", "reg", "acc")}
+        out = {k: round(total[k] / n, 5) for k in ("ce", "kl", "reg", "acc")}
+        if "n2" in total:  # the unrolled pass
+            n2 = max(total["n2"], 1)
+            out.update({k: round(total[k] / n2, 5) for k in ("ce2", "kl2", "acc2")})
+        return out
     out = {}
     for k in range(1, num_heads + 1):
         n = max(total.get(f"n{k}", 0), 1)
@@ -209,6 +250,7 @@ def train_draft_head(
     lr: float = 1e-3,
     reg_weight: float = 1.0,
     noise: float = 0.05,
+    unroll: bool = True,
     eval_fraction: float = 0.05,
     seed: int = 0,
     collect_batch_size: int = 32,
@@ -238,6 +280,10 @@ def train_draft_head(
             (cheaper drafting and training); >= the vocabulary size keeps every token.
         steps, batch_tokens, max_len, lr, reg_weight, noise: optimisation (AdamW, warmup then
             cosine decay to lr / 10; batches of at most batch_tokens positions).
+        unroll: EAGLE: also train the drafter's second depth, where the head's input feature is
+            its own prediction rather than the target's (the attention sees the true entries
+            before it, as in the drafter's cache); losses ce2/kl2/acc2. About 2x the compute
+            per step.
         eval_fraction: share of the examples held out for the validation losses.
         seed: makes data collection, batch order, noise and initialisation reproducible.
         collect_batch_size: prompts the target answers together while collecting.
@@ -316,8 +362,10 @@ def train_draft_head(
     coverage = float(sum(torch.isin(ex["argmax"].long(), vocab).sum() for ex in examples) /
                      max(sum(ex["argmax"].numel() for ex in examples), 1))
     low = torch.bfloat16 if mixed_precision else None
-    trainer = _Trainer(kind, head, target, train_examples, num_heads, reg_weight, noise, low)
-    eval_trainer = _Trainer(kind, head, target, eval_examples, num_heads, reg_weight, noise, low) if eval_examples else None
+    unrolled = bool(unroll) and kind == "eagle"
+    trainer = _Trainer(kind, head, target, train_examples, num_heads, reg_weight, noise, low, unrolled)
+    eval_trainer = (_Trainer(kind, head, target, eval_examples, num_heads, reg_weight, noise, low, unrolled)
+                    if eval_examples else None)
     windows = _windows(train_examples, max_len, kind, num_heads)
     if not windows:
         raise ValueError("prompts: the collected examples are too short to train on")
@@ -336,7 +384,7 @@ def train_draft_head(
     ckpt_path = work / "checkpoint.pt"
     if ckpt_path.is_file():
         ckpt = torch.load(ckpt_path, weights_only=False)
-        if ckpt["config"] != config or ckpt["kind"] != kind:
+        if ckpt["config"] != config or ckpt["kind"] != kind or ckpt.get("unroll", False) != unrolled:
             raise ValueError(f"{ckpt_path} is a checkpoint of another head configuration; use a fresh work_dir")
         head.load_state_dict(ckpt["model"])
         optim.load_state_dict(ckpt["optim"])
@@ -365,7 +413,7 @@ def train_draft_head(
 
     def save_checkpoint():
         tmp = ckpt_path.with_suffix(".tmp")
-        torch.save({"step": step, "kind": kind, "config": config, "model": head.state_dict(), "optim": optim.state_dict(),
+        torch.save({"step": step, "kind": kind, "config": config, "unroll": unrolled, "model": head.state_dict(), "optim": optim.state_dict(),
                     "noise_gen": noise_gen.get_state()}, tmp)
         tmp.replace(ckpt_path)
 
@@ -402,7 +450,7 @@ def train_draft_head(
         if step % log_every == 0 or step == steps:
             row = {"step": step, "epoch": epoch, "lr": round(lr_at(step - 1), 7), "loss": round(float(loss.detach()), 5),
                    **_summary(window_metrics, kind, num_heads), "elapsed_s": round(time.perf_counter() - t_start, 1)}
-            bar.set_postfix({k: row[k] for k in row if k in ("kl", "acc", "kl1", "acc1")})
+            bar.set_postfix({k: row[k] for k in row if k in ("kl", "acc", "acc2", "kl1", "acc1")})
             log(row)
             window_metrics = []
         if step % checkpoint_every == 0 or step == steps:
@@ -419,7 +467,7 @@ def train_draft_head(
         final = {"train": train_rows[-1] if train_rows else {}, "val": val_rows[-1] if val_rows else {}}
     training = {"steps": steps, "seed": seed, "lr": lr, "batch_tokens": batch_tokens, "max_len": max_len,
                 "mixed_precision": mixed_precision,
-                "reg_weight": reg_weight, "noise": noise, "argmax_coverage": round(coverage, 5), "data": data_meta,
+                "reg_weight": reg_weight, "noise": noise, "unroll": unrolled, "argmax_coverage": round(coverage, 5), "data": data_meta,
                 "final": final, **(notes or {})}
     state = {k: v for k, v in head.state_dict().items()}
     write_head(out, {"kind": kind, "head": config, "target": identity, "training": training}, state)
