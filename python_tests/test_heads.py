@@ -68,6 +68,24 @@ def test_training_lowers_the_loss(tmp_path, kind):
     assert last < 0.8 * first, (first, last)
 
 
+def test_collect_cache_reuses_responses(target, tmp_path):
+    """A collection with more prompts answers only the new ones (cached by token ids); the
+    same prompts give the same examples; other settings are refused."""
+    from specdec_kernels.heads.data import collect
+
+    prompts = random_prompts(4, VOCAB, seed=3)
+    a = collect(target, prompts, max_new_tokens=5, batch_size=2, work_dir=tmp_path, progress=False)
+    shards = len(list(tmp_path.glob("responses_*.pt")))
+    b = collect(target, prompts + random_prompts(2, VOCAB, seed=4), max_new_tokens=5, batch_size=2, work_dir=tmp_path,
+                progress=False)
+    assert shards == 2 and len(list(tmp_path.glob("responses_*.pt"))) == shards + 1 and len(b) == 6
+    for x, y in zip(a, b):
+        assert torch.equal(x["tokens"], y["tokens"]) and torch.equal(x["features"], y["features"])
+        assert x["features"].shape[0] == x["tokens"].numel() - 1 == x["lse"].numel() == x["argmax"].numel()
+    with pytest.raises(ValueError, match="other settings.*max_new_tokens"):
+        collect(target, prompts, max_new_tokens=6, work_dir=tmp_path, progress=False)
+
+
 def test_unrolled_pass_matches_a_drafted_node():
     """The unrolled training pass (input: the head's own prediction g_{i-1}, context: the true
     entries before i) computes what the drafter computes for a depth-1 node: the head run over

@@ -172,23 +172,44 @@ def self_prompts(target, tokenizer, count: int, *, seed: int, max_tokens: int = 
     return turns[:count]
 
 
-def _plan_check(folder: Path, plan: dict) -> None:
-    """Refuse a work folder that holds shards of another collection (other prompts/settings)."""
+def _key(ids: Sequence[int]) -> str:
+    """A token sequence's cache key (sha256 of its ids)."""
     import hashlib
 
-    digest = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
-    path = folder / "plan.json"
+    return hashlib.sha256(json.dumps([int(t) for t in ids]).encode()).hexdigest()[:32]
+
+
+def _settings_check(folder: Path, settings: dict) -> None:
+    """Refuse a work folder whose cached responses were written with other settings."""
+    path = folder / "settings.json"
     if path.is_file():
-        if json.loads(path.read_text()).get("sha256") != digest:
-            raise ValueError(f"work_dir {folder} holds responses for other prompts or settings; use a fresh work_dir")
+        stored = json.loads(path.read_text())
+        if stored != json.loads(json.dumps(settings)):
+            diff = sorted(k for k in set(stored) | set(settings) if stored.get(k) != settings.get(k))
+            raise ValueError(f"work_dir {folder} holds responses collected with other settings ({', '.join(diff)}); "
+                             "use a fresh work_dir")
         return
-    path.write_text(json.dumps({"sha256": digest}))
+    path.write_text(json.dumps(settings))
 
 
 def _save_atomic(obj, path: Path) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(obj, tmp)
     tmp.replace(path)
+
+
+def _load_shards(folder: Optional[Path], prefix: str) -> dict:
+    """{key: value} merged from every `<prefix>_*.pt` shard in folder."""
+    out = {}
+    if folder is not None:
+        for path in sorted(folder.glob(f"{prefix}_*.pt")):
+            out.update(torch.load(path, weights_only=True))
+    return out
+
+
+def _next_shard(folder: Path, prefix: str) -> Path:
+    taken = [int(p.stem.rsplit("_", 1)[1]) for p in folder.glob(f"{prefix}_*.pt")]
+    return folder / f"{prefix}_{max(taken, default=-1) + 1:05d}.pt"
 
 
 @torch.no_grad()
@@ -204,8 +225,9 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
     generation_dtype: dtype of the copy of the target that writes the responses (None: the
         target itself); features and labels always come from the target.
     feature_batch_tokens: rows x longest sequence per feature forward.
-    work_dir: folder for resumable shards (one per response batch and per feature batch);
-        None keeps everything in memory."""
+    work_dir: cache folder: each batch of responses and of features is saved as a shard keyed
+        by its token ids, so a stopped collection resumes, and a later one with more prompts
+        (same settings) computes only the new ones. None keeps everything in memory."""
     from tqdm import tqdm
 
     from ..hf.attention import _decoder
@@ -218,39 +240,41 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
     folder = Path(work_dir) if work_dir is not None else None
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
-        _plan_check(folder, {"prompts": prompt_ids, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
-                             "temperature": temperature, "top_p": top_p, "seed": seed, "eos": eos,
-                             "generation_dtype": str(generation_dtype), "feature_batch_tokens": feature_batch_tokens})
+        from .common import target_identity
+
+        _settings_check(folder, {"target": target_identity(target), "max_new_tokens": max_new_tokens,
+                                 "temperature": temperature, "top_p": top_p, "seed": seed, "eos": eos,
+                                 "generation_dtype": str(generation_dtype)})
 
     # 1) responses, batch by batch (similar prompt lengths together: little padding).
-    order = sorted(range(len(prompt_ids)), key=lambda i: (len(prompt_ids[i]), i))
-    responses = [None] * len(prompt_ids)
+    known = _load_shards(folder, "responses")
+    keys = [_key(p) for p in prompt_ids]
+    todo = sorted({k: i for i, k in enumerate(keys) if k not in known}.values(), key=lambda i: (len(prompt_ids[i]), i))
     writer = None
-    bar = tqdm(total=len(order), desc="responses", unit="prompt", disable=not progress)
-    for k, start in enumerate(range(0, len(order), batch_size)):
-        idx = order[start : start + batch_size]
-        shard = folder / f"responses_{k:05d}.pt" if folder is not None else None
-        if shard is not None and shard.is_file():
-            got = torch.load(shard, weights_only=True)
-        else:
-            writer = writer or _writer(target, generation_dtype)
-            t0 = time.perf_counter()
-            got = _hf_generate(writer, [prompt_ids[i] for i in idx], max_new_tokens=max_new_tokens,
-                               temperature=temperature, top_p=top_p, seed=seed * 7919 + k, eos=eos)
-            if shard is not None:
-                _save_atomic(got, shard)
-            bar.set_postfix({"new_tok_per_s": round(sum(map(len, got)) / (time.perf_counter() - t0), 1)})
-        for i, r in zip(idx, got):
-            responses[i] = list(r)
+    bar = tqdm(total=len(prompt_ids), initial=len(prompt_ids) - len(todo), desc="responses", unit="prompt",
+               disable=not progress)
+    for k, start in enumerate(range(0, len(todo), batch_size)):
+        idx = todo[start : start + batch_size]
+        writer = writer or _writer(target, generation_dtype)
+        t0 = time.perf_counter()
+        got = _hf_generate(writer, [prompt_ids[i] for i in idx], max_new_tokens=max_new_tokens,
+                           temperature=temperature, top_p=top_p, seed=seed * 7919 + k, eos=eos)
+        new = {keys[i]: r for i, r in zip(idx, got)}
+        known.update(new)
+        if folder is not None:
+            _save_atomic(new, _next_shard(folder, "responses"))
+        bar.set_postfix({"new_tok_per_s": round(sum(map(len, got)) / (time.perf_counter() - t0), 1)})
         bar.update(len(idx))
     bar.close()
     del writer
 
     # 2) features and labels: one forward of the target per group of similar-length sequences.
-    sequences = [prompt_ids[i] + responses[i] for i in range(len(prompt_ids))]
-    order = sorted(range(len(sequences)), key=lambda i: (len(sequences[i]), i))
+    sequences = [list(prompt_ids[i]) + list(known[keys[i]]) for i in range(len(prompt_ids))]
+    seq_keys = [_key(s) for s in sequences]
+    done = _load_shards(folder, "features")
+    todo = sorted({k: i for i, k in enumerate(seq_keys) if k not in done}.values(), key=lambda i: (len(sequences[i]), i))
     groups, current = [], []
-    for i in order:
+    for i in todo:
         if current and (len(current) + 1) * len(sequences[i]) > feature_batch_tokens:
             groups.append(current)
             current = []
@@ -260,38 +284,33 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
     weight = lm_head_weight(target)
     device = weight.device
     decoder = _decoder(target)
-    examples = [None] * len(sequences)
-    bar = tqdm(total=sum(len(s) for s in sequences), desc="features", unit="tok", disable=not progress)
-    for k, idx in enumerate(groups):
-        shard = folder / f"features_{k:05d}.pt" if folder is not None else None
-        if shard is not None and shard.is_file():
-            got = torch.load(shard, weights_only=True)
-        else:
-            width = max(len(sequences[i]) for i in idx)
-            ids = torch.zeros(len(idx), width, dtype=torch.long)
-            for r, i in enumerate(idx):
-                ids[r, : len(sequences[i])] = torch.tensor(sequences[i])
-            # Right padding: causal attention keeps every real position blind to the padding.
-            hidden = decoder(input_ids=ids.to(device), use_cache=False).last_hidden_state
-            got = []
-            for r, i in enumerate(idx):
-                n = len(sequences[i])
-                feats = hidden[r, : n - 1].to(torch.float16)
-                lse, top = [], []
-                for c in range(0, n - 1, 1024):  # full-vocabulary logits in chunks (memory)
-                    logits = feats[c : c + 1024].to(weight.dtype) @ weight.T
-                    lse.append(logits.float().logsumexp(-1))
-                    top.append(logits.argmax(-1))
-                got.append({"tokens": torch.tensor(sequences[i], dtype=torch.int32), "features": feats.cpu(),
-                            "lse": torch.cat(lse).cpu() if lse else torch.zeros(0),
-                            "argmax": torch.cat(top).to(torch.int32).cpu() if top else torch.zeros(0, dtype=torch.int32)})
-            if shard is not None:
-                _save_atomic(got, shard)
-        for i, ex in zip(idx, got):
-            examples[i] = ex
+    bar = tqdm(total=sum(len(sequences[i]) for i in todo), desc="features", unit="tok", disable=not progress)
+    for idx in groups:
+        width = max(len(sequences[i]) for i in idx)
+        ids = torch.zeros(len(idx), width, dtype=torch.long)
+        for r, i in enumerate(idx):
+            ids[r, : len(sequences[i])] = torch.tensor(sequences[i])
+        # Right padding: causal attention keeps every real position blind to the padding.
+        hidden = decoder(input_ids=ids.to(device), use_cache=False).last_hidden_state
+        new = {}
+        for r, i in enumerate(idx):
+            n = len(sequences[i])
+            feats = hidden[r, : n - 1].to(torch.float16)
+            lse, top = [], []
+            for c in range(0, n - 1, 1024):  # full-vocabulary logits in chunks (memory)
+                logits = feats[c : c + 1024].to(weight.dtype) @ weight.T
+                lse.append(logits.float().logsumexp(-1))
+                top.append(logits.argmax(-1))
+            new[seq_keys[i]] = {"tokens": torch.tensor(sequences[i], dtype=torch.int32), "features": feats.cpu(),
+                                "lse": torch.cat(lse).cpu() if lse else torch.zeros(0),
+                                "argmax": (torch.cat(top).to(torch.int32).cpu() if top
+                                           else torch.zeros(0, dtype=torch.int32))}
+        done.update(new)
+        if folder is not None:
+            _save_atomic(new, _next_shard(folder, "features"))
         bar.update(sum(len(sequences[i]) for i in idx))
     bar.close()
-    return examples
+    return [done[k] for k in seq_keys]
 
 def save_examples(path, examples: list, meta: dict) -> None:
     """One file (torch.save) with every example and how they were made; written atomically."""

@@ -212,6 +212,25 @@ class _Trainer:
         return loss, metrics
 
 
+def _data_request(prompts, self_prompt_count, seed, max_new_tokens, generation_dtype) -> str:
+    """sha256 of what the data stage was asked for (prompts and collection settings): data
+    collected for another request is collected again (from the response cache)."""
+    import hashlib
+
+    def plain(p):
+        if isinstance(p, torch.Tensor):
+            return p.reshape(-1).tolist()
+        if isinstance(p, (str, dict)):
+            return p
+        if isinstance(p, (list, tuple)):
+            return [int(t) for t in p]
+        return repr(p)  # a workloads.Request (a dataclass: its repr holds every field)
+
+    text = json.dumps([[plain(p) for p in prompts], int(self_prompt_count), int(seed), int(max_new_tokens),
+                       str(generation_dtype)], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def _summary(metrics_list, kind, num_heads) -> dict:
     total = {}
     for m in metrics_list:
@@ -320,10 +339,13 @@ def train_draft_head(
 
         tokenizer = AutoTokenizer.from_pretrained(target.config._name_or_path)
 
-    # 1) data
+    # 1) data (collected again, from the cache in work/collect, when the request changed)
+    request = _data_request(prompts, self_prompt_count, seed, max_new_tokens, generation_dtype)
     stored = load_examples(work / "data.pt")
     if stored is not None and stored["meta"].get("target") != identity:
         raise ValueError(f"work_dir {work} holds data collected from another target; use a fresh work_dir")
+    if stored is not None and stored["meta"].get("request") != request:
+        stored = None
     if stored is None:
         t0 = time.perf_counter()
         own = self_prompts(target, tokenizer, self_prompt_count, seed=seed, batch_size=collect_batch_size,
@@ -334,7 +356,7 @@ def train_draft_head(
             raise ValueError("prompts: no usable prompt")
         examples = collect(target, ids, max_new_tokens=max_new_tokens, batch_size=collect_batch_size, seed=seed,
                            generation_dtype=generation_dtype, work_dir=work / "collect", progress=progress)
-        meta = {"target": identity, "prompts": len(ids), "self_prompts": len(own), "max_new_tokens": max_new_tokens,
+        meta = {"target": identity, "request": request, "prompts": len(ids), "self_prompts": len(own), "max_new_tokens": max_new_tokens,
                 "generation_dtype": str(generation_dtype).replace("torch.", ""),
                 "positions": int(sum(ex["features"].shape[0] for ex in examples)),
                 "response_tokens": int(sum(ex["tokens"].numel() - len(p) for ex, p in zip(examples, ids))),
@@ -384,6 +406,9 @@ def train_draft_head(
     ckpt_path = work / "checkpoint.pt"
     if ckpt_path.is_file():
         ckpt = torch.load(ckpt_path, weights_only=False)
+        if ckpt.get("request") != request:
+            raise ValueError(f"{ckpt_path} was trained on other data (other prompts or collection settings); "
+                             "remove it to train on the new data")
         if ckpt["config"] != config or ckpt["kind"] != kind or ckpt.get("unroll", False) != unrolled:
             raise ValueError(f"{ckpt_path} is a checkpoint of another head configuration; use a fresh work_dir")
         head.load_state_dict(ckpt["model"])
@@ -413,7 +438,7 @@ def train_draft_head(
 
     def save_checkpoint():
         tmp = ckpt_path.with_suffix(".tmp")
-        torch.save({"step": step, "kind": kind, "config": config, "unroll": unrolled, "model": head.state_dict(), "optim": optim.state_dict(),
+        torch.save({"step": step, "kind": kind, "config": config, "unroll": unrolled, "request": request, "model": head.state_dict(), "optim": optim.state_dict(),
                     "noise_gen": noise_gen.get_state()}, tmp)
         tmp.replace(ckpt_path)
 
