@@ -89,8 +89,17 @@ def tiny_models():
     return tiny_model(0), tiny_model(1)
 
 
-def test_e2e_every_method_batch_and_sampling(tiny_models):
+def test_e2e_every_method_batch_and_sampling(tiny_models, tmp_path, monkeypatch):
     model, draft = tiny_models
+    # A user head for the tiny target (found by its identity under <cache>/heads), so the
+    # learned-head methods (ours_eagle, ours_default) run too.
+    from specdec_kernels.heads import train_draft_head
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(1, vocab, (10,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]
+    train_draft_head(model, prompts, kind="eagle", out_dir=tmp_path / "heads" / "tiny", steps=2, max_new_tokens=4,
+                     batch_tokens=128, eval_fraction=0.0, draft_vocab_size=vocab, progress=False)
     requests = {"code_edit": short_requests()["code_edit"]}
     rows = e2e.run(model, WordTokenizer(), requests, draft=draft, methods=e2e.METHODS, batch_sizes=(1, 2),
                    temperatures=(0.0, 0.7), max_new_tokens=4, prompts_per_workload=1, profile_kernels=False,

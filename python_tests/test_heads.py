@@ -68,6 +68,53 @@ def test_training_lowers_the_loss(tmp_path, kind):
     assert last < 0.8 * first, (first, last)
 
 
+def test_collect_cache_reuses_responses(target, tmp_path):
+    """A collection with more prompts answers only the new ones (cached by token ids); the
+    same prompts give the same examples; other settings are refused."""
+    from specdec_kernels.heads.data import collect
+
+    prompts = random_prompts(4, VOCAB, seed=3)
+    a = collect(target, prompts, max_new_tokens=5, batch_size=2, work_dir=tmp_path, progress=False)
+    shards = len(list(tmp_path.glob("responses_*.pt")))
+    b = collect(target, prompts + random_prompts(2, VOCAB, seed=4), max_new_tokens=5, batch_size=2, work_dir=tmp_path,
+                progress=False)
+    assert shards == 2 and len(list(tmp_path.glob("responses_*.pt"))) == shards + 1 and len(b) == 6
+    for x, y in zip(a, b):
+        assert torch.equal(x["tokens"], y["tokens"]) and torch.equal(x["features"], y["features"])
+        assert x["features"].shape[0] == x["tokens"].numel() - 1 == x["lse"].numel() == x["argmax"].numel()
+    with pytest.raises(ValueError, match="other settings.*max_new_tokens"):
+        collect(target, prompts, max_new_tokens=6, work_dir=tmp_path, progress=False)
+
+
+def test_unrolled_pass_matches_a_drafted_node():
+    """The unrolled training pass (input: the head's own prediction g_{i-1}, context: the true
+    entries before i) computes what the drafter computes for a depth-1 node: the head run over
+    the true entries 0..i-1 followed by the entry (g_{i-1}, x_{i+1})."""
+    from specdec_kernels.heads.modules import EagleHead, causal_attention
+    from specdec_kernels.heads.train import _Trainer
+
+    cfg = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+               rms_norm_eps=1e-6, rope_theta=10000.0, draft_vocab_size=16)
+    head = EagleHead(cfg)
+    head.reset_parameters(torch.Generator().manual_seed(0))
+    g_ = torch.Generator().manual_seed(1)
+    batch, t = 2, 7
+    feats, embeds = torch.randn(batch, t, 32, generator=g_), torch.randn(batch, t, 32, generator=g_)
+    positions = torch.arange(t)[None].expand(batch, -1)
+    kv = []
+
+    def keep(q, k, v):
+        kv[:] = [k, v]
+        return causal_attention(q, k, v)
+
+    with torch.no_grad():
+        g = head(feats, embeds, positions, keep)
+        g2 = head(torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], 1), embeds, positions, _Trainer._drafted_attention(kv))
+        for i in range(1, t):
+            node = head(torch.cat([feats[:, :i], g[:, i - 1 : i]], 1), embeds[:, : i + 1], positions[:, : i + 1])
+            torch.testing.assert_close(node[:, -1], g2[:, i], rtol=1e-5, atol=1e-5)
+
+
 def test_training_resumes_and_is_deterministic(target, tmp_path):
     """Same seed, same head; a run stopped at step 2 and resumed to 4 equals a run straight to 4."""
     a = train(target, tmp_path, "eagle", VOCAB, steps=4, name="a")

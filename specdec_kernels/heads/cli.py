@@ -48,11 +48,17 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, help="output directory (head.safetensors, config.json, train_log.jsonl)")
     p.add_argument("--work-dir", default=None, help="resumable state (default <out>/work)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="response length per prompt (default 128)")
+    p.add_argument("--collect-batch-size", type=int, default=32, help="prompts answered together (default 32)")
+    p.add_argument("--generation-dtype", choices=("bfloat16", "float16", "float32", "model"), default="bfloat16",
+                   help="dtype of the copy of the model that writes the responses (default bfloat16; "
+                        "'model': the model itself); features and labels always come from the model")
     p.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head can propose (default 8192)")
     p.add_argument("--num-heads", type=int, default=4, help="Medusa heads (default 4)")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--unroll", action=argparse.BooleanOptionalAction, default=True,
+                   help="EAGLE: also train the second draft depth on the head's own predicted features (default on)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.set_defaults(func=run)
@@ -65,9 +71,9 @@ def run(args) -> int:
     from .train import train_draft_head
     from ..workloads import load_workload
 
-    if args.threads is not None:
-        import torch
+    import torch
 
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     prompts, sources = [], []
     for path in args.prompts:
@@ -88,7 +94,9 @@ def run(args) -> int:
              "prompt_sources": sources + ([f"self-written user turns: {args.self_prompts}"] if args.self_prompts else [])}
     out = train_draft_head(model, prompts, kind=args.kind, out_dir=args.out, tokenizer=tokenizer, work_dir=args.work_dir,
                            max_new_tokens=args.max_new_tokens, self_prompt_count=args.self_prompts,
+                           collect_batch_size=args.collect_batch_size,
+                           generation_dtype=None if args.generation_dtype == "model" else getattr(torch, args.generation_dtype),
                            draft_vocab_size=args.draft_vocab, num_heads=args.num_heads, steps=args.steps,
-                           batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed, notes=notes)
+                           batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed, unroll=args.unroll, notes=notes)
     print(f"specdec train-draft: head written to {out}")
     return 0

@@ -2,7 +2,8 @@
 
 Stages, each resumable from its file in `work_dir` (default `<out_dir>/work`):
 1. data (`data.pt`): the target answers the prompts (plus, optionally, user turns it wrote
-   itself) and its features are recorded (`heads.data`).
+   itself, kept in `self_prompts.json`) and its features are recorded (`heads.data`; shards
+   of both passes in `collect/`, so an interrupted collection resumes batch by batch).
 2. training (`checkpoint.pt`, every `checkpoint_every` steps): soft cross-entropy to the
    target's distribution over the draft vocabulary (the target's probabilities are exact:
    its full-vocabulary log-normaliser is stored per position), plus for EAGLE a smooth-L1
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 from .common import KINDS, input_embedding, lm_head_weight, rope_theta, target_identity, text_config, write_head
 from .data import collect, draft_vocabulary, load_examples, render_prompts, save_examples, self_prompts
-from .modules import EagleHead, MedusaHeads
+from .modules import EagleHead, MedusaHeads, causal_attention
 
 
 def head_config(target, kind: str, draft_vocab_size: int, num_heads: int = 4) -> dict:
@@ -78,8 +79,9 @@ def _batches(windows, batch_tokens: int, generator: torch.Generator):
 class _Trainer:
     """Loss computation for one head kind on padded batches of windows."""
 
-    def __init__(self, kind, head, target, examples, num_heads, reg_weight, noise, autocast=None):
+    def __init__(self, kind, head, target, examples, num_heads, reg_weight, noise, autocast=None, unroll=False):
         self.kind, self.head, self.examples = kind, head, examples
+        self.unroll = unroll
         # bf16 autocast for the head's forward/backward and its logits (CPU bf16 matrix
         # units: several times faster); the target's labels stay fp32.
         self.autocast = autocast
@@ -124,6 +126,23 @@ class _Trainer:
         with torch.autocast(self.device.type, dtype=self.autocast):
             return self.head(*args).float()
 
+    @staticmethod
+    def _drafted_attention(first_kv):
+        """The attention of the unrolled pass: query i sees the first pass's keys j < i (the
+        entries built from the target's true features, as in the drafter's cache) and its own
+        new key (the entry built from the head's own prediction, as a drafted node)."""
+        def attend(q, k, v):
+            k1, v1 = first_kv
+            t = q.shape[1]
+            i = torch.arange(t, device=q.device)
+            mask = torch.cat([i[None, :] < i[:, None], i[None, :] == i[:, None]], dim=1)  # [T, 2T]
+            keys, values = torch.cat([k1, k.to(k1.dtype)], 1), torch.cat([v1, v.to(v1.dtype)], 1)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2).to(q.dtype),
+                                                 values.transpose(1, 2).to(q.dtype), attn_mask=mask,
+                                                 enable_gqa=q.shape[2] != keys.shape[2])
+            return out.transpose(1, 2)
+        return attend
+
     def loss(self, windows, generator: Optional[torch.Generator]):
         """Mean loss over the batch and a dict of metrics (sums and counts)."""
         width = max(w[2] for w in windows)
@@ -139,7 +158,13 @@ class _Trainer:
             positions = torch.tensor([w[1] for w in windows], device=self.device)[:, None] + torch.arange(width, device=self.device)
             with torch.no_grad():
                 emb = self.embed(tokens).float()
-            g = self._run_head(inp, emb, positions)
+            first_kv = []
+
+            def keep_kv(q, k, v):  # the first pass's keys/values, for the unrolled pass
+                first_kv[:] = [k, v]
+                return causal_attention(q, k, v)
+
+            g = self._run_head(inp, emb, positions, keep_kv if self.unroll else None)
             with torch.no_grad():
                 logp = self._target_logprobs(tgt, lse)
                 p = logp.exp()
@@ -151,6 +176,19 @@ class _Trainer:
             ce, kl, reg = ce.detach(), kl.detach(), reg.detach()
             metrics = {"ce": float((ce * valid).sum()), "kl": float((kl * valid).sum()), "reg": float((reg * valid).sum()),
                        "acc": float((hit & valid).sum()), "n": int(n)}
+            if self.unroll:
+                # Unrolled pass (the drafter's second depth): input i is the head's own
+                # prediction g_{i-1} of f_i instead of the true feature, with the true entries
+                # before it as context; same targets. Position 0 has no prediction to feed.
+                inp2 = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1].detach()], 1)
+                g2 = self._run_head(inp2, emb, positions, self._drafted_attention(first_kv))
+                ok = valid & (torch.arange(width, device=self.device) >= 1)[None, :]
+                ce2, kl2, top2 = self._soft_ce(self._draft_logits(g2), p, logp)
+                reg2 = F.smooth_l1_loss(g2, tgt, reduction="none").mean(-1)
+                n2 = ok.sum().clamp(min=1)
+                loss = loss + (ce2 * ok).sum() / n2 + self.reg_weight * (reg2 * ok).sum() / n2
+                metrics.update({"ce2": float((ce2.detach() * ok).sum()), "kl2": float((kl2 * ok).sum()),
+                                "acc2": float(((self.vocab[top2] == argmax) & ok).sum()), "n2": int(ok.sum())})
             return loss, metrics
         # Medusa: head k at position t learns the target's distribution at t + k.
         k_max = self.num_heads
@@ -174,6 +212,25 @@ class _Trainer:
         return loss, metrics
 
 
+def _data_request(prompts, self_prompt_count, seed, max_new_tokens, generation_dtype) -> str:
+    """sha256 of what the data stage was asked for (prompts and collection settings): data
+    collected for another request is collected again (from the response cache)."""
+    import hashlib
+
+    def plain(p):
+        if isinstance(p, torch.Tensor):
+            return p.reshape(-1).tolist()
+        if isinstance(p, (str, dict)):
+            return p
+        if isinstance(p, (list, tuple)):
+            return [int(t) for t in p]
+        return repr(p)  # a workloads.Request (a dataclass: its repr holds every field)
+
+    text = json.dumps([[plain(p) for p in prompts], int(self_prompt_count), int(seed), int(max_new_tokens),
+                       str(generation_dtype)], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def _summary(metrics_list, kind, num_heads) -> dict:
     total = {}
     for m in metrics_list:
@@ -181,7 +238,11 @@ def _summary(metrics_list, kind, num_heads) -> dict:
             total[k] = total.get(k, 0) + v
     if kind == "eagle":
         n = max(total.get("n", 0), 1)
-        return {k: round(total[k] / n, 5) for k in ("ce", "kl", "reg", "acc")}
+        out = {k: round(total[k] / n, 5) for k in ("ce", "kl", "reg", "acc")}
+        if "n2" in total:  # the unrolled pass
+            n2 = max(total["n2"], 1)
+            out.update({k: round(total[k] / n2, 5) for k in ("ce2", "kl2", "acc2")})
+        return out
     out = {}
     for k in range(1, num_heads + 1):
         n = max(total.get(f"n{k}", 0), 1)
@@ -208,9 +269,11 @@ def train_draft_head(
     lr: float = 1e-3,
     reg_weight: float = 1.0,
     noise: float = 0.05,
+    unroll: bool = True,
     eval_fraction: float = 0.05,
     seed: int = 0,
-    collect_batch_size: int = 8,
+    collect_batch_size: int = 32,
+    generation_dtype=torch.bfloat16,
     checkpoint_every: int = 50,
     log_every: int = 10,
     threads: Optional[int] = None,
@@ -236,8 +299,16 @@ def train_draft_head(
             (cheaper drafting and training); >= the vocabulary size keeps every token.
         steps, batch_tokens, max_len, lr, reg_weight, noise: optimisation (AdamW, warmup then
             cosine decay to lr / 10; batches of at most batch_tokens positions).
+        unroll: EAGLE: also train the drafter's second depth, where the head's input feature is
+            its own prediction rather than the target's (the attention sees the true entries
+            before it, as in the drafter's cache); losses ce2/kl2/acc2. About 2x the compute
+            per step.
         eval_fraction: share of the examples held out for the validation losses.
         seed: makes data collection, batch order, noise and initialisation reproducible.
+        collect_batch_size: prompts the target answers together while collecting.
+        generation_dtype: dtype of the copy of the target that writes the responses and user
+            turns (bfloat16: ~2x faster batched decoding on CPUs with bf16 units; None: the
+            target itself). Features and labels always come from the target itself.
         threads: torch.set_num_threads for the whole run (None: leave as is).
         mixed_precision: run the head and its logits in bfloat16 autocast (the target's
             labels stay fp32); ~1.5x faster on CPUs with bf16 units, slightly different numbers.
@@ -268,20 +339,27 @@ def train_draft_head(
 
         tokenizer = AutoTokenizer.from_pretrained(target.config._name_or_path)
 
-    # 1) data
+    # 1) data (collected again, from the cache in work/collect, when the request changed)
+    request = _data_request(prompts, self_prompt_count, seed, max_new_tokens, generation_dtype)
     stored = load_examples(work / "data.pt")
     if stored is not None and stored["meta"].get("target") != identity:
         raise ValueError(f"work_dir {work} holds data collected from another target; use a fresh work_dir")
+    if stored is not None and stored["meta"].get("request") != request:
+        stored = None
     if stored is None:
         t0 = time.perf_counter()
-        own = self_prompts(target, tokenizer, self_prompt_count, seed=seed) if self_prompt_count else []
+        own = self_prompts(target, tokenizer, self_prompt_count, seed=seed, batch_size=collect_batch_size,
+                           generation_dtype=generation_dtype, cache=work / "self_prompts.json",
+                           progress=progress) if self_prompt_count else []
         ids = render_prompts(tokenizer, list(prompts) + own)
         if not ids:
             raise ValueError("prompts: no usable prompt")
         examples = collect(target, ids, max_new_tokens=max_new_tokens, batch_size=collect_batch_size, seed=seed,
-                           progress=progress)
-        meta = {"target": identity, "prompts": len(ids), "self_prompts": len(own), "max_new_tokens": max_new_tokens,
+                           generation_dtype=generation_dtype, work_dir=work / "collect", progress=progress)
+        meta = {"target": identity, "request": request, "prompts": len(ids), "self_prompts": len(own), "max_new_tokens": max_new_tokens,
+                "generation_dtype": str(generation_dtype).replace("torch.", ""),
                 "positions": int(sum(ex["features"].shape[0] for ex in examples)),
+                "response_tokens": int(sum(ex["tokens"].numel() - len(p) for ex, p in zip(examples, ids))),
                 "collect_s": round(time.perf_counter() - t0, 1)}
         save_examples(work / "data.pt", examples, meta)
         stored = {"meta": meta, "examples": examples}
@@ -306,8 +384,10 @@ def train_draft_head(
     coverage = float(sum(torch.isin(ex["argmax"].long(), vocab).sum() for ex in examples) /
                      max(sum(ex["argmax"].numel() for ex in examples), 1))
     low = torch.bfloat16 if mixed_precision else None
-    trainer = _Trainer(kind, head, target, train_examples, num_heads, reg_weight, noise, low)
-    eval_trainer = _Trainer(kind, head, target, eval_examples, num_heads, reg_weight, noise, low) if eval_examples else None
+    unrolled = bool(unroll) and kind == "eagle"
+    trainer = _Trainer(kind, head, target, train_examples, num_heads, reg_weight, noise, low, unrolled)
+    eval_trainer = (_Trainer(kind, head, target, eval_examples, num_heads, reg_weight, noise, low, unrolled)
+                    if eval_examples else None)
     windows = _windows(train_examples, max_len, kind, num_heads)
     if not windows:
         raise ValueError("prompts: the collected examples are too short to train on")
@@ -326,7 +406,10 @@ def train_draft_head(
     ckpt_path = work / "checkpoint.pt"
     if ckpt_path.is_file():
         ckpt = torch.load(ckpt_path, weights_only=False)
-        if ckpt["config"] != config or ckpt["kind"] != kind:
+        if ckpt.get("request") != request:
+            raise ValueError(f"{ckpt_path} was trained on other data (other prompts or collection settings); "
+                             "remove it to train on the new data")
+        if ckpt["config"] != config or ckpt["kind"] != kind or ckpt.get("unroll", False) != unrolled:
             raise ValueError(f"{ckpt_path} is a checkpoint of another head configuration; use a fresh work_dir")
         head.load_state_dict(ckpt["model"])
         optim.load_state_dict(ckpt["optim"])
@@ -355,7 +438,7 @@ def train_draft_head(
 
     def save_checkpoint():
         tmp = ckpt_path.with_suffix(".tmp")
-        torch.save({"step": step, "kind": kind, "config": config, "model": head.state_dict(), "optim": optim.state_dict(),
+        torch.save({"step": step, "kind": kind, "config": config, "unroll": unrolled, "request": request, "model": head.state_dict(), "optim": optim.state_dict(),
                     "noise_gen": noise_gen.get_state()}, tmp)
         tmp.replace(ckpt_path)
 
@@ -392,7 +475,7 @@ def train_draft_head(
         if step % log_every == 0 or step == steps:
             row = {"step": step, "epoch": epoch, "lr": round(lr_at(step - 1), 7), "loss": round(float(loss.detach()), 5),
                    **_summary(window_metrics, kind, num_heads), "elapsed_s": round(time.perf_counter() - t_start, 1)}
-            bar.set_postfix({k: row[k] for k in row if k in ("kl", "acc", "kl1", "acc1")})
+            bar.set_postfix({k: row[k] for k in row if k in ("kl", "acc", "acc2", "kl1", "acc1")})
             log(row)
             window_metrics = []
         if step % checkpoint_every == 0 or step == steps:
@@ -409,7 +492,7 @@ def train_draft_head(
         final = {"train": train_rows[-1] if train_rows else {}, "val": val_rows[-1] if val_rows else {}}
     training = {"steps": steps, "seed": seed, "lr": lr, "batch_tokens": batch_tokens, "max_len": max_len,
                 "mixed_precision": mixed_precision,
-                "reg_weight": reg_weight, "noise": noise, "argmax_coverage": round(coverage, 5), "data": data_meta,
+                "reg_weight": reg_weight, "noise": noise, "unroll": unrolled, "argmax_coverage": round(coverage, 5), "data": data_meta,
                 "final": final, **(notes or {})}
     state = {k: v for k, v in head.state_dict().items()}
     write_head(out, {"kind": kind, "head": config, "target": identity, "training": training}, state)

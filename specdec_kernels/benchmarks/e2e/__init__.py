@@ -24,6 +24,12 @@ Methods:
   ours_ngram_tree   NgramDrafter(num_tokens=10, tree_width=3), a tree of up to 3 continuations
   ours_draft        DraftModelDrafter(draft, num_tokens=4), a chain (with --draft-model)
   ours_draft_tree   DraftModelDrafter(draft, tree_widths=(2, 2, 1)) (with --draft-model)
+  ours_eagle        EagleDrafter with the target's trained EAGLE head (skipped for a target without one)
+  ours_default      default_drafter(target): that head merged with n-gram drafts (skipped likewise)
+
+No hf_assisted row for the default model: HF assisted generation needs a smaller model with
+the same tokenizer, and SmolLM2-135M is the smallest SmolLM2 (none smaller is installed here;
+`--draft-model default` runs the target as its own assistant, which only measures overhead).
 
 Batch size B uses B distinct prompts per batch, left padded (HF: attention_mask; ours: the same
 attention_mask), ceil(prompts_per_workload / B) batches. Rows that stop at eos count the tokens

@@ -12,7 +12,7 @@ from ...cli import first_difference, make_drafter, stop_ids
 from ...generate import _sync, eos_ids as target_eos_ids
 
 METHODS = ("hf", "hf_prompt_lookup", "hf_assisted", "ours_plain", "ours_ngram", "ours_ngram_fixed", "ours_ngram_tree",
-           "ours_draft", "ours_draft_tree", "ours_ngram_paged")
+           "ours_draft", "ours_draft_tree", "ours_ngram_paged", "ours_eagle", "ours_default")
 DEFAULT_METHODS = tuple(m for m in METHODS if m not in ("ours_plain", "ours_ngram_paged"))
 PAGED = {"ours_ngram_paged": 16}  # method -> kv_page_size (generate on a paged KV cache)
 NEEDS_DRAFT = frozenset({"hf_assisted", "ours_draft", "ours_draft_tree"})
@@ -34,6 +34,11 @@ OURS = {
     "ours_draft": ("draft", dict(num_tokens=DRAFT_TOKENS)),
     "ours_draft_tree": ("draft-tree", dict(draft_tree_widths=DRAFT_TREE_WIDTHS)),
 }
+# Learned-head methods, both adaptive: the target's trained EAGLE head alone (skipped for a
+# target without one), and `default_drafter(target)` (that head merged with n-gram drafts;
+# n-gram alone for a target without a head).
+HEAD_METHODS = frozenset({"ours_eagle", "ours_default"})
+_HEAD_DRAFTERS = {}  # (method, id(target), head folder) -> drafter: loaded once, never inside a timed call
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -69,8 +74,27 @@ def new_token_counts(sequences, prompt_len, eos_ids, max_new_tokens):
 # ----------------------------------------------------------------------------- methods
 
 
-def drafter(method, draft):
-    """The drafter of one of our methods (None for ours_plain); draft: the draft model or None."""
+def head_drafter(method, model):
+    """The drafter of ours_eagle / ours_default for `model` (built once per head found), or
+    None for ours_eagle when the model has no trained EAGLE head."""
+    from ...heads import EagleDrafter, default_drafter
+    from ...heads.drafters import find_head
+
+    folder = find_head(model, "eagle")
+    key = (method, id(model), folder)
+    if key not in _HEAD_DRAFTERS:
+        if method == "ours_eagle":
+            _HEAD_DRAFTERS[key] = None if folder is None else EagleDrafter(model, folder)
+        else:
+            _HEAD_DRAFTERS[key] = default_drafter(model)
+    return _HEAD_DRAFTERS[key]
+
+
+def drafter(method, draft, model=None):
+    """The drafter of one of our methods (None for ours_plain); draft: the draft model or None;
+    model: the target (for the learned-head methods)."""
+    if method in HEAD_METHODS:
+        return head_drafter(method, model)
     cli_method, settings = OURS[method]
     return make_drafter(cli_method, draft_model=draft, **settings)
 
@@ -79,6 +103,7 @@ def run_method(method, model, draft, input_ids, mask, *, max_new_tokens, tempera
     """One timed call: (sequences [B, L + new], seconds, GenerateStats or None)."""
     import specdec_kernels as sk
 
+    chosen = None if method.startswith("hf") else drafter(method, draft, model)  # built before the clock starts
     start = _sync(input_ids.device)
     if method.startswith("hf"):
         kwargs = dict(do_sample=False) if temperature == 0 else dict(do_sample=True, temperature=temperature, top_k=0,
@@ -93,7 +118,7 @@ def run_method(method, model, draft, input_ids, mask, *, max_new_tokens, tempera
                                        pad_token_id=pad, **kwargs)
         stats = None
     else:
-        out = sk.generate(model, input_ids, drafter=drafter(method, draft), max_new_tokens=max_new_tokens,
+        out = sk.generate(model, input_ids, drafter=chosen, max_new_tokens=max_new_tokens,
                           temperature=temperature, seed=seed, eos_token_id=eos, attention_mask=mask,
                           adaptive=not method.endswith("_fixed"), kv_page_size=PAGED.get(method))
         sequences, stats = out.sequences, out.stats
@@ -149,6 +174,9 @@ def bench_row(method, batches, model, draft, *, workload, batch_size, temperatur
                           prompts=sum(len(ids) for _, _, ids in batches), max_new_tokens=max_new_tokens)}
     if method in BATCH1_ONLY and batch_size > 1:
         row["skipped"] = "transformers' assisted / prompt lookup decoding supports batch size 1 only"
+        return row
+    if method in HEAD_METHODS and head_drafter(method, model) is None:
+        row["skipped"] = "no trained EAGLE head for this target"
         return row
     total_tokens, total_s, stats_list, mismatches, compared = 0, 0.0, [], [], 0
     for index, (input_ids, mask, ids) in enumerate(batches):
@@ -218,7 +246,7 @@ def warm_up(methods, batches_by_size, model, draft, temperatures, eos, pad):
         input_ids, mask = input_ids[:, -32:], mask[:, -32:].clone()
         mask[:, -1] = 1
         for method in methods:
-            if method in BATCH1_ONLY and batch_size > 1:
+            if (method in BATCH1_ONLY and batch_size > 1) or (method in HEAD_METHODS and head_drafter(method, model) is None):
                 continue
             for temperature in temperatures:
                 run_method(method, model, draft, input_ids, mask, max_new_tokens=4, temperature=temperature, eos=eos,
