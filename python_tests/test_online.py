@@ -24,11 +24,11 @@ from specdec_kernels.heads.modules import EagleHead, MedusaHeads  # noqa: E402
 from specdec_kernels.heads.online import OnlineOptions  # noqa: E402
 from specdec_kernels.heads.train import head_config  # noqa: E402
 from test_generate import (  # noqa: E402
-    SAMPLE_PROMPT, SAMPLE_ROWS, SMALL_VOCAB, VOCAB, chi_square_pvalue, exact_pair_distribution, hf_greedy, left_pad,
+    SAMPLE_PROMPT, SAMPLE_ROWS, VOCAB, chi_square_pvalue, exact_pair_distribution, hf_greedy, left_pad,
     repetitive_prompts, tiny_model,
 )
 from test_generate import one_thread, target  # noqa: E402,F401  (fixtures)
-from test_heads import train  # noqa: E402
+from test_heads import small_target_heads, train  # noqa: E402,F401  (small_target_heads: a fixture)
 
 
 def random_head(target, kind: str, vocab: int = VOCAB, seed: int = 0):
@@ -123,14 +123,6 @@ def test_greedy_identity_with_updates_every_step(target, heads):
             assert torch.equal(out.sequences, expected), (name, batch, eos)
         stats = learner_of(drafter).stats
         assert stats.updates > before and stats.rollbacks == 0, (name, stats)
-
-
-@pytest.fixture(scope="module")
-def small_target_heads(tmp_path_factory):
-    target = tiny_model(20, vocab=SMALL_VOCAB, hidden=32, logit_scale=8.0)
-    tmp = tmp_path_factory.mktemp("small_online_heads")
-    return target, {"eagle": train(target, tmp, "eagle", SMALL_VOCAB, steps=6, lr=3e-3),
-                    "medusa": train(target, tmp, "medusa", SMALL_VOCAB, steps=6, lr=3e-3)}
 
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])

@@ -203,9 +203,10 @@ class CostModel:
             cost, error = cls.load(path, key), None
         except ValueError as load_error:
             cost, error = None, load_error
-        if parallel and _all_ranks_have(cost is not None, model):
-            pass
-        elif parallel or cost is None:
+        measure = cost is None
+        if parallel:  # one rank lacking a usable file makes every rank measure
+            measure = not _all_ranks_have(not measure, model)
+        if measure:
             if error is not None and path.exists() and verbose:
                 print(f"specdec: {error}; measuring again", file=sys.stderr)
             cost = calibrate(model, verbose=verbose)
