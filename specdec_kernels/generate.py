@@ -200,11 +200,12 @@ def _draft(drafter: Drafter, planner: Optional[Planner], rows: _Rows, sampling, 
     if planner is None:
         return drafter.propose(rows.history, rows.lengths, sampling)
     start, prefix = time.perf_counter(), float(rows.lengths.double().mean())
-    budget = planner.budget(prefix)
+    remaining = rows.max_new_tokens - rows.generated
+    budget = planner.budget(prefix, remaining)
     middle = time.perf_counter()
     draft = drafter.propose(rows.history, rows.lengths, sampling, None if drafter.drafts_for_free else budget)
     end = time.perf_counter()
-    draft = planner.select(draft, prefix)
+    draft = planner.select(draft, prefix, remaining)
     stats.time_plan += (middle - start) + (time.perf_counter() - end)
     return draft
 

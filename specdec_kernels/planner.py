@@ -13,14 +13,17 @@ decoding). Under a batch node budget (`max_batch_nodes`), the nodes go to the ro
 largest expected gains first.
 
 Two decisions per step:
-1. `budget()` before drafting, from each row's history: P(the rank-r node is accepted), a
-   decayed rate per rank (rank = the node's place in the row's priority order; for a chain,
-   its depth). Drafters draft at most that many nodes (a draft model skips the depths no row
-   needs).
-2. `select(draft)` after drafting: each node's estimate is the drafter's own score (path
-   probability), scaled by how well the row's scores predicted its acceptance so far, or the
-   rank rate where the drafter has no scores; the best nodes are kept (ancestor-closed: a
-   node's estimate never exceeds its parent's, and ties keep the parent, which comes first).
+1. `budget()` before drafting, from each row's history: P(the rank-r node is accepted), the
+   product of decayed rates per rank of acceptance given the parent's (rank = the node's place
+   in the row's priority order; for a chain, its depth). Drafters draft at most that many
+   nodes (a draft model skips the depths no row needs).
+2. `select(draft)` after drafting: each node's estimate multiplies, along its path, the
+   drafter's own conditional scores (from path probabilities, n-gram match lengths) scaled
+   by how well the row's scores predicted its acceptance so far, or the rank rates where the
+   drafter has no scores; the best nodes are kept (ancestor-closed: a node's estimate never
+   exceeds its parent's, and ties keep the parent, which comes first).
+Drafts deeper than a row's remaining tokens (max_new_tokens) could not be emitted: never
+verified.
 
 Exactness. Verification is exact for any tree chosen from the past (earlier steps' outcomes,
 timings, scores of deterministic proposals), so greedy output and sampled distributions do
@@ -96,33 +99,38 @@ def choose_counts(gains: torch.Tensor, step_seconds: torch.Tensor, *, max_batch_
 
 
 class AcceptanceModel:
-    """Per row: a decayed acceptance rate per rank, and the drafter's typical score per rank.
+    """Per row: a decayed acceptance rate per rank, conditional on the node's parent being
+    accepted, and the drafter's typical conditional score per rank.
 
-    hit[r, k] / tried[r, k]: decayed counts of steps where row r's rank-k node (its k-th best
-    drafted node) was verified and accepted / verified. The rate is (hit + alpha^(k+1) * w) /
-    (tried + w): measured where the row has verified rank k, else the geometric guess
-    alpha^(k+1) from the row's per-token acceptance alpha = accepted / (accepted + rejected)
-    drafts (a rejection: the accepted path stopped where a verified child existed; prior
-    `prior`). The guess matters: a row that verifies one node and always accepts it gets
-    alpha near 1, so deeper ranks look worth trying, and get measured; with a fixed prior for
-    unmeasured ranks the planner would never learn that deeper drafts pay. All counts decay
-    every step, so a row that stopped verifying drifts back to the prior and tries again.
-    score_sum[r, k]: decayed sum of the drafter's scores of the verified rank-k nodes; a
-    node's estimate is its rank's rate scaled by its score over the rank's typical score
-    (a draft surer than usual is more likely accepted than usual, and the other way round),
-    which keeps a drafter's badly calibrated scores from misleading the plan. The typical
-    score starts from the rank's guessed rate, so a row without history takes scores at face
-    value (drafters' scores are acceptance estimates: path probabilities, n-gram match odds).
+    A node can only be accepted if its parent was, so the model learns P(rank-k node accepted
+    | its parent accepted): hit[r, k] / tried[r, k], decayed counts of steps where row r's
+    rank-k node (its k-th best drafted node; for a chain, depth k + 1) was verified with its
+    parent on the accepted path, and was accepted. A chain rejected at depth 2 so tells
+    nothing about depths 3 and beyond (counting them as misses would make one rejected copy,
+    e.g. at a renamed identifier in a code edit, shrink the next drafts for many steps). The
+    rate is (hit + alpha * w) / (tried + w): measured where the row has reached rank k, else
+    the row's per-token acceptance alpha = accepted / (accepted + rejected) drafts (a
+    rejection: the accepted path stopped where a verified child existed; prior `prior`).
+    A node's estimate is the product of the conditional rates along its path, so unmeasured
+    deep ranks follow alpha: a row that verifies one node and always accepts it looks worth
+    drafting deeper, and gets measured. All counts decay every step, so a row that stopped
+    verifying drifts back to the prior and tries again.
+
+    Scores: drafters give path scores (acceptance estimates: path probabilities, n-gram match
+    odds); a node's conditional score is its score over its parent's. score_sum[r, k] is the
+    decayed sum of the verified (parent accepted) rank-k nodes' conditional scores; a node's
+    conditional estimate is its conditional score times hit / score_sum of its rank (both
+    starting from alpha * w): without history a score counts at face value, and as the row
+    verifies nodes of a rank, its scores are judged against what they turned out to be worth.
     """
 
     def __init__(self, rows: int, max_nodes: int, device, *, decay: float = 0.8, prior: float = 0.6,
-                 prior_weight: float = 1.0):
-        self.decay, self.prior_weight = decay, prior_weight
+                 prior_weight: float = 1.0, rank_weight: float = 3.0):
+        self.decay, self.prior_weight, self.rank_weight = decay, prior_weight, rank_weight
         self.hit = torch.zeros(rows, max_nodes + 1, dtype=torch.float64, device=device)  # last column: padding sink
         self.tried = torch.zeros_like(self.hit)
         self.score_sum = torch.zeros_like(self.hit)
         self.prior = prior
-        self.powers = torch.arange(1, max_nodes + 2, dtype=torch.float64, device=device)
         self.accepted = torch.zeros(rows, dtype=torch.float64, device=device)
         self.rejected = torch.zeros_like(self.accepted)
 
@@ -131,54 +139,81 @@ class AcceptanceModel:
         w = self.prior_weight
         return (self.accepted + self.prior * w) / (self.accepted + self.rejected + w)
 
-    def rank_rates(self) -> torch.Tensor:
-        """float64 [R, N]: P(the rank-k node is accepted), non-increasing in k."""
-        w = self.prior_weight
-        guess = self.alpha()[:, None] ** self.powers
-        rates = (self.hit + guess * w) / (self.tried + w)
-        return rates[:, :-1].cummin(1).values
+    def conditional_rates(self) -> torch.Tensor:
+        """float64 [R, N]: P(the rank-k node is accepted | its parent is)."""
+        w = self.rank_weight
+        return ((self.hit + self.alpha()[:, None] * w) / (self.tried + w))[:, :-1]
 
-    def estimates(self, scores: Optional[torch.Tensor]) -> torch.Tensor:
-        """float64 [R, K]: acceptance estimates of each row's nodes in rank order, given their
-        scores [R, K] in that order (None: the rates alone); non-increasing in k."""
+    def rank_rates(self) -> torch.Tensor:
+        """float64 [R, N]: P(the rank-k node is accepted) for a chain (node k's parent is
+        node k - 1): the product of the conditional rates, non-increasing in k."""
+        return self.conditional_rates().cumprod(1)
+
+    def estimates(self, scores: Optional[torch.Tensor], parent_ranks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """float64 [R, K]: acceptance estimates of each row's nodes in rank order, non-increasing
+        in k.
+
+        scores: [R, K] the nodes' path scores in rank order (None: the rates alone).
+        parent_ranks: int [R, K], the rank of each node's parent (-1: the root); None: a chain
+            (node k's parent is node k - 1). Parents rank before their children.
+        """
         num = self.hit.shape[1] - 1
-        rates = self.rank_rates()
-        k = num if scores is None else scores.shape[1]
+        k = scores.shape[1] if scores is not None else parent_ranks.shape[1] if parent_ranks is not None else num
         if k > num:
             raise ValueError(f"scores: {k} ranked nodes, but the model tracks {num}")
-        rates = rates[:, :k]
-        if scores is None:
-            return rates
-        scores = scores.double().clamp(min=0)
-        w = self.prior_weight
-        # The rank's typical score, starting from the rate guessed for it: without history a
-        # score is taken at face value (estimate = score), and as the row verifies nodes of
-        # that rank, its scores are judged against what they turned out to be worth.
-        guess = self.alpha()[:, None] ** self.powers[:k]
-        typical = (self.score_sum[:, :k] + guess * w) / (self.tried[:, :k] + w)
-        ratio = torch.where(typical > 0, scores / typical, 1.0).clamp(max=4.0)
-        return (rates * ratio).clamp(max=1.0).cummin(1).values
+        rates = self.conditional_rates()[:, :k]
+        if scores is not None:
+            w = self.rank_weight
+            alpha = self.alpha()[:, None]
+            scores = scores.double().clamp(min=0)
+            parent_scores = scores.new_ones(scores.shape)
+            if parent_ranks is None:
+                parent_scores[:, 1:] = scores[:, :-1]
+            else:
+                parent_scores = torch.where(parent_ranks >= 0, scores.gather(1, parent_ranks.clamp(min=0)), 1.0)
+            conditional = torch.where(parent_scores > 0, scores / parent_scores, 0.0).clamp(max=1.0)
+            typical = (self.score_sum[:, :k] + alpha * w) / (self.tried[:, :k] + w)
+            ratio = torch.where(typical > 0, conditional / typical, 1.0).clamp(max=4.0)
+            rates = (rates * ratio).clamp(max=1.0)
+        if parent_ranks is None:
+            estimates = rates.cumprod(1)
+        else:  # parents rank first: one pass in rank order multiplies each path out
+            estimates = rates.clone()
+            for j in range(1, k):
+                parent = parent_ranks[:, j]
+                above = estimates.gather(1, parent.clamp(min=0)[:, None])[:, 0]
+                estimates[:, j] = rates[:, j] * torch.where(parent >= 0, above, 1.0)
+        return estimates.cummin(1).values
 
     def update(self, ranks: torch.Tensor, on_path: torch.Tensor, scores: Optional[torch.Tensor], active: torch.Tensor,
-               rejected: Optional[torch.Tensor] = None) -> None:
+               rejected: Optional[torch.Tensor] = None, parents: Optional[torch.Tensor] = None) -> None:
         """One verified step: `ranks [R, T]` (rank of each tree node, -1 for the root and
-        padding), `on_path [R, T]` (node accepted), `scores [R, T]` or None, `active [R]`
-        (rows still generating before this step), `rejected [R]` (the accepted path stopped
-        where a verified child existed; None: where fewer nodes were accepted than verified)."""
+        padding), `on_path [R, T]` (node accepted; the root is), `scores [R, T]` (path scores,
+        the root's 1) or None, `active [R]` (rows still generating before this step),
+        `rejected [R]` (the accepted path stopped where a verified child existed; None: where a
+        node whose parent was accepted was not), `parents [R, T]` (node ids; None: a chain,
+        node t's parent is node t - 1)."""
         sink = self.hit.shape[1] - 1
+        if parents is None:
+            parents = (torch.arange(ranks.shape[1], device=ranks.device) - 1).expand_as(ranks)
+        parents = parents.long().clamp(min=0)
         verified = (ranks >= 0) & active[:, None]
-        index = torch.where(verified, ranks, sink)
+        reached = verified & on_path.gather(1, parents)  # verified with the parent accepted
+        index = torch.where(reached, ranks, sink)
         for counts in (self.hit, self.tried, self.score_sum, self.accepted, self.rejected):
             counts.mul_(self.decay)
-        hits = (verified & on_path).double()
+        hits = (reached & on_path).double()
         if rejected is None:
-            rejected = hits.sum(1) < verified.sum(1)
+            rejected = (reached & ~on_path).any(1)
         self.accepted.add_(hits.sum(1))
         self.rejected.add_((rejected & active).double())
-        self.tried.scatter_add_(1, index, verified.double())
+        self.tried.scatter_add_(1, index, reached.double())
         self.hit.scatter_add_(1, index, hits)
         if scores is not None:
-            self.score_sum.scatter_add_(1, index, torch.where(verified, scores.double(), 0.0))
+            scores = scores.double()
+            above = scores.gather(1, parents)
+            conditional = torch.where(above > 0, scores / above, 0.0).clamp(0.0, 1.0)
+            self.score_sum.scatter_add_(1, index, torch.where(reached, conditional, 0.0))
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         self.hit, self.tried, self.score_sum = self.hit[rows], self.tried[rows], self.score_sum[rows]
@@ -266,14 +301,20 @@ class Planner:
         widths = torch.arange(1, num_nodes + 2)
         return self.cost_model.step_seconds(rows, widths, prefix, corrected=not self._reproducible)
 
-    def budget(self, prefix: float) -> torch.Tensor:
-        """int64 [R]: the most nodes each row should draft this step (from its history)."""
+    def budget(self, prefix: float, remaining: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """int64 [R]: the most nodes each row should draft this step (from its history).
+        remaining: [R] tokens each row may still emit (None: no limit); a step emits the
+        accepted drafts plus one token, so drafts deeper than remaining - 1 are worth nothing."""
         rates = self.acceptance.rank_rates()
+        if remaining is not None:  # a chain's rank k sits at depth k + 1
+            rank = torch.arange(rates.shape[1], device=rates.device)
+            rates = torch.where(rank[None, :] + 1 < remaining.to(rates.device)[:, None], rates, 0.0)
         self._seconds = self._step_seconds(rates.shape[0], prefix, rates.shape[1])  # select() reuses it
         return choose_counts(rates, self._seconds, max_batch_nodes=self.max_batch_nodes, min_gain=self.min_gain)
 
-    def select(self, draft: Draft, prefix: float) -> Draft:
-        """The drafted tree cut to the nodes worth verifying (sampled trees: as drafted)."""
+    def select(self, draft: Draft, prefix: float, remaining: Optional[torch.Tensor] = None) -> Draft:
+        """The drafted tree cut to the nodes worth verifying (sampled trees: as drafted);
+        remaining as in `budget` (nodes deeper than remaining - 1 are never verified)."""
         tree = draft.tree
         rows, width = tree.tokens.shape
         real = tree.parents >= 0  # drafted nodes (the root has parent -1)
@@ -286,10 +327,12 @@ class Planner:
         key = draft.scores if draft.scores is not None else (1.0 - node / width).expand(rows, -1)
         order, position = rank_nodes(key, real)
         ranked_scores = None if draft.scores is None else draft.scores.gather(1, order)[:, 1:]
+        parent_ranks = position.gather(1, tree.parents.gather(1, order[:, 1:]).clamp(min=0)) - 1
         num_real = real.sum(1)
-        gains = self.acceptance.estimates(ranked_scores)
-        if draft.scores is None:
-            gains = torch.cat([gains, gains.new_zeros(rows, max(width - 1 - gains.shape[1], 0))], 1)[:, : width - 1]
+        gains = self.acceptance.estimates(ranked_scores, parent_ranks)
+        if remaining is not None and bool((remaining.to(num_real.device) <= num_real).any()):
+            depths = tree.depths.gather(1, order[:, 1:])
+            gains = torch.where(depths < remaining.to(depths.device)[:, None], gains, 0.0).cummin(1).values
         gains = torch.where(node[None, : width - 1] < num_real[:, None], gains, 0.0)
         seconds = self._seconds[:width] if self._seconds is not None and self._seconds.shape[0] >= width else \
             self._step_seconds(rows, prefix, width - 1)
@@ -317,7 +360,7 @@ class Planner:
         # Rejected: the last accepted node has a verified child (the path could have gone on).
         last = path.gather(1, out.num_accepted.long()[:, None])
         rejected = ((plan.parents == last) & (plan.ranks >= 0)).any(1)
-        self.acceptance.update(plan.ranks, on_path, plan.scores, active, rejected)
+        self.acceptance.update(plan.ranks, on_path, plan.scores, active, rejected, plan.parents)
 
     def observe_time(self, seconds: float) -> None:
         """The measured seconds of the step last planned (drafting to bookkeeping)."""
