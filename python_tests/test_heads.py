@@ -187,13 +187,33 @@ def start_on_prompts(drafter, target, rows: int, capacity: int = 64):
     return history, lengths
 
 
-def test_merged_head_and_ngram_respect_budget(target, heads):
+def test_merged_head_and_ngram_budget_and_scores(target, heads, monkeypatch):
+    """The budget bounds the head's nodes (its forwards cost compute), the n-gram chain comes
+    whole (free), and every merged node carries the higher of its sources' scores."""
     drafter = HEAD_DRAFTERS["eagle+ngram"](target, heads)
     history, lengths = start_on_prompts(drafter, target, 2)
-    tree = drafter.propose(history, lengths, budget=torch.tensor([0, 4])).tree
-    assert tree.num_nodes.tolist() == [1, 5]  # the head alone fills a budget of 4
-    tree = drafter.propose(history, lengths, budget=torch.tensor([2, 100])).tree
-    assert int(tree.num_nodes[0]) == 3 and int(tree.num_nodes[1]) > 7  # head (6) + n-gram continuation
+    ngram = drafter.ngram.propose(history, lengths)
+    head = drafter.head_drafter.propose(history, lengths, budget=torch.tensor([0, 4]))
+    draft = drafter.propose(history, lengths, budget=torch.tensor([0, 4]))
+    tree = draft.tree
+    assert int(ngram.tree.num_nodes[0]) > 1 and int(head.tree.num_nodes[1]) == 5
+    assert int(tree.num_nodes[0]) == int(ngram.tree.num_nodes[0])  # row 0: the n-gram chain only
+    assert max(int(head.tree.num_nodes[1]), int(ngram.tree.num_nodes[1])) <= int(tree.num_nodes[1]) <= \
+        int(head.tree.num_nodes[1]) + int(ngram.tree.num_nodes[1]) - 1
+    for source in (head, ngram):  # each source's paths are in the tree, scored at least as high
+        for b in range(2):
+            for i in range(1, int(source.tree.num_nodes[b])):
+                path = source.tree.path_tokens(b, i)
+                node = next(j for j in range(int(tree.num_nodes[b])) if tree.path_tokens(b, j) == path)
+                assert float(draft.scores[b, node]) >= float(source.scores[b, i]) - 1e-6
+    real = tree.parents >= 0
+    parent_scores = draft.scores.gather(1, tree.parents.clamp(min=0))
+    assert (draft.scores[real] <= parent_scores[real] + 1e-6).all()  # ancestor-closed pruning stays possible
+    # No row may draft: the head is not run at all.
+    calls = []
+    monkeypatch.setattr(drafter.head_drafter, "_propose", lambda *a, **k: calls.append(1))
+    assert drafter.propose(history, lengths, budget=torch.tensor([0, 0])).tree.num_nodes.tolist() == \
+        ngram.tree.num_nodes.tolist() and not calls
 
 
 # ----------------------------------------------------------------------------- greedy identity
@@ -239,10 +259,11 @@ def test_draft_scores_and_budget(target, heads):
     draft = drafter.propose(history, lengths, budget=torch.tensor([0, 3, 10]))
     tree, scores = draft.tree, draft.scores
     assert tree.num_nodes.tolist() == [1, 4, 11]
-    drafter.min_score = 0.02  # the confidence cut keeps only nodes scored >= 0.02
-    cut = drafter.propose(history, lengths, budget=torch.tensor([0, 3, 10]))
+    drafter.min_score = 0.02  # without a planner (no budget) the confidence cut keeps only nodes scored >= 0.02
+    cut = drafter.propose(history, lengths)
     real = cut.tree.parents >= 0
-    assert torch.all(cut.scores[real] >= 0.02) and int(cut.tree.num_nodes.sum()) < 16
+    assert torch.all(cut.scores[real] >= 0.02) and int(cut.tree.num_nodes.max()) < 1 + drafter.max_nodes
+    assert drafter.propose(history, lengths, budget=torch.tensor([0, 3, 10])).tree.num_nodes.tolist() == [1, 4, 11]
     assert torch.all(scores[:, 0] == 1.0)
     for b in range(3):
         for i in range(1, int(tree.num_nodes[b])):

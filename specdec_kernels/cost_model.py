@@ -146,7 +146,8 @@ class CostModel:
         tokens = torch.tensor([float(rows * width)], dtype=torch.float64)
         ratio = min(max(seconds / float(self.forward_seconds(tokens, prefix)[0]), _RATIO_RANGE[0]), _RATIO_RANGE[1])
         b = min(int(round(math.log2(rows * width))), 63)
-        self._ratio[b] = ratio if not self._seen[b] else _DECAY * float(self._ratio[b]) + (1 - _DECAY) * ratio
+        # A bucket starts from the calibration (ratio 1): one odd step moves it a fifth of the way.
+        self._ratio[b] = _DECAY * (float(self._ratio[b]) if self._seen[b] else 1.0) + (1 - _DECAY) * ratio
         self._seen[b] = True
 
     # ------------------------------------------------------------------ persistence

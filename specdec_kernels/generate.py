@@ -211,8 +211,9 @@ def _draft(drafter: Drafter, planner: Optional[Planner], rows: _Rows, sampling, 
 
 
 class _Trace:
-    """Per-step records for stats.trace; each step's wall time also refreshes the planner's
-    cost model. Counts stay tensors until the end (no host sync per step)."""
+    """Per-step records for stats.trace; each step's wall time (but the first's, which also
+    holds the drafter's catch-up over the prompt) refreshes the planner's cost model. Counts
+    stay tensors until the end (no host sync per step)."""
 
     def __init__(self, planner: Optional[Planner]):
         self.planner, self.records, self.start = planner, [], time.perf_counter()
@@ -222,7 +223,7 @@ class _Trace:
         now = time.perf_counter()
         if self.records and "seconds" not in self.records[-1]:
             self.records[-1]["seconds"] = now - self.start
-            if self.planner is not None:
+            if self.planner is not None and len(self.records) > 1:
                 self.planner.observe_time(self.records[-1]["seconds"])
         self.start = now
 

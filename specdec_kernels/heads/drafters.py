@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from ..drafters import Draft, Drafter, MergedDrafter, NgramDrafter, root_tokens, trimmed
 from ..sampling import target_probs
 from ..tree import TokenTree
+from ..trie import merge_scored_trees
 from .common import check_target, input_embedding, lm_head_weight, read_head
 from .modules import EagleHead, MedusaHeads
 from .online import OnlineLearner, OnlineOptions, training_copy
@@ -134,7 +135,14 @@ class _HeadDrafter(Drafter):
         first labels the last step's outcome and, every `interval` steps, updates the head."""
         if self.online is not None:
             self.online.before_propose(history, lengths)
-        draft = self._propose(history, lengths, sampling, budget)
+        if budget is not None and not bool((budget > 0).any()):
+            # Nothing to draft this step: no head forward (EAGLE catches up on the skipped
+            # tokens at its next draft, in one batched pass).
+            root = root_tokens(history, lengths)
+            draft = Draft(TokenTree.chain(root, history.new_zeros(history.shape[0], 0)), None,
+                          torch.ones(history.shape[0], 1, device=history.device))
+        else:
+            draft = self._propose(history, lengths, sampling, budget)
         if self.online is not None:
             self.online.proposed(draft, lengths)
         return draft
@@ -219,7 +227,7 @@ class _HeadDrafter(Drafter):
             # Rows with a smaller limit drop their lowest-ranked picks (never an ancestor of a kept one).
             order_rank = key.gather(1, chosen).argsort(dim=-1, descending=True).argsort(dim=-1)
             real = order_rank <= limit[:, None]
-            if self.min_score > 0:
+            if self.min_score > 0 and budget is None:
                 # Confidence cut: nodes the head itself rates unlikely to be accepted cost a
                 # target forward slot for little gain (scores fall along paths: closure kept).
                 real &= (scores.gather(1, chosen).exp() >= self.min_score) | (chosen == 0)
@@ -273,10 +281,12 @@ class EagleDrafter(_HeadDrafter):
         max_nodes: most drafted nodes per row (the default size; `budget` can lower it).
         depth: most tree depth; top_k: nodes expanded per depth and children per node.
             Defaults: 4 nodes, depth 3, top_k 2 for a CPU target; 24, 6, 6 on a GPU.
-        min_score: greedy trees drop nodes whose score (the head's estimate that the path is
+        min_score: without the adaptive planner (generate(adaptive=False): no `budget`),
+            greedy trees drop nodes whose score (the head's estimate that the path is
             accepted) is below it, so unsure steps verify fewer nodes; default 0.25 on a CPU
-            (every node costs target compute there), 0 on a GPU. Sampled trees keep every
-            node (dropping a sampled child by its own probability would bias the sample).
+            (every node costs target compute there), 0 on a GPU. With the planner, it prunes
+            by the scores instead, calibrated by what each row accepted. Sampled trees keep
+            every node (dropping a sampled child by its own probability would bias the sample).
         dtype: the head's compute dtype. bfloat16 (default) halves the weight traffic and
             uses the CPU's bf16 matrix units: drafting is memory-bound, ~3x faster than
             fp32 here. Drafts are proposals only, so outputs stay exact in any dtype.
@@ -436,14 +446,22 @@ class MedusaDrafter(_HeadDrafter):
 
 
 class HeadNgramDrafter(MergedDrafter):
-    """A head drafter's tree merged with n-gram continuations (one trie, shared prefixes
-    once, distinct siblings), as `MergedDrafter`, and the target's features passed on to the
-    head. Like every merged proposal it is deterministic (verified with draft_probs None,
-    exact when sampling too); the head proposes its greedy best-first tree.
+    """A head drafter's tree merged with an n-gram drafter's continuations (one trie, shared
+    prefixes once, distinct siblings), and the target's features passed on to the head. Like
+    every merged proposal it is deterministic (verified with draft_probs None, exact when
+    sampling too); the head proposes its greedy best-first tree.
+
+    Each merged node carries a score, the higher of its sources' (the head's path
+    probability, the n-gram's match odds: both estimate the chance the path is accepted), so
+    the adaptive planner keeps the nodes most likely accepted from either source. With a
+    budget the head drafts at most that many nodes (a head forward costs compute; none at all
+    when no row may draft) while the n-gram continuation, free to find, is always proposed
+    whole and left to the planner.
 
     Args:
         head_drafter: an `EagleDrafter` or `MedusaDrafter`.
-        ngram: the n-gram drafter whose continuations are added (code edits keep their gain).
+        ngram: the n-gram drafter whose continuations are added (code edits keep their gain);
+            an unscored proposal (an n-gram tree) counts each node as 0.5 ** depth.
     """
 
     needs_hidden_states = True
@@ -465,33 +483,14 @@ class HeadNgramDrafter(MergedDrafter):
         return self.head_drafter.save(out_dir)
 
     def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
-        """The head's tree (within `budget`) merged with the n-gram chain (none for rows
-        whose budget is 0)."""
-        if budget is None:
-            return super().propose(history, lengths, None)
-        trees = [self.head_drafter.propose(history, lengths, None, budget).tree,
-                 self.ngram.propose(history, lengths, None).tree]
-        return self._merge(history, lengths, trees, budget)
-
-    def _merge(self, history, lengths, trees, budget):
-        batch = history.shape[0]
-        sequences = [[] for _ in range(batch)]
-        allowed = budget.tolist()
-        for tree in trees:
-            parents = tree.parents.tolist()
-            for b in range(batch):
-                if allowed[b] <= 0:
-                    continue
-                real = [i for i, p in enumerate(parents[b]) if i == 0 or p >= 0]
-                has_child = {p for p in parents[b] if p >= 0}
-                sequences[b] += [tree.path_tokens(b, i)[1:] for i in real if i > 0 and i not in has_child]
-        roots = root_tokens(history, lengths).tolist()
-        merged = TokenTree.from_sequences(roots, sequences, self.max_nodes)
-        # Nodes are numbered in insertion order (parents first): cutting each row at its
-        # budget keeps every kept node's ancestors.
-        cut = torch.arange(merged.tokens.shape[1])[None, :] > budget.cpu().clamp(min=0)[:, None]
-        merged = TokenTree(merged.tokens.masked_fill(cut, -1), merged.parents.masked_fill(cut, -1))
-        return Draft(trimmed(merged.to(history.device)))
+        """The head's tree (within `budget`) merged with the n-gram proposal, with scores."""
+        drafts = [self.head_drafter.propose(history, lengths, None, budget), self.ngram.propose(history, lengths, None)]
+        scores = [d.scores if d.scores is not None else 0.5 ** d.tree.depths.clamp(min=0).float() for d in drafts]
+        tokens, parents, merged = merge_scored_trees(root_tokens(history, lengths).tolist(),
+                                                     [(d.tree.tokens, d.tree.parents) for d in drafts],
+                                                     scores, self.max_nodes)
+        tree = trimmed(TokenTree(tokens, parents).to(history.device))
+        return Draft(tree, None, merged[:, : tree.tokens.shape[1]].to(history.device))
 
 
 def _head_dirs():
@@ -545,7 +544,7 @@ def default_drafter(target, *, online=False) -> Drafter:
     `<cache_dir>/heads/`). Output stays exactly the target's either way. Without a head for
     `target` there is nothing to adapt: n-gram drafts alone, whatever `online` says."""
     options = OnlineOptions.coerce(online)  # bad settings fail here, head or not
-    ngram = NgramDrafter(min_n=2, max_n=4, num_tokens=8)
+    ngram = NgramDrafter(num_tokens=10)  # what n-gram drafting alone uses
     folder = find_head(target)
     if folder is None:
         return NgramDrafter(num_tokens=10)
