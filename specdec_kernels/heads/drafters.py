@@ -544,10 +544,10 @@ def default_drafter(target, *, online=False) -> Drafter:
     `<cache_dir>/heads/`). Output stays exactly the target's either way. Without a head for
     `target` there is nothing to adapt: n-gram drafts alone, whatever `online` says."""
     options = OnlineOptions.coerce(online)  # bad settings fail here, head or not
-    ngram = NgramDrafter(num_tokens=10)  # what n-gram drafting alone uses
+    ngram = NgramDrafter(num_tokens=16)  # what n-gram drafting alone uses
     folder = find_head(target)
     if folder is None:
-        return NgramDrafter(num_tokens=10)
+        return NgramDrafter(num_tokens=16)  # the planner verifies what pays of up to 16 (a long copy pays)
     import json
 
     kind = json.loads((folder / "config.json").read_text())["kind"]

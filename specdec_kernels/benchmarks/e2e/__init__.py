@@ -18,8 +18,9 @@ Methods:
   hf_prompt_lookup  HF `generate(prompt_lookup_num_tokens=10)` (transformers: batch size 1 only)
   hf_assisted       HF `generate(assistant_model=draft)` (with --draft-model; batch size 1 only)
   ours_plain        ours without drafts (the loop's own overhead; not in the default set)
-  ours_ngram        NgramDrafter(num_tokens=10), a chain (the same k as hf_prompt_lookup), sized each step by the adaptive planner
-  ours_ngram_fixed  the same drafter with adaptive=False: every step verifies its k drafts
+  ours_ngram        NgramDrafter(num_tokens=16), a chain sized each step by the adaptive planner (up to 16 drafts)
+  ours_ngram_fixed  NgramDrafter(num_tokens=10) with adaptive=False: every step verifies its k drafts (the k of
+                    hf_prompt_lookup)
   ours_ngram_paged  ours_ngram on a paged KV cache (kv_page_size=16; not in the default set)
   ours_ngram_tree   NgramDrafter(num_tokens=10, tree_width=3), a tree of up to 3 continuations
   ours_draft        DraftModelDrafter(draft, num_tokens=4), a chain (with --draft-model)
@@ -51,7 +52,7 @@ from .. import common
 from .models import RANDOM_LLAMA, load_models, random_llama3_8b
 from .report import markdown, plot_acceptance, plot_speedup, table_rows, write_results
 from .runner import (BATCH1_ONLY, DEFAULT_METHODS, DRAFT_TOKENS, DRAFT_TREE_WIDTHS, HF_PROMPT_LOOKUP_TOKENS, METHODS,
-                     NEEDS_DRAFT, NGRAM_TOKENS, NGRAM_TREE_WIDTH, SEED, TEMPERATURES, bench_row, kernel_share,
+                     NEEDS_DRAFT, NGRAM_FIXED_TOKENS, NGRAM_TOKENS, NGRAM_TREE_WIDTH, SEED, TEMPERATURES, bench_row, kernel_share,
                      make_batches, new_token_counts, run, run_method)
 
 __all__ = ["main", "run_args", "add_arguments", "run", "run_method", "bench_row", "kernel_share", "make_batches",
@@ -149,7 +150,7 @@ def run_args(args) -> int:
                     repeats=args.repeats,
                     batch_sizes=list(batch_sizes), workloads=list(workloads),
                     methods=sorted({r["config"]["method"] for r in rows}), dtype=str(next(model.parameters()).dtype),
-                    hf_prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS, ngram_num_tokens=NGRAM_TOKENS,
+                    hf_prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS, ngram_num_tokens=NGRAM_TOKENS, ngram_fixed_num_tokens=NGRAM_FIXED_TOKENS,
                     ngram_tree_width=NGRAM_TREE_WIDTH, draft_model=args.draft_model, draft_num_tokens=DRAFT_TOKENS,
                     draft_tree_widths=list(DRAFT_TREE_WIDTHS), wall_s=None)
     settings["wall_s"] = time.perf_counter() - start
