@@ -108,9 +108,11 @@ class AcceptanceModel:
     parent on the accepted path, and was accepted. A chain rejected at depth 2 so tells
     nothing about depths 3 and beyond (counting them as misses would make one rejected copy,
     e.g. at a renamed identifier in a code edit, shrink the next drafts for many steps). The
-    rate is (hit + alpha * w) / (tried + w): measured where the row has reached rank k, else
-    the row's per-token acceptance alpha = accepted / (accepted + rejected) drafts (a
-    rejection: the accepted path stopped where a verified child existed; prior `prior`).
+    rate is (hit + alpha * w) / (tried + w), w = rank_weight: measured where the row has
+    reached rank k often, else near the row's per-token acceptance alpha (one rejection at a
+    rank does not undo what the row's other drafts showed), alpha = accepted / (accepted +
+    rejected) drafts (a rejection: the accepted path stopped where a verified child existed;
+    prior `prior`, weight prior_weight).
     A node's estimate is the product of the conditional rates along its path, so unmeasured
     deep ranks follow alpha: a row that verifies one node and always accepts it looks worth
     drafting deeper, and gets measured. All counts decay every step, so a row that stopped
