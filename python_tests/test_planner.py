@@ -120,6 +120,28 @@ def test_acceptance_model_learns_and_forgets():
     assert est[0, 0] > est[1, 0] and (est[:, 1:] <= est[:, :-1]).all()
 
 
+def test_a_rejection_says_nothing_about_deeper_nodes():
+    """Acceptance is learned per rank given the parent's: a chain rejected at depth 2 counts
+    a miss at depth 2 only, so the deeper ranks keep what the row showed before."""
+    model = AcceptanceModel(rows=2, max_nodes=4, device="cpu", prior=0.5)
+    ranks = torch.tensor([[-1, 0, 1, 2, 3]] * 2)
+    all_accepted = torch.ones(2, 5, dtype=torch.bool)
+    for _ in range(8):
+        model.update(ranks, all_accepted, None, torch.ones(2, dtype=torch.bool))
+    before = model.conditional_rates()[0].clone()
+    stopped = torch.tensor([[True, True, False, False, False], [True] * 5])  # row 0: depth 2 rejected
+    model.update(ranks, stopped, None, torch.ones(2, dtype=torch.bool))
+    after = model.conditional_rates()
+    assert after[0, 1] < after[1, 1] - 0.1  # the rejected rank drops
+    assert (after[0, 2:] > 0.7).all() and (after[0, 2:] >= before[2:] - 0.1).all()  # deeper ranks keep their rate
+    # Tree parents: a node under a rejected sibling path is not counted as tried.
+    parents = torch.tensor([[-1, 0, 0, 1, 2]])
+    tree = AcceptanceModel(rows=1, max_nodes=4, device="cpu", prior=0.5)
+    tree.update(torch.tensor([[-1, 0, 1, 2, 3]]), torch.tensor([[True, True, False, True, False]]), None,
+                torch.ones(1, dtype=torch.bool), parents=parents)
+    assert tree.tried[0, :4].tolist() == [1.0, 1.0, 1.0, 0.0]  # node 4's parent (node 2) was rejected
+
+
 def test_accepting_rows_look_deeper():
     """A row that verifies only its first node and always accepts it: the unmeasured deeper
     ranks follow the row's per-token acceptance (the planner then tries them), they do not
@@ -260,6 +282,10 @@ def test_cost_model_interpolates_and_refreshes():
         cost.observe(rows=2, width=8, prefix=cm.CAL_PREFIX, seconds=8.0)  # 16 tokens measured at 2x
     after = cost.step_seconds(2, torch.tensor([1, 2, 8]), prefix=cm.CAL_PREFIX)
     assert torch.allclose(after[2], 2 * before[2], rtol=1e-3)
+    # One odd step (a hiccup, a drafter's catch-up) moves a fresh bucket a fifth of the way.
+    fresh = cm.CostModel({"k": 1}, [1, 4, 16], [1.0, 1.0, 4.0], per_key=0.0)
+    fresh.observe(rows=1, width=4, prefix=cm.CAL_PREFIX, seconds=3.0)  # 4 tokens measured at 3x
+    assert float(fresh.step_seconds(1, torch.tensor([4]), prefix=cm.CAL_PREFIX)[0]) == pytest.approx(1.4)
 
 
 def test_cost_model_cached_per_model_and_device(target, tmp_path, capsys):
