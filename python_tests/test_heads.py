@@ -191,6 +191,7 @@ def test_merged_head_and_ngram_budget_and_scores(target, heads, monkeypatch):
     """The budget bounds the head's nodes (its forwards cost compute), the n-gram chain comes
     whole (free), and every merged node carries the higher of its sources' scores."""
     drafter = HEAD_DRAFTERS["eagle+ngram"](target, heads)
+    drafter.confident = None  # the head drafts whatever the n-gram found (checked last)
     history, lengths = start_on_prompts(drafter, target, 2)
     ngram = drafter.ngram.propose(history, lengths)
     head = drafter.head_drafter.propose(history, lengths, budget=torch.tensor([0, 4]))
@@ -214,6 +215,17 @@ def test_merged_head_and_ngram_budget_and_scores(target, heads, monkeypatch):
     monkeypatch.setattr(drafter.head_drafter, "_propose", lambda *a, **k: calls.append(1))
     assert drafter.propose(history, lengths, budget=torch.tensor([0, 0])).tree.num_nodes.tolist() == \
         ngram.tree.num_nodes.tolist() and not calls
+    monkeypatch.undo()
+    # A row whose n-gram continuation is near-certain gets no head drafts.
+    first = ngram.scores[:, 1]
+    assert first[0] != first[1]
+    sure = int(first.argmax())
+    drafter.confident = float(first.max())
+    both = drafter.propose(history, lengths, budget=torch.tensor([4, 4])).tree
+    assert int(both.num_nodes[sure]) == int(ngram.tree.num_nodes[sure])
+    assert int(both.num_nodes[1 - sure]) > int(ngram.tree.num_nodes[1 - sure])
+    with pytest.raises(ValueError, match="confident"):
+        HeadNgramDrafter(drafter.head_drafter, drafter.ngram, confident=0.0)
 
 
 # ----------------------------------------------------------------------------- greedy identity
