@@ -57,6 +57,13 @@ def _source(head):
     return Path(head) if isinstance(head, (str, Path)) else None
 
 
+def _no_draft(history, lengths) -> Draft:
+    """Each row's root alone (score 1): a step that drafts nothing."""
+    root = root_tokens(history, lengths)
+    return Draft(TokenTree.chain(root, history.new_zeros(history.shape[0], 0)), None,
+                 torch.ones(history.shape[0], 1, device=history.device))
+
+
 class _HeadDrafter(Drafter):
     """What EAGLE and Medusa drafters share: the feature buffer, the draft vocabulary's LM
     head rows, and the best-first tree construction (`_build`)."""
@@ -138,9 +145,7 @@ class _HeadDrafter(Drafter):
         if budget is not None and not bool((budget > 0).any()):
             # Nothing to draft this step: no head forward (EAGLE catches up on the skipped
             # tokens at its next draft, in one batched pass).
-            root = root_tokens(history, lengths)
-            draft = Draft(TokenTree.chain(root, history.new_zeros(history.shape[0], 0)), None,
-                          torch.ones(history.shape[0], 1, device=history.device))
+            draft = _no_draft(history, lengths)
         else:
             draft = self._propose(history, lengths, sampling, budget)
         if self.online is not None:
@@ -170,8 +175,7 @@ class _HeadDrafter(Drafter):
         max_budget = int(limit.max()) if batch else 0
         root = root_tokens(history, lengths)
         if max_budget == 0:
-            tree = TokenTree.chain(root, history.new_zeros(batch, 0))
-            return Draft(tree, None, torch.ones(batch, 1, device=device))
+            return _no_draft(history, lengths)
         width = min(self.top_k, self.vocab.numel())
         depth = min(self.depth, max_budget)
         # Candidates (root = 0): token (draft-vocab index), parent candidate, log score, depth.
