@@ -3,7 +3,7 @@
     specdec demo                      plain HF greedy decoding vs ours with n-gram drafts, same prompt
     specdec generate --prompt "..."   one generation with a chosen drafter, stats at the end
     specdec info                      versions, compiled extension, backends per op, device
-    specdec bench kernels|e2e|all     the benchmark suite (specdec_kernels.benchmarks), results in bench/results
+    specdec bench kernels|e2e|online|linear|all   the benchmark suite (specdec_kernels.benchmarks), results in bench/results
 """
 
 import argparse
@@ -432,6 +432,13 @@ def cmd_bench_online(args) -> int:
     return online.run_args(args)
 
 
+def cmd_bench_linear(args) -> int:
+    """The target's forward with few-row linears in both layouts (specdec_kernels.benchmarks.linear)."""
+    from .benchmarks import linear
+
+    return linear.run_args(args)
+
+
 def cmd_bench_all(args) -> int:
     """Kernels, then end to end, same --full / --out-dir: every table and plot of the README."""
     from .benchmarks import e2e, kernels
@@ -445,12 +452,12 @@ def cmd_bench_all(args) -> int:
 
 
 def _add_bench_parser(sub) -> None:
-    from .benchmarks import e2e, kernels, online
+    from .benchmarks import e2e, kernels, linear, online
 
-    bench = sub.add_parser("bench", help="benchmark suite: kernels, e2e, online, or all (results in bench/results)",
+    bench = sub.add_parser("bench", help="benchmark suite: kernels, e2e, online, linear, or all (results in bench/results)",
                            description="Benchmarks with peers measured in the same run; JSON, Markdown and PNG "
                                        "results under bench/results (or --out-dir).")
-    kinds = bench.add_subparsers(dest="bench", metavar="{kernels,e2e,online,all}")
+    kinds = bench.add_subparsers(dest="bench", metavar="{kernels,e2e,online,linear,all}")
     kinds.required = True
     k = kinds.add_parser("kernels", help="per-op benchmarks (n-gram drafting; verify and tree attention on a GPU)",
                          description=kernels.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -464,6 +471,10 @@ def _add_bench_parser(sub) -> None:
                          description=online.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     online.add_arguments(o)
     o.set_defaults(func=cmd_bench_online)
+    li = kinds.add_parser("linear", help="the target's forward with few-row linears in both layouts (CPU)",
+                          description=linear.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    linear.add_arguments(li)
+    li.set_defaults(func=cmd_bench_linear)
     a = kinds.add_parser("all", help="kernels then e2e (the e2e options apply to the e2e part)")
     e2e.add_arguments(a)
     a.set_defaults(func=cmd_bench_all)

@@ -342,7 +342,10 @@ def generate(
     clock = _sync if timing else (lambda device: time.perf_counter())
     # The loop builds every op input itself: re-reading them would cost a host sync per op call
     # on GPU (one per layer per step) and about 0.2 ms per tree-attention call on CPU.
-    with hf.use_tree_attention(target, *drafter.models), config.value_checks(False):
+    # Few-row linears in the layout the cost model found faster on this CPU (hf.linear).
+    linear_rows = _weight_major_rows(target, planner)
+    with hf.use_tree_attention(target, *drafter.models), config.value_checks(False), \
+            hf.weight_major_linears(target, linear_rows):
         cache = hf.TreeKVCache.for_model(target, batch, capacity, page_size=kv_page_size)
         hidden = hf.prefill(target, cache, rows.history, rows.lengths, return_hidden=with_hidden)
         drafter.start(rows.history, rows.lengths, capacity)
@@ -423,6 +426,20 @@ def generate(
     stats.nodes_per_step = sum(t["nodes_per_row"] * t["rows"] for t in stats.trace) / pairs if pairs else 0.0
     stats.time_total = time.perf_counter() - t_start
     return GenerateOutput(sequences, stats)
+
+
+def _weight_major_rows(target, planner: Optional[Planner]) -> int:
+    """Up to how many rows the target's linears run weight-major (`hf.weight_major_linears`):
+    on a CPU, what its cost model chose at calibration (the planner's, else the target's,
+    measured once per model, device and dtype and cached); elsewhere, and under tensor
+    parallelism, 0."""
+    from .cost_model import CostModel, tensor_parallel
+
+    if next(target.parameters()).device.type != "cpu" or tensor_parallel(target):
+        return 0
+    if planner is not None and planner.cost_model is not None:
+        return planner.cost_model.weight_major_rows
+    return CostModel.for_model(target, verbose=planner.verbose if planner is not None else True).weight_major_rows
 
 
 def _generation_config(target, generation_config, generation_kwargs):

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..drafters import Draft, Drafter, MergedDrafter, NgramDrafter, root_tokens, trimmed
+from ..hf.linear import choose_weight_major_rows, linear_weights, weight_major_linear, weight_major_linears
 from ..sampling import target_probs
 from ..tree import TokenTree
 from ..trie import merge_scored_trees
@@ -36,6 +37,7 @@ from .modules import EagleHead, MedusaHeads
 from .online import OnlineLearner, OnlineOptions, training_copy
 
 _TIE = 1e-6  # per-depth penalty on log scores: a parent always outranks its children
+_LAYOUTS = {}  # (head shapes, dtype, CPU threads) -> weight_major_rows, measured once per process
 
 
 def _load(module_cls, target, head, kind):
@@ -55,6 +57,18 @@ def _load(module_cls, target, head, kind):
 def _source(head):
     """The head directory a drafter was loaded from (None for a module passed as is)."""
     return Path(head) if isinstance(head, (str, Path)) else None
+
+
+def _weight_major_rows(module, w_draft) -> int:
+    """Up to how many rows the head's products run weight-major (`hf.linear`) on a CPU:
+    measured on its own weights and draft-vocabulary LM head once per process (0 elsewhere)."""
+    if w_draft.device.type != "cpu":
+        return 0
+    weights = linear_weights(module) + [w_draft]
+    key = (tuple(tuple(w.shape) for w in weights), w_draft.dtype, torch.get_num_threads())
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = choose_weight_major_rows(weights, counts=(2, 4, 8), repeats=3)
+    return _LAYOUTS[key]
 
 
 def _no_draft(history, lengths) -> Draft:
@@ -87,6 +101,9 @@ class _HeadDrafter(Drafter):
         if int(self.vocab.max()) >= self.vocab_size:
             raise ValueError("head: its draft vocabulary has token ids outside the target's vocabulary")
         self.w_draft = lm_head_weight(target).detach()[self.vocab].to(dtype)  # [N, H]
+        # A step's head forwards see a few rows (the frontier, the tokens accepted since the
+        # last step): on some CPUs those run faster weight-major (hf.linear); measured here.
+        self.weight_major_rows = _weight_major_rows(self.head, self.w_draft)
         self.features = None
         self.source = source
         # Online adaptation (heads.online): the head keeps learning from what the target verifies.
@@ -147,10 +164,18 @@ class _HeadDrafter(Drafter):
             # tokens at its next draft, in one batched pass).
             draft = _no_draft(history, lengths)
         else:
-            draft = self._propose(history, lengths, sampling, budget)
+            with weight_major_linears(self.head, self.weight_major_rows):
+                draft = self._propose(history, lengths, sampling, budget)
         if self.online is not None:
             self.online.proposed(draft, lengths)
         return draft
+
+    def _logits(self, g):
+        """Draft-vocabulary logits of head outputs g [..., H] (the layout measured faster for
+        this many rows)."""
+        if 2 <= g.numel() // g.shape[-1] <= self.weight_major_rows:
+            return weight_major_linear(g, self.w_draft)
+        return g @ self.w_draft.T
 
     # -- trees -------------------------------------------------------------------------
     def _warped(self, logits, sampling):
@@ -398,9 +423,9 @@ class EagleDrafter(_HeadDrafter):
             positions = (prefix - 1 + level)[:, None].expand(-1, n_new)
             g = self.head(g_parent, self.embed(tokens).to(self.dtype), positions, self._attend(slots, mask))
             state["g"], state["anc"], state["fed"] = g, anc, fed + n_new
-            return g @ self.w_draft.T
+            return self._logits(g)
 
-        first = g_root @ self.w_draft.T
+        first = self._logits(g_root)
         return self._build(history, lengths, first, expand, sampling, budget, can_draft)
 
     def _rerun_last(self, history, prefix):
@@ -444,7 +469,7 @@ class MedusaDrafter(_HeadDrafter):
         can_draft = lengths >= 2
         pos = (lengths - 2).clamp(min=0)
         feat = self.features.gather(1, pos[:, None, None].expand(-1, 1, self.features.shape[-1]))[:, 0]
-        per_head = self.head(feat.to(self.dtype)) @ self.w_draft.T  # [B, K, N]
+        per_head = self._logits(self.head(feat.to(self.dtype)))  # [B, K, N]
 
         def expand(level, parent_pos, tokens):
             return per_head[:, level : level + 1].expand(-1, tokens.shape[1], -1)

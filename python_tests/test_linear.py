@@ -1,0 +1,165 @@
+"""Few-row linears in the weight-major layout (`specdec_kernels.hf.linear`), the cost model's
+choice of it, and generate with it on: same numbers as `F.linear` to rounding, only plain
+`torch.nn.Linear` modules patched and always restored, the choice is a prefix of measured
+wins, and greedy output stays identical to HF `generate`."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+import specdec_kernels as sk  # noqa: E402
+from specdec_kernels import cost_model as cm  # noqa: E402
+from specdec_kernels import hf  # noqa: E402
+from specdec_kernels.hf import linear  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def own_cache_dir(tmp_path, monkeypatch):
+    """Measurements (generate's cost model) go to a temporary cache, not the user's."""
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_weight_major_linear_matches_f_linear(gen, dtype, bias):
+    for shape in [(1, 7), (2, 5, 33), (3, 64), (1, 4, 4, 16)]:
+        out_features = int(torch.randint(1, 80, (), generator=gen))
+        x = torch.randn(*shape, generator=gen).to(dtype)
+        w = torch.randn(out_features, shape[-1], generator=gen).to(dtype)
+        b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
+        got = linear.weight_major_linear(x, w, b)
+        want = F.linear(x.float(), w.float(), None if b is None else b.float())
+        assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * shape[-1] ** 0.5)
+
+
+class _Custom(torch.nn.Linear):
+    """A Linear subclass (stands for quantized or sharded linears): never patched."""
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), _Custom(16, 8), torch.nn.Linear(8, 4, bias=False))
+
+
+def test_weight_major_linears_patches_plain_linears_for_few_rows_and_restores(monkeypatch):
+    net = _net()
+    calls = []
+    real = linear.weight_major_linear
+    monkeypatch.setattr(linear, "weight_major_linear", lambda x, w, b=None: calls.append(x.shape) or real(x, w, b))
+    for rows, expected_calls in [(1, 0), (2, 2), (5, 2), (6, 0)]:  # 2 patched Linears; rows 2..5 take the layout
+        calls.clear()
+        x = torch.randn(rows, 8)
+        want = net(x)
+        with hf.weight_major_linears(net, 5):
+            got = net(x)
+        assert len(calls) == expected_calls, rows
+        torch.testing.assert_close(got, want)
+    assert all("forward" not in m.__dict__ for m in net.modules())  # restored
+    calls.clear()
+    with hf.weight_major_linears(net, 1):  # < 2: nothing patched
+        net(torch.randn(2, 8))
+    assert calls == []
+
+
+def test_weight_major_linears_restores_on_error():
+    net = _net()
+    with pytest.raises(RuntimeError, match="boom"):
+        with hf.weight_major_linears(net, 32):
+            assert "forward" in net[0].__dict__ and "forward" not in net[2].__dict__
+            raise RuntimeError("boom")
+    assert all("forward" not in m.__dict__ for m in net.modules())
+
+
+def _tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("wins,expected", [
+    ((True, True, True, True, True), 32),
+    ((True, True, False, True, True), 4),  # a loss ends the prefix: later wins do not count
+    ((False, True, True, True, True), 0),
+])
+def test_choose_weight_major_rows_takes_the_prefix_of_wins(monkeypatch, wins, expected):
+    win = dict(zip(linear.LAYOUT_ROWS, wins))
+    timed = []
+
+    def fake_time(weights, rows, weight_major):
+        timed.append((rows, weight_major))
+        return 0.5 if weight_major and win[rows] else 1.0
+
+    monkeypatch.setattr(linear, "_time_products", fake_time)
+    assert hf.choose_weight_major_rows([torch.zeros(4, 4)], repeats=2) == expected
+    assert len(timed) == 2 * len(linear.LAYOUT_ROWS) * 3  # a warm-up round, then 2 rounds, both layouts
+    assert hf.choose_weight_major_rows([]) == 0
+
+
+def test_choose_weight_major_rows_measures(gen):
+    rows = hf.choose_weight_major_rows(hf.linear_weights(_net()), counts=(2, 4), repeats=1)
+    assert rows in (0, 2, 4)
+
+
+def test_calibration_records_the_layout_and_the_file_keeps_it(tmp_path):
+    model = _tiny_llama()
+    cost = cm.calibrate(model, grid=(1, 2, 4), repeats=1, verbose=False)
+    assert cost.weight_major_rows in (0,) + linear.LAYOUT_ROWS
+    cost.save(tmp_path / "c.json")
+    again = cm.CostModel.load(tmp_path / "c.json", cost.key)
+    assert again.weight_major_rows == cost.weight_major_rows
+    assert cm.CostModel({}, [1, 2], [1.0, 1.0], weight_major_rows=16).to_dict()["weight_major_rows"] == 16
+    with pytest.raises(ValueError, match="weight_major_rows"):
+        cm.CostModel({}, [1, 2], [1.0, 1.0], weight_major_rows=-1)
+
+
+@pytest.mark.parametrize("drafter", ["plain", "ngram"])
+def test_greedy_matches_hf_with_weight_major_linears(monkeypatch, drafter):
+    """The target's linears run weight-major for every step (its cost model says so), batch
+    4 with left padding: output identical to HF generate."""
+    import json
+
+    from specdec_kernels import planner
+
+    planner._LEARNED.clear()
+    model = _tiny_llama()
+    g = torch.Generator().manual_seed(3)
+    phrase = torch.randint(1, 128, (11,), generator=g)
+    prompts = [phrase.repeat(4)[:n] for n in (31, 17, 24, 9)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):], mask[b, width - len(p):] = p, 1
+    expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=0)
+    cost = cm.CostModel(cm.identity(model), [1, 10_000], [1.0, 1.0], weight_major_rows=32)
+    monkeypatch.setitem(cm._LOADED, json.dumps(cm.identity(model), sort_keys=True), cost)  # plain decoding reads it here
+    rows_seen = []
+    real = linear._forward
+    monkeypatch.setattr(linear, "_forward", lambda module, max_rows, x: rows_seen.append(x.shape[:-1].numel())
+                        or real(module, max_rows, x))
+    out = sk.generate(model, ids, attention_mask=mask, max_new_tokens=24, adaptive=planner.Planner(cost),
+                      drafter=sk.NgramDrafter(num_tokens=4) if drafter == "ngram" else None)
+    assert torch.equal(out.sequences, expected)
+    assert any(2 <= r <= 32 for r in rows_seen), "the target's linears did not take the weight-major layout"
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_bench_linear_smoke_writes_json(tmp_path, capsys):
+    import json
+
+    from specdec_kernels import cli
+
+    out = tmp_path / "linear.json"
+    assert cli.main(["bench", "linear", "--smoke", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "linear" and result["smoke"] is True
+    tokens = [r["config"]["tokens"] for r in result["rows"]]
+    assert tokens[0] == 1 and tokens == sorted(tokens)
+    assert all(r["ours_us"] > 0 and r["peers_us"]["F.linear"] > 0 and r["floor_us"] > 0 for r in result["rows"])
+    assert "F.linear / ours" in capsys.readouterr().out
