@@ -1,7 +1,8 @@
-"""Few-row linears in the weight-major layout (`specdec_kernels.hf.linear`), the cost model's
-choice of it, and generate with it on: same numbers as `F.linear` to rounding, only plain
-`torch.nn.Linear` modules patched and always restored, the choice is a prefix of measured
-wins, and greedy output stays identical to HF `generate`."""
+"""Few-row linears by our CPU kernel (`specdec_kernels.hf.linear`, `torch.ops.specdec.small_linear`),
+the cost model's choice of it, and generate with it on: same numbers as `F.linear` to
+rounding, clear errors, only plain fp32 `torch.nn.Linear` modules patched and always
+restored, the choice is the first run of measured wins, and greedy output stays identical
+to HF `generate`."""
 
 import pytest
 import torch
@@ -21,19 +22,43 @@ def own_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.skipif(not linear.has_kernel(), reason="needs the compiled extension")
 @pytest.mark.parametrize("bias", [False, True])
-def test_weight_major_linear_matches_f_linear(gen, dtype, bias):
-    for shape in [(1, 7), (2, 5, 33), (3, 64), (1, 4, 4, 16)]:
+def test_small_linear_matches_f_linear(gen, bias):
+    # Odd K (the k % 8 tail), N not a multiple of 4 (the one-row blocks), odd row counts
+    # (the unpaired last row), and rows past the kernel's sweet spot.
+    for shape in [(1, 7), (2, 5, 33), (3, 64), (1, 4, 4, 16), (17, 576), (1, 1), (6, 1537)]:
         out_features = int(torch.randint(1, 80, (), generator=gen))
-        x = torch.randn(*shape, generator=gen).to(dtype)
-        w = torch.randn(out_features, shape[-1], generator=gen).to(dtype)
-        b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
-        got = linear.weight_major_linear(x, w, b)
-        want = F.linear(x.float(), w.float(), None if b is None else b.float())
-        assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
-        tol = 1e-5 if dtype == torch.float32 else 3e-2
-        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * shape[-1] ** 0.5)
+        x = torch.randn(*shape, generator=gen)
+        w = torch.randn(out_features, shape[-1], generator=gen)
+        b = torch.randn(out_features, generator=gen) if bias else None
+        got = linear.small_linear(x, w, b)
+        want = F.linear(x.double(), w.double(), None if b is None else b.double())
+        assert got.shape == want.shape and got.dtype == torch.float32 and got.is_contiguous()
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * shape[-1] ** 0.5)
+    empty = linear.small_linear(torch.randn(0, 8), torch.randn(5, 8))
+    assert empty.shape == (0, 5)
+
+
+@pytest.mark.skipif(not linear.has_kernel(), reason="needs the compiled extension")
+def test_small_linear_strided_inputs_and_opcheck(gen):
+    x = torch.randn(8, 3, generator=gen).T  # [3, 8], not contiguous
+    w = torch.randn(8, 16, generator=gen).T  # [16, 8], not contiguous
+    torch.testing.assert_close(torch.ops.specdec.small_linear(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.library.opcheck(torch.ops.specdec.small_linear, (torch.randn(3, 24), torch.randn(5, 24), torch.randn(5)))
+
+
+@pytest.mark.skipif(not linear.has_kernel(), reason="needs the compiled extension")
+def test_small_linear_rejects_bad_input():
+    op = torch.ops.specdec.small_linear
+    with pytest.raises(RuntimeError, match="float32"):
+        op(torch.randn(2, 4, dtype=torch.float64), torch.randn(3, 4), None)
+    with pytest.raises(RuntimeError, match="K = 4 but weight has K = 5"):
+        op(torch.randn(2, 4), torch.randn(3, 5), None)
+    with pytest.raises(RuntimeError, match=r"x must be \[rows, K\]"):
+        op(torch.randn(2, 2, 4), torch.randn(3, 4), None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        op(torch.randn(2, 4), torch.randn(3, 4), torch.randn(4))
 
 
 class _Custom(torch.nn.Linear):
@@ -45,30 +70,37 @@ def _net():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), _Custom(16, 8), torch.nn.Linear(8, 4, bias=False))
 
 
-def test_weight_major_linears_patches_plain_linears_for_few_rows_and_restores(monkeypatch):
+needs_kernel = pytest.mark.skipif(not linear.has_kernel(), reason="needs the compiled extension")
+
+
+@needs_kernel
+def test_small_linears_patches_plain_fp32_linears_for_the_range_and_restores(monkeypatch):
     net = _net()
     calls = []
-    real = linear.weight_major_linear
-    monkeypatch.setattr(linear, "weight_major_linear", lambda x, w, b=None: calls.append(x.shape) or real(x, w, b))
-    for rows, expected_calls in [(1, 0), (2, 2), (5, 2), (6, 0)]:  # 2 patched Linears; rows 2..5 take the layout
+    real = linear.small_linear
+    monkeypatch.setattr(linear, "small_linear", lambda x, w, b=None: calls.append(x.shape) or real(x, w, b))
+    for rows, expected_calls in [(1, 0), (2, 2), (5, 2), (6, 0)]:  # 2 patched Linears; rows 2..5 take our kernel
         calls.clear()
         x = torch.randn(rows, 8)
         want = net(x)
-        with hf.weight_major_linears(net, 5):
+        with hf.small_linears(net, (2, 5)):
             got = net(x)
         assert len(calls) == expected_calls, rows
         torch.testing.assert_close(got, want)
     assert all("forward" not in m.__dict__ for m in net.modules())  # restored
     calls.clear()
-    with hf.weight_major_linears(net, 1):  # < 2: nothing patched
+    with hf.small_linears(net, (0, 0)):  # never: nothing patched
         net(torch.randn(2, 8))
+    with hf.small_linears(net.to(torch.bfloat16), (1, 32)):  # not fp32: nothing patched
+        net(torch.randn(2, 8, dtype=torch.bfloat16))
     assert calls == []
 
 
-def test_weight_major_linears_restores_on_error():
+@needs_kernel
+def test_small_linears_restores_on_error():
     net = _net()
     with pytest.raises(RuntimeError, match="boom"):
-        with hf.weight_major_linears(net, 32):
+        with hf.small_linears(net, (1, 32)):
             assert "forward" in net[0].__dict__ and "forward" not in net[2].__dict__
             raise RuntimeError("boom")
     assert all("forward" not in m.__dict__ for m in net.modules())
@@ -82,45 +114,50 @@ def _tiny_llama(seed=0):
     return transformers.LlamaForCausalLM(config).eval()
 
 
+@needs_kernel
 @pytest.mark.parametrize("wins,expected", [
-    ((True, True, True, True, True), 32),
-    ((True, True, False, True, True), 4),  # a loss ends the prefix: later wins do not count
-    ((False, True, True, True, True), 0),
+    ((True, True, True, True, True, True), (1, 32)),
+    ((True, True, False, True, True, True), (1, 2)),  # a loss ends the run: later wins do not count
+    ((False, True, True, True, False, True), (2, 8)),  # the run starts at the first win
+    ((False,) * 6, (0, 0)),
 ])
-def test_choose_weight_major_rows_takes_the_prefix_of_wins(monkeypatch, wins, expected):
+def test_choose_small_linear_rows_takes_the_first_run_of_wins(monkeypatch, wins, expected):
     win = dict(zip(linear.LAYOUT_ROWS, wins))
     timed = []
 
-    def fake_time(weights, rows, weight_major):
-        timed.append((rows, weight_major))
-        return 0.5 if weight_major and win[rows] else 1.0
+    def fake_time(weights, rows, ours):
+        timed.append((rows, ours))
+        return 0.5 if ours and win[rows] else 1.0
 
     monkeypatch.setattr(linear, "_time_products", fake_time)
-    assert hf.choose_weight_major_rows([torch.zeros(4, 4)], repeats=2) == expected
-    assert len(timed) == 2 * len(linear.LAYOUT_ROWS) * 3  # a warm-up round, then 2 rounds, both layouts
-    assert hf.choose_weight_major_rows([]) == 0
+    assert hf.choose_small_linear_rows([torch.zeros(4, 4)], repeats=2) == expected
+    assert len(timed) == 2 * len(linear.LAYOUT_ROWS) * 3  # a warm-up round, then 2 rounds, both ways
+    assert hf.choose_small_linear_rows([]) == (0, 0)
 
 
-def test_choose_weight_major_rows_measures(gen):
-    rows = hf.choose_weight_major_rows(hf.linear_weights(_net()), counts=(2, 4), repeats=1)
-    assert rows in (0, 2, 4)
+def test_choose_small_linear_rows_measures():
+    lo, hi = hf.choose_small_linear_rows(hf.linear_weights(_net()), counts=(1, 2, 4), repeats=1)
+    assert (lo, hi) == (0, 0) or 1 <= lo <= hi <= 4
 
 
 def test_calibration_records_the_layout_and_the_file_keeps_it(tmp_path):
     model = _tiny_llama()
     cost = cm.calibrate(model, grid=(1, 2, 4), repeats=1, verbose=False)
-    assert cost.weight_major_rows in (0,) + linear.LAYOUT_ROWS
+    lo, hi = cost.small_linear_rows
+    assert (lo, hi) == (0, 0) or (lo in linear.LAYOUT_ROWS and hi in linear.LAYOUT_ROWS and lo <= hi)
     cost.save(tmp_path / "c.json")
     again = cm.CostModel.load(tmp_path / "c.json", cost.key)
-    assert again.weight_major_rows == cost.weight_major_rows
-    assert cm.CostModel({}, [1, 2], [1.0, 1.0], weight_major_rows=16).to_dict()["weight_major_rows"] == 16
-    with pytest.raises(ValueError, match="weight_major_rows"):
-        cm.CostModel({}, [1, 2], [1.0, 1.0], weight_major_rows=-1)
+    assert again.small_linear_rows == cost.small_linear_rows
+    assert cm.CostModel({}, [1, 2], [1.0, 1.0], small_linear_rows=(2, 16)).to_dict()["small_linear_rows"] == [2, 16]
+    for bad in [(-1, 4), (4, 2), (0, 3)]:
+        with pytest.raises(ValueError, match="small_linear_rows"):
+            cm.CostModel({}, [1, 2], [1.0, 1.0], small_linear_rows=bad)
 
 
+@needs_kernel
 @pytest.mark.parametrize("drafter", ["plain", "ngram"])
-def test_greedy_matches_hf_with_weight_major_linears(monkeypatch, drafter):
-    """The target's linears run weight-major for every step (its cost model says so), batch
+def test_greedy_matches_hf_with_small_linears(monkeypatch, drafter):
+    """The target's linears run our kernel for every step (its cost model says so), batch
     4 with left padding: output identical to HF generate."""
     import json
 
@@ -137,7 +174,7 @@ def test_greedy_matches_hf_with_weight_major_linears(monkeypatch, drafter):
     for b, p in enumerate(prompts):
         ids[b, width - len(p):], mask[b, width - len(p):] = p, 1
     expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=0)
-    cost = cm.CostModel(cm.identity(model), [1, 10_000], [1.0, 1.0], weight_major_rows=32)
+    cost = cm.CostModel(cm.identity(model), [1, 10_000], [1.0, 1.0], small_linear_rows=(1, 32))
     monkeypatch.setitem(cm._LOADED, json.dumps(cm.identity(model), sort_keys=True), cost)  # plain decoding reads it here
     rows_seen = []
     real = linear._forward
@@ -146,7 +183,7 @@ def test_greedy_matches_hf_with_weight_major_linears(monkeypatch, drafter):
     out = sk.generate(model, ids, attention_mask=mask, max_new_tokens=24, adaptive=planner.Planner(cost),
                       drafter=sk.NgramDrafter(num_tokens=4) if drafter == "ngram" else None)
     assert torch.equal(out.sequences, expected)
-    assert any(2 <= r <= 32 for r in rows_seen), "the target's linears did not take the weight-major layout"
+    assert any(1 <= r <= 32 for r in rows_seen), "the target's linears did not run our kernel"
     assert all("forward" not in m.__dict__ for m in model.modules())
 
 

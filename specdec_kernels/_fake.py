@@ -59,3 +59,10 @@ def _tree_attention_paged_fake(q, k_cache, v_cache, tree_mask, cache_seqlens, bl
 @torch.library.register_fake("specdec::compact_kv_cache_paged_")
 def _compact_kv_cache_paged_fake(caches, cache_seqlens, accepted_nodes, num_accepted, block_table):
     return torch.empty_like(cache_seqlens)
+
+
+if hasattr(torch.ops.specdec, "small_linear"):  # (an extension built before the op existed lacks it)
+
+    @torch.library.register_fake("specdec::small_linear")
+    def _small_linear_fake(x, weight, bias):
+        return x.new_empty((x.shape[0], weight.shape[0]))

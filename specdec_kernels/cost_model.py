@@ -11,10 +11,10 @@ flat while it reads weights and grows linearly once it computes: both shapes fit
 linearly past the last point; `per_key` is the attention's extra cost per query token and
 cached key past the calibration prefix P0, from one forward at a long prefix.
 
-On a CPU the calibration first picks the layout of few-row linears (`hf.linear`): it times
-the target's linear weights at 2-32 rows with `F.linear` and with the weight-major product,
-keeps `weight_major_rows` (the most rows for which weight-major won at every measured count,
-0 if none), and times the table with that choice, which `generate` then runs with.
+On a CPU the calibration first picks how few-row linears run (`hf.linear`): it times the
+target's fp32 linear weights at 1-32 rows with `F.linear` and with our `small_linear`
+kernel, keeps `small_linear_rows` (the range of row counts at which ours won, (0, 0) if
+none), and times the table with that choice, which `generate` then runs with.
 
 The measurement is cached on disk per model (name and a hash of the shapes that set its
 cost), device and dtype (and CPU thread count), under `models.cache_dir()/cost_models/`. A
@@ -40,7 +40,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-FORMAT = 3  # 2: interleaved calibration rounds (files of 1 may hold shapes bent by load); 3: weight_major_rows
+FORMAT = 3  # 2: interleaved calibration rounds (files of 1 may hold shapes bent by load); 3: small_linear_rows
 GRID = (1, 2, 4, 8, 16, 32, 64, 128)  # token counts timed at calibration
 CAL_PREFIX = 64  # prefix length of the table's forwards
 LONG_PREFIX = 1024  # prefix length of the forward that measures the attention term
@@ -97,12 +97,12 @@ class CostModel:
         seconds: their measured seconds (> 0, finite).
         per_key: attention seconds per (query token x cached key) past `prefix` (>= 0).
         prefix: the prefix length the table was measured at.
-        weight_major_rows: the target's linears run as `hf.weight_major_linears(target,
-            weight_major_rows)` (the table was timed so; 0: plain `F.linear`).
+        small_linear_rows: (lo, hi): the target's linears run as `hf.small_linears(target,
+            small_linear_rows)` (the table was timed so; (0, 0): plain `F.linear`).
     """
 
     def __init__(self, key: dict, tokens: Sequence[int], seconds: Sequence[float], per_key: float = 0.0,
-                 prefix: int = CAL_PREFIX, weight_major_rows: int = 0):
+                 prefix: int = CAL_PREFIX, small_linear_rows: Sequence[int] = (0, 0)):
         tokens, seconds = [float(t) for t in tokens], [float(s) for s in seconds]
         if len(tokens) < 2 or len(tokens) != len(seconds):
             raise ValueError(f"tokens, seconds: expected two or more measured points of each, got {len(tokens)} and {len(seconds)}")
@@ -112,10 +112,11 @@ class CostModel:
             raise ValueError(f"seconds: expected finite times > 0, got {seconds}")
         if not (math.isfinite(per_key) and per_key >= 0):
             raise ValueError(f"per_key: expected a finite value >= 0, got {per_key}")
-        if int(weight_major_rows) < 0:
-            raise ValueError(f"weight_major_rows: expected >= 0, got {weight_major_rows}")
+        lo, hi = (int(r) for r in small_linear_rows)
+        if not ((lo, hi) == (0, 0) or 1 <= lo <= hi):
+            raise ValueError(f"small_linear_rows: expected (0, 0) or 1 <= lo <= hi, got {tuple(small_linear_rows)}")
         self.key, self.prefix, self.per_key = dict(key), int(prefix), float(per_key)
-        self.weight_major_rows = int(weight_major_rows)
+        self.small_linear_rows = (lo, hi)
         self.tokens = torch.tensor(tokens, dtype=torch.float64)
         self.seconds = torch.tensor(seconds, dtype=torch.float64)
         slopes = (self.seconds[1:] - self.seconds[:-1]) / (self.tokens[1:] - self.tokens[:-1])
@@ -164,12 +165,12 @@ class CostModel:
 
     def to_dict(self) -> dict:
         return {"key": self.key, "tokens": self.tokens.tolist(), "seconds": self.seconds.tolist(),
-                "per_key": self.per_key, "prefix": self.prefix, "weight_major_rows": self.weight_major_rows}
+                "per_key": self.per_key, "prefix": self.prefix, "small_linear_rows": list(self.small_linear_rows)}
 
     @classmethod
     def from_dict(cls, data: dict) -> "CostModel":
         return cls(data["key"], data["tokens"], data["seconds"], data.get("per_key", 0.0), data.get("prefix", CAL_PREFIX),
-                   data.get("weight_major_rows", 0))
+                   data.get("small_linear_rows", (0, 0)))
 
     def save(self, path: Path) -> None:
         """Write atomically (a reader never sees half a file)."""
@@ -260,7 +261,7 @@ def _from_rank0(cost: "CostModel", model) -> "CostModel":
                            device=_collective_device(model))
     torch.distributed.broadcast(numbers, src=0)
     numbers = numbers.cpu().tolist()
-    return CostModel(cost.key, cost.tokens.tolist(), numbers[:-1], numbers[-1], cost.prefix, cost.weight_major_rows)
+    return CostModel(cost.key, cost.tokens.tolist(), numbers[:-1], numbers[-1], cost.prefix, cost.small_linear_rows)
 
 
 def default_path(key: dict) -> Path:
@@ -301,8 +302,8 @@ def calibrate(model, *, grid: Sequence[int] = GRID, prefix: int = CAL_PREFIX, lo
     machine (other processes) land on some sizes only and bend that shape, while rounds spread
     it over all of them and the minimum drops most of it.
 
-    On a CPU (not tensor-parallel) the layout of few-row linears comes first
-    (`hf.linear.choose_weight_major_rows` on the target's weights) and the table is timed with it.
+    On a CPU (not tensor-parallel) the choice of few-row linears comes first
+    (`hf.linear.choose_small_linear_rows` on the target's weights) and the table is timed with it.
     """
     from . import config, hf
 
@@ -320,8 +321,8 @@ def calibrate(model, *, grid: Sequence[int] = GRID, prefix: int = CAL_PREFIX, lo
     with hf.use_tree_attention(model), config.value_checks(False):
         cache = hf.TreeKVCache.for_model(model, 1, max(prefix, long_prefix) + max(grid) + 1)
         _time_forward(model, cache, grid[0], prefix)  # warm-up (first-call allocations)
-        rows = hf.choose_weight_major_rows(hf.linear_weights(model), repeats=repeats) if on_cpu else 0
-        with hf.weight_major_linears(model, rows):
+        rows = hf.choose_small_linear_rows(hf.linear_weights(model), repeats=repeats) if on_cpu else (0, 0)
+        with hf.small_linears(model, rows):
             seconds, per_key = _time_table(model, cache, grid, prefix, long_prefix, repeats)
     # The table must not fall. Noise (other processes, interrupts) only ever adds time and
     # the best of a few runs removes most of it, so where a smaller forward measured slower
@@ -329,7 +330,7 @@ def calibrate(model, *, grid: Sequence[int] = GRID, prefix: int = CAL_PREFIX, lo
     # (a running max would instead spread one slow small forward to every larger size).
     seconds = torch.tensor(seconds).flip(0).cummin(0).values.flip(0).tolist()
     if verbose:
-        layout = f"; few-row linears weight-major up to {rows} rows" if rows else ""
+        layout = f"; linears of {rows[0]}-{rows[1]} rows by our kernel" if rows != (0, 0) else ""
         print(f" {time.perf_counter() - start:.1f} s{layout}", file=sys.stderr)
     return CostModel(identity(model), grid, seconds, per_key, prefix, rows)
 

@@ -342,10 +342,10 @@ def generate(
     clock = _sync if timing else (lambda device: time.perf_counter())
     # The loop builds every op input itself: re-reading them would cost a host sync per op call
     # on GPU (one per layer per step) and about 0.2 ms per tree-attention call on CPU.
-    # Few-row linears in the layout the cost model found faster on this CPU (hf.linear).
-    linear_rows = _weight_major_rows(target, planner)
+    # Few-row linears by our CPU kernel where the cost model found it faster (hf.linear).
+    linear_rows = _small_linear_rows(target, planner)
     with hf.use_tree_attention(target, *drafter.models), config.value_checks(False), \
-            hf.weight_major_linears(target, linear_rows):
+            hf.small_linears(target, linear_rows):
         cache = hf.TreeKVCache.for_model(target, batch, capacity, page_size=kv_page_size)
         hidden = hf.prefill(target, cache, rows.history, rows.lengths, return_hidden=with_hidden)
         drafter.start(rows.history, rows.lengths, capacity)
@@ -428,18 +428,18 @@ def generate(
     return GenerateOutput(sequences, stats)
 
 
-def _weight_major_rows(target, planner: Optional[Planner]) -> int:
-    """Up to how many rows the target's linears run weight-major (`hf.weight_major_linears`):
+def _small_linear_rows(target, planner: Optional[Planner]):
+    """The row counts (lo, hi) at which the target's linears run our kernel (`hf.small_linears`):
     on a CPU, what its cost model chose at calibration (the planner's, else the target's,
     measured once per model, device and dtype and cached); elsewhere, and under tensor
-    parallelism, 0."""
+    parallelism, (0, 0)."""
     from .cost_model import CostModel, tensor_parallel
 
     if next(target.parameters()).device.type != "cpu" or tensor_parallel(target):
-        return 0
+        return (0, 0)
     if planner is not None and planner.cost_model is not None:
-        return planner.cost_model.weight_major_rows
-    return CostModel.for_model(target, verbose=planner.verbose if planner is not None else True).weight_major_rows
+        return planner.cost_model.small_linear_rows
+    return CostModel.for_model(target, verbose=planner.verbose if planner is not None else True).small_linear_rows
 
 
 def _generation_config(target, generation_config, generation_kwargs):

@@ -1,4 +1,4 @@
-"""`specdec bench linear`: the target's verify forward with few-row linears in both layouts (CPU).
+"""`specdec bench linear`: the target's forward with few-row linears by our kernel and by `F.linear` (CPU).
 
     specdec bench linear                   # default model, 1..32 tokens, ~1-2 min on 2 cores
     specdec bench linear --smoke           # a tiny random Llama: only checks the code runs
@@ -6,13 +6,13 @@
 For each token count T (one chain of T tokens after a 64-token prefix, batch 1: what one
 verify step of T - 1 drafts costs) it times the target's whole forward, as `generate` runs
 it (tree attention, our KV cache), with
-  ours     linears of 2+ rows weight-major, (W @ x^T)^T (`hf.weight_major_linears`, every count)
-  F.linear the model's own linears, x @ W^T (what HF runs)
+  ours     every fp32 linear through `torch.ops.specdec.small_linear` (`hf.small_linears`)
+  F.linear the model's own linears (torch's BLAS: what HF runs)
 and the floor: the forward must read every weight once, weight bytes / the machine's read
-bandwidth (a large tensor's sum, the best of a few runs). Both layouts run interleaved in
-rounds, median per layout. `generate` picks, per machine, weight-major up to the most rows it
-won at (`cost_model.calibrate`); this table shows why, and what a verify step costs against
-a one-token step in each layout.
+bandwidth (a large tensor's sum on torch's threads, the best of a few runs). Both run
+interleaved in rounds, median of each. `generate` uses our kernel, per machine, at the row
+counts where it won on the model's own weights (`cost_model.calibrate`); this table shows the
+whole forward, and what a verify step costs against a one-token step either way.
 Writes bench/results/linear_cpu.json (the CPU named inside).
 """
 
@@ -64,7 +64,7 @@ def measure(model, counts=COUNTS, rounds: int = 7) -> list:
         for _ in range(rounds):
             for n in counts:
                 times[n]["F.linear"].append(_time_forward(model, cache, n, PREFIX))
-                with hf.weight_major_linears(model, max(counts)):
+                with hf.small_linears(model, (1, max(counts))):
                     times[n]["ours"].append(_time_forward(model, cache, n, PREFIX))
     rows = []
     for n in counts:
@@ -100,7 +100,7 @@ def run_args(args) -> int:
         model, _ = load_model(args.model)
         name, rounds = getattr(model, "name_or_path", None) or "default", args.rounds
     rows = measure(model, rounds=rounds)
-    common.print_table(["tokens", "ours (weight-major) ms", "F.linear ms", "F.linear / ours", "floor ms",
+    common.print_table(["tokens", "ours (small_linear) ms", "F.linear ms", "F.linear / ours", "floor ms",
                         "x one-token forward (ours / F.linear)"],
                        [[r["config"]["tokens"], f"{r['ours_us'] / 1e3:.1f}", f"{r['peers_us']['F.linear'] / 1e3:.1f}",
                          f"{r['peers_us']['F.linear'] / r['ours_us']:.2f}x", f"{r['floor_us'] / 1e3:.1f}",

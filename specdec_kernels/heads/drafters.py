@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..drafters import Draft, Drafter, MergedDrafter, NgramDrafter, root_tokens, trimmed
-from ..hf.linear import choose_weight_major_rows, linear_weights, weight_major_linear, weight_major_linears
+from ..hf.linear import choose_small_linear_rows, linear_weights, small_linear, small_linears
 from ..sampling import target_probs
 from ..tree import TokenTree
 from ..trie import merge_scored_trees
@@ -37,7 +37,7 @@ from .modules import EagleHead, MedusaHeads
 from .online import OnlineLearner, OnlineOptions, training_copy
 
 _TIE = 1e-6  # per-depth penalty on log scores: a parent always outranks its children
-_LAYOUTS = {}  # (head shapes, dtype, CPU threads) -> weight_major_rows, measured once per process
+_LAYOUTS = {}  # (head shapes, CPU threads) -> small_linear_rows, measured once per process
 
 
 def _load(module_cls, target, head, kind):
@@ -59,15 +59,16 @@ def _source(head):
     return Path(head) if isinstance(head, (str, Path)) else None
 
 
-def _weight_major_rows(module, w_draft) -> int:
-    """Up to how many rows the head's products run weight-major (`hf.linear`) on a CPU:
-    measured on its own weights and draft-vocabulary LM head once per process (0 elsewhere)."""
-    if w_draft.device.type != "cpu":
-        return 0
+def _small_linear_rows(module, w_draft):
+    """The row counts (lo, hi) at which an fp32 head's products run our CPU kernel
+    (`hf.linear`): measured on its own weights and draft-vocabulary LM head once per process
+    ((0, 0) for other dtypes and devices)."""
+    if w_draft.device.type != "cpu" or w_draft.dtype != torch.float32:
+        return (0, 0)
     weights = linear_weights(module) + [w_draft]
-    key = (tuple(tuple(w.shape) for w in weights), w_draft.dtype, torch.get_num_threads())
+    key = (tuple(tuple(w.shape) for w in weights), torch.get_num_threads())
     if key not in _LAYOUTS:
-        _LAYOUTS[key] = choose_weight_major_rows(weights, counts=(2, 4, 8), repeats=3)
+        _LAYOUTS[key] = choose_small_linear_rows(weights, counts=(1, 2, 4, 8), repeats=3)
     return _LAYOUTS[key]
 
 
@@ -102,8 +103,8 @@ class _HeadDrafter(Drafter):
             raise ValueError("head: its draft vocabulary has token ids outside the target's vocabulary")
         self.w_draft = lm_head_weight(target).detach()[self.vocab].to(dtype)  # [N, H]
         # A step's head forwards see a few rows (the frontier, the tokens accepted since the
-        # last step): on some CPUs those run faster weight-major (hf.linear); measured here.
-        self.weight_major_rows = _weight_major_rows(self.head, self.w_draft)
+        # last step): on some CPUs our kernel runs those faster (hf.linear); measured here.
+        self.small_linear_rows = _small_linear_rows(self.head, self.w_draft)
         self.features = None
         self.source = source
         # Online adaptation (heads.online): the head keeps learning from what the target verifies.
@@ -164,17 +165,17 @@ class _HeadDrafter(Drafter):
             # tokens at its next draft, in one batched pass).
             draft = _no_draft(history, lengths)
         else:
-            with weight_major_linears(self.head, self.weight_major_rows):
+            with small_linears(self.head, self.small_linear_rows):
                 draft = self._propose(history, lengths, sampling, budget)
         if self.online is not None:
             self.online.proposed(draft, lengths)
         return draft
 
     def _logits(self, g):
-        """Draft-vocabulary logits of head outputs g [..., H] (the layout measured faster for
-        this many rows)."""
-        if 2 <= g.numel() // g.shape[-1] <= self.weight_major_rows:
-            return weight_major_linear(g, self.w_draft)
+        """Draft-vocabulary logits of head outputs g [..., H] (our kernel where measured faster)."""
+        lo, hi = self.small_linear_rows
+        if lo <= g.numel() // g.shape[-1] <= hi and g.dtype == torch.float32:
+            return small_linear(g.contiguous(), self.w_draft)
         return g @ self.w_draft.T
 
     # -- trees -------------------------------------------------------------------------

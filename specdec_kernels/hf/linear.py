@@ -1,65 +1,78 @@
-"""Few-row linears on a CPU: the weight-major product.
+"""Few-row linears on a CPU: our `small_linear` kernel where it is measured faster.
 
-A verify forward multiplies every weight matrix by a handful of rows (the tree's tokens,
-B x T of them). That is a bandwidth-bound job: the weights are read once, whatever the row
-count, so 2-16 rows should cost what one row costs. `F.linear` computes x @ W^T, and on some
-CPU BLAS builds that shape runs far slower than its one-row case: with torch 2.13's MKL on
-an AMD EPYC (AVX2, 2 threads), SmolLM2-135M's linears took ~55 ms for one row but ~90-100 ms
-for 2-4 rows. The same product as (W @ x^T)^T, a tall matrix times a few columns, streams the
-weights once and took ~43-46 ms for 2-4 rows there (12.5 GB/s, the machine's bandwidth floor).
+A decoding step multiplies every weight matrix by a handful of rows (B rows, times the tree's
+T tokens when verifying). That job is bandwidth-bound: the weights are read once whatever the
+row count, so 1-16 rows should cost about what reading the weights costs. `F.linear` does not
+get there on every CPU BLAS: with torch 2.13's MKL on an AMD EPYC (AVX2, 2 threads) one row
+ran single-threaded at ~10 GB/s and 2-16 rows ~2-3x slower still (SmolLM2-135M's LM head,
+113 MB: 10 ms for 1 row, 23-30 ms for 2-16). `torch.ops.specdec.small_linear`
+(`csrc/include/specdec/small_linear.h`) streams each weight row once for all rows, split over
+torch's threads: 6 ms for 1 row, 6-13 ms for 2-16 on the same machine.
 
-Which layout is faster depends on the BLAS, the CPU, the dtype and the row count, so nothing
-is assumed: `choose_weight_major_rows` times a module's own weights both ways and keeps the
-most rows for which the weight-major product won at every measured count (0: never). The
-cost model's calibration (`cost_model.calibrate`) makes that choice for the target and
-`generate` runs the target inside `weight_major_linears(target, rows)`; head drafters make
-it for their head (`heads.drafters`). The two layouts compute the same sums in
-a different order (as any two BLAS kernels may): results agree to rounding, and greedy
-outputs stay identical to HF's wherever they did before (tested against HF `generate`).
+Which is faster depends on the BLAS, the CPU and the row count, so nothing is assumed:
+`choose_small_linear_rows` times a module's own weights both ways and keeps the range of row
+counts at which ours won (`(0, 0)`: none). The cost model's calibration
+(`cost_model.calibrate`) makes that choice for the target, and `generate` runs the target
+inside `small_linears(target, rows)`; head drafters make it for their head. Only fp32 CPU
+linears qualify (the kernel's one dtype). The two compute the same sums in a different order
+(as any two BLAS kernels may): results agree to fp32 rounding, and greedy outputs stay
+identical to HF's wherever they did before (tested against HF `generate`).
 """
 
 import contextlib
 import math
 import time
 from functools import partial
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
-LAYOUT_ROWS = (2, 4, 8, 16, 32)  # row counts at which the two layouts are compared
-_MARGIN = 0.97  # weight-major must be at least 3% faster to be chosen (noise is not a win)
+LAYOUT_ROWS = (1, 2, 4, 8, 16, 32)  # row counts at which the two are compared
+NEVER = (0, 0)
+_MARGIN = 0.97  # ours must be at least 3% faster to be chosen (noise is not a win)
 
 
-def weight_major_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` computed as (weight @ x^T)^T: x [..., K], weight [N, K],
-    bias [N] or None -> [..., N], contiguous."""
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.mm(weight, rows.T).T.contiguous()
-    if bias is not None:
-        out += bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+def has_kernel() -> bool:
+    """Whether the compiled `specdec::small_linear` CPU kernel is loaded."""
+    from .._extension import _C
+
+    return _C is not None and hasattr(torch.ops.specdec, "small_linear")
 
 
-def _forward(module: torch.nn.Linear, max_rows: int, x: torch.Tensor) -> torch.Tensor:
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` by our CPU kernel: x [..., K], weight [N, K], bias [N] or
+    None, all fp32 CPU tensors -> [..., N], contiguous."""
+    out = torch.ops.specdec.small_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _forward(module: torch.nn.Linear, rows_range: Tuple[int, int], x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // max(x.shape[-1], 1)
-    if 2 <= rows <= max_rows:
-        return weight_major_linear(x, module.weight, module.bias)
+    if rows_range[0] <= rows <= rows_range[1] and x.dtype == torch.float32:
+        return small_linear(x, module.weight, module.bias)
     return F.linear(x, module.weight, module.bias)
 
 
+def _qualifies(module) -> bool:
+    # Exactly torch.nn.Linear (subclasses, quantized or sharded linears keep their own
+    # forward), fp32 weights on the CPU, not already patched.
+    return (type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
+            and module.weight.device.type == "cpu" and "forward" not in module.__dict__)
+
+
 @contextlib.contextmanager
-def weight_major_linears(model: torch.nn.Module, max_rows: int):
-    """Inside the block, every `torch.nn.Linear` of `model` (exactly that class: subclasses,
-    quantized or sharded linears keep their own forward) computes inputs of 2 to `max_rows`
-    rows with `weight_major_linear`, and any other input with `F.linear`. max_rows < 2: no
-    change. The modules' own forwards come back when the block exits (errors included)."""
-    max_rows = int(max_rows)
+def small_linears(model: torch.nn.Module, rows_range: Tuple[int, int]):
+    """Inside the block, `model`'s fp32 CPU `torch.nn.Linear` layers compute inputs of
+    rows_range[0] to rows_range[1] rows (rows = all dims but the last) with `small_linear`,
+    any other input with `F.linear`. `(0, 0)` (or no compiled kernel): no change. The
+    modules' own forwards come back when the block exits (errors included)."""
+    lo, hi = (int(r) for r in rows_range)
     patched = []
-    if max_rows >= 2:
+    if 1 <= lo <= hi and has_kernel():
         for module in model.modules():
-            if type(module) is torch.nn.Linear and "forward" not in module.__dict__:
-                module.forward = partial(_forward, module, max_rows)
+            if _qualifies(module):
+                module.forward = partial(_forward, module, (lo, hi))
                 patched.append(module)
     try:
         yield
@@ -69,42 +82,45 @@ def weight_major_linears(model: torch.nn.Module, max_rows: int):
 
 
 def linear_weights(module: torch.nn.Module) -> List[torch.Tensor]:
-    """The weights of `module`'s plain `torch.nn.Linear` layers (what `weight_major_linears` patches)."""
-    return [m.weight for m in module.modules() if type(m) is torch.nn.Linear]
+    """The weights `small_linears` would route: `module`'s fp32 CPU `torch.nn.Linear` layers'."""
+    return [m.weight for m in module.modules() if _qualifies(m)]
 
 
-def _time_products(weights: Sequence[torch.Tensor], rows: int, weight_major: bool) -> float:
-    """Seconds of one product of `rows` random rows with every weight, in one layout."""
+def _time_products(weights: Sequence[torch.Tensor], rows: int, ours: bool) -> float:
+    """Seconds of one product of `rows` random rows with every weight, one way."""
     inputs = {}
     for w in weights:
-        key = (w.shape[1], w.dtype, w.device)
-        if key not in inputs:
-            inputs[key] = torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device)
+        if w.shape[1] not in inputs:
+            inputs[w.shape[1]] = torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device)
     start = time.perf_counter()
     for w in weights:
-        x = inputs[(w.shape[1], w.dtype, w.device)]
-        weight_major_linear(x, w) if weight_major else F.linear(x, w)
+        x = inputs[w.shape[1]]
+        small_linear(x, w) if ours else F.linear(x, w)
     return time.perf_counter() - start
 
 
 @torch.inference_mode()
-def choose_weight_major_rows(weights: Sequence[torch.Tensor], counts: Sequence[int] = LAYOUT_ROWS,
-                             repeats: int = 3) -> int:
-    """The most rows (of `counts`) for which products with `weights` ran at least 3% faster
-    weight-major than with `F.linear` at every count up to it (best of `repeats`
-    interleaved rounds, after one warm-up round); 0 if the first count did not, or no weights."""
+def choose_small_linear_rows(weights: Sequence[torch.Tensor], counts: Sequence[int] = LAYOUT_ROWS,
+                             repeats: int = 3) -> Tuple[int, int]:
+    """The row counts at which products with `weights` (fp32, CPU) run at least 3% faster
+    with `small_linear` than with `F.linear`: (lo, hi), from the first count that won through
+    the last of the unbroken run of wins after it (best of `repeats` interleaved rounds,
+    after a warm-up round); `(0, 0)` if none won, there are no weights, or no kernel."""
     weights = list(weights)
-    if not weights or not counts:
-        return 0
-    plain, major = [math.inf] * len(counts), [math.inf] * len(counts)
+    counts = sorted(int(c) for c in counts)
+    if not weights or not counts or not has_kernel():
+        return NEVER
+    plain, ours = [math.inf] * len(counts), [math.inf] * len(counts)
     for round_ in range(repeats + 1):
         for i, n in enumerate(counts):
             a, b = _time_products(weights, n, False), _time_products(weights, n, True)
             if round_ > 0:  # round 0 warms up (first-touch allocations, caches)
-                plain[i], major[i] = min(plain[i], a), min(major[i], b)
-    rows = 0
-    for n, a, b in zip(counts, plain, major):
-        if b > _MARGIN * a:
-            break
-        rows = n
-    return rows
+                plain[i], ours[i] = min(plain[i], a), min(ours[i], b)
+    won = [b <= _MARGIN * a for a, b in zip(plain, ours)]
+    if not any(won):
+        return NEVER
+    first = won.index(True)
+    last = first
+    while last + 1 < len(counts) and won[last + 1]:
+        last += 1
+    return counts[first], counts[last]
