@@ -56,7 +56,7 @@ TORCH_LIBRARY(specdec, m) {
       .def("append", &specdec::NgramIndex::append)
       .def("propose", &specdec::NgramIndex::propose)
       .def("append_and_propose", &specdec::NgramIndex::append_and_propose);
-  // Few-row linear products on the CPU (hf.linear): y = x @ weight^T (+ bias), fp32; csrc/small_linear.cpp.
+  // Few-row linear products on the CPU (specdec_kernels/small_linear.py): y = x @ weight^T (+ bias), fp32; csrc/small_linear.cpp.
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   // Paged KV caches: k/v (every cache) [num_pages, page_size, H, D], block_table int32 [B, P].
   m.def(

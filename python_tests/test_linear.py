@@ -1,4 +1,4 @@
-"""Few-row linears by our CPU kernel (`specdec_kernels.hf.linear`, `torch.ops.specdec.small_linear`),
+"""Few-row linears by our CPU kernel (`specdec_kernels.small_linear`, `torch.ops.specdec.small_linear`),
 the cost model's choice of it, and generate with it on: same numbers as `F.linear` to
 rounding, clear errors, only plain fp32 `torch.nn.Linear` modules patched and always
 restored, the choice is the first run of measured wins, and greedy output stays identical
@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 import specdec_kernels as sk  # noqa: E402
 from specdec_kernels import cost_model as cm  # noqa: E402
 from specdec_kernels import hf  # noqa: E402
-from specdec_kernels.hf import linear  # noqa: E402
+from specdec_kernels import small_linear as linear  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -83,15 +83,15 @@ def test_small_linears_patches_plain_fp32_linears_for_the_range_and_restores(mon
         calls.clear()
         x = torch.randn(rows, 8)
         want = net(x)
-        with hf.small_linears(net, (2, 5)):
+        with linear.small_linears(net, (2, 5)):
             got = net(x)
         assert len(calls) == expected_calls, rows
         torch.testing.assert_close(got, want)
     assert all("forward" not in m.__dict__ for m in net.modules())  # restored
     calls.clear()
-    with hf.small_linears(net, (0, 0)):  # never: nothing patched
+    with linear.small_linears(net, (0, 0)):  # never: nothing patched
         net(torch.randn(2, 8))
-    with hf.small_linears(net.to(torch.bfloat16), (1, 32)):  # not fp32: nothing patched
+    with linear.small_linears(net.to(torch.bfloat16), (1, 32)):  # not fp32: nothing patched
         net(torch.randn(2, 8, dtype=torch.bfloat16))
     assert calls == []
 
@@ -100,7 +100,7 @@ def test_small_linears_patches_plain_fp32_linears_for_the_range_and_restores(mon
 def test_small_linears_restores_on_error():
     net = _net()
     with pytest.raises(RuntimeError, match="boom"):
-        with hf.small_linears(net, (1, 32)):
+        with linear.small_linears(net, (1, 32)):
             assert "forward" in net[0].__dict__ and "forward" not in net[2].__dict__
             raise RuntimeError("boom")
     assert all("forward" not in m.__dict__ for m in net.modules())
@@ -130,13 +130,13 @@ def test_choose_small_linear_rows_takes_the_first_run_of_wins(monkeypatch, wins,
         return 0.5 if ours and win[rows] else 1.0
 
     monkeypatch.setattr(linear, "_time_products", fake_time)
-    assert hf.choose_small_linear_rows([torch.zeros(4, 4)], repeats=2) == expected
+    assert linear.choose_small_linear_rows([torch.zeros(4, 4)], repeats=2) == expected
     assert len(timed) == 2 * len(linear.LAYOUT_ROWS) * 3  # a warm-up round, then 2 rounds, both ways
-    assert hf.choose_small_linear_rows([]) == (0, 0)
+    assert linear.choose_small_linear_rows([]) == (0, 0)
 
 
 def test_choose_small_linear_rows_measures():
-    lo, hi = hf.choose_small_linear_rows(hf.linear_weights(_net()), counts=(1, 2, 4), repeats=1)
+    lo, hi = linear.choose_small_linear_rows(linear.linear_weights(_net()), counts=(1, 2, 4), repeats=1)
     assert (lo, hi) == (0, 0) or 1 <= lo <= hi <= 4
 
 

@@ -11,7 +11,7 @@ flat while it reads weights and grows linearly once it computes: both shapes fit
 linearly past the last point; `per_key` is the attention's extra cost per query token and
 cached key past the calibration prefix P0, from one forward at a long prefix.
 
-On a CPU the calibration first picks how few-row linears run (`hf.linear`): it times the
+On a CPU the calibration first picks how few-row linears run (`small_linear`): it times the
 target's fp32 linear weights at 1-32 rows with `F.linear` and with our `small_linear`
 kernel, keeps `small_linear_rows` (the range of row counts at which ours won, (0, 0) if
 none), and times the table with that choice, which `generate` then runs with.
@@ -97,7 +97,7 @@ class CostModel:
         seconds: their measured seconds (> 0, finite).
         per_key: attention seconds per (query token x cached key) past `prefix` (>= 0).
         prefix: the prefix length the table was measured at.
-        small_linear_rows: (lo, hi): the target's linears run as `hf.small_linears(target,
+        small_linear_rows: (lo, hi): the target's linears run as `small_linear.small_linears(target,
             small_linear_rows)` (the table was timed so; (0, 0): plain `F.linear`).
     """
 
@@ -303,9 +303,9 @@ def calibrate(model, *, grid: Sequence[int] = GRID, prefix: int = CAL_PREFIX, lo
     it over all of them and the minimum drops most of it.
 
     On a CPU (not tensor-parallel) the choice of few-row linears comes first
-    (`hf.linear.choose_small_linear_rows` on the target's weights) and the table is timed with it.
+    (`small_linear.choose_small_linear_rows` on the target's weights) and the table is timed with it.
     """
-    from . import config, hf
+    from . import config, hf, small_linear
 
     if repeats < 1:
         raise ValueError(f"repeats: expected >= 1, got {repeats}")
@@ -321,8 +321,8 @@ def calibrate(model, *, grid: Sequence[int] = GRID, prefix: int = CAL_PREFIX, lo
     with hf.use_tree_attention(model), config.value_checks(False):
         cache = hf.TreeKVCache.for_model(model, 1, max(prefix, long_prefix) + max(grid) + 1)
         _time_forward(model, cache, grid[0], prefix)  # warm-up (first-call allocations)
-        rows = hf.choose_small_linear_rows(hf.linear_weights(model), repeats=repeats) if on_cpu else (0, 0)
-        with hf.small_linears(model, rows):
+        rows = small_linear.choose_small_linear_rows(small_linear.linear_weights(model), repeats=repeats) if on_cpu else (0, 0)
+        with small_linear.small_linears(model, rows):
             seconds, per_key = _time_table(model, cache, grid, prefix, long_prefix, repeats)
     # The table must not fall. Noise (other processes, interrupts) only ever adds time and
     # the best of a few runs removes most of it, so where a smaller forward measured slower

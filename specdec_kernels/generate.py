@@ -19,6 +19,7 @@ from . import config
 from .drafters import Drafter, Sampling
 from .logits_processing import TreeLogitsProcessor, sampling_settings
 from .philox import row_seeds
+from .small_linear import small_linears
 from .planner import Planner
 from .verify import verify
 
@@ -342,10 +343,10 @@ def generate(
     clock = _sync if timing else (lambda device: time.perf_counter())
     # The loop builds every op input itself: re-reading them would cost a host sync per op call
     # on GPU (one per layer per step) and about 0.2 ms per tree-attention call on CPU.
-    # Few-row linears by our CPU kernel where the cost model found it faster (hf.linear).
+    # Few-row linears by our CPU kernel where the cost model found it faster (specdec_kernels/small_linear.py).
     linear_rows = _small_linear_rows(target, planner)
     with hf.use_tree_attention(target, *drafter.models), config.value_checks(False), \
-            hf.small_linears(target, linear_rows):
+            small_linears(target, linear_rows):
         cache = hf.TreeKVCache.for_model(target, batch, capacity, page_size=kv_page_size)
         hidden = hf.prefill(target, cache, rows.history, rows.lengths, return_hidden=with_hidden)
         drafter.start(rows.history, rows.lengths, capacity)
@@ -429,7 +430,7 @@ def generate(
 
 
 def _small_linear_rows(target, planner: Optional[Planner]):
-    """The row counts (lo, hi) at which the target's linears run our kernel (`hf.small_linears`):
+    """The row counts (lo, hi) at which the target's linears run our kernel (`small_linear.small_linears`):
     on a CPU, what its cost model chose at calibration (the planner's, else the target's,
     measured once per model, device and dtype and cached); elsewhere, and under tensor
     parallelism, (0, 0)."""

@@ -6,7 +6,7 @@
 For each token count T (one chain of T tokens after a 64-token prefix, batch 1: what one
 verify step of T - 1 drafts costs) it times the target's whole forward, as `generate` runs
 it (tree attention, our KV cache), with
-  ours     every fp32 linear through `torch.ops.specdec.small_linear` (`hf.small_linears`)
+  ours     every fp32 linear through `torch.ops.specdec.small_linear` (`small_linear.small_linears`)
   F.linear the model's own linears (torch's BLAS: what HF runs)
 and the floor: the forward must read every weight once, weight bytes / the machine's read
 bandwidth (a large tensor's sum on torch's threads, the best of a few runs). Both run
@@ -52,10 +52,10 @@ def _tiny_model():
 @torch.inference_mode()
 def measure(model, counts=COUNTS, rounds: int = 7) -> list:
     """Rows of the results JSON: per token count, both layouts' median microseconds and the floor."""
-    from .. import config, hf
+    from .. import config, hf, small_linear
     from ..cost_model import _time_forward
 
-    weight_bytes = sum(w.numel() * w.element_size() for w in hf.linear_weights(model))
+    weight_bytes = sum(w.numel() * w.element_size() for w in small_linear.linear_weights(model))
     floor_us = 1e6 * weight_bytes / read_bandwidth()
     times = {n: {"ours": [], "F.linear": []} for n in counts}
     with hf.use_tree_attention(model), config.value_checks(False):
@@ -64,7 +64,7 @@ def measure(model, counts=COUNTS, rounds: int = 7) -> list:
         for _ in range(rounds):
             for n in counts:
                 times[n]["F.linear"].append(_time_forward(model, cache, n, PREFIX))
-                with hf.small_linears(model, (1, max(counts))):
+                with small_linear.small_linears(model, (1, max(counts))):
                     times[n]["ours"].append(_time_forward(model, cache, n, PREFIX))
     rows = []
     for n in counts:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..drafters import Draft, Drafter, MergedDrafter, NgramDrafter, root_tokens, trimmed
-from ..hf.linear import choose_small_linear_rows, linear_weights, small_linear, small_linears
+from ..small_linear import choose_small_linear_rows, linear_weights, small_linear, small_linears
 from ..sampling import target_probs
 from ..tree import TokenTree
 from ..trie import merge_scored_trees
@@ -61,7 +61,7 @@ def _source(head):
 
 def _small_linear_rows(module, w_draft):
     """The row counts (lo, hi) at which an fp32 head's products run our CPU kernel
-    (`hf.linear`): measured on its own weights and draft-vocabulary LM head once per process
+    (`small_linear`): measured on its own weights and draft-vocabulary LM head once per process
     ((0, 0) for other dtypes and devices)."""
     if w_draft.device.type != "cpu" or w_draft.dtype != torch.float32:
         return (0, 0)
@@ -103,7 +103,7 @@ class _HeadDrafter(Drafter):
             raise ValueError("head: its draft vocabulary has token ids outside the target's vocabulary")
         self.w_draft = lm_head_weight(target).detach()[self.vocab].to(dtype)  # [N, H]
         # A step's head forwards see a few rows (the frontier, the tokens accepted since the
-        # last step): on some CPUs our kernel runs those faster (hf.linear); measured here.
+        # last step): on some CPUs our kernel runs those faster (specdec_kernels/small_linear.py); measured here.
         self.small_linear_rows = _small_linear_rows(self.head, self.w_draft)
         self.features = None
         self.source = source

@@ -35,7 +35,7 @@ _MARGIN = 0.97  # ours must be at least 3% faster to be chosen (noise is not a w
 
 def has_kernel() -> bool:
     """Whether the compiled `specdec::small_linear` CPU kernel is loaded."""
-    from .._extension import _C
+    from ._extension import _C
 
     return _C is not None and hasattr(torch.ops.specdec, "small_linear")
 
