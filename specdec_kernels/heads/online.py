@@ -30,8 +30,8 @@ draft probabilities passed to verify are those the drafted tokens were sampled f
 update whose loss is not finite, or explodes against its running average while the last good
 weights do much better on the same batch, restores the last good weights and optimiser state
 (`stats.rollbacks`); a step that leaves a weight non-finite is undone the same way. The
-learner trains an fp32 master copy (bf16 autocast on the CPU's matrix units when
-`mixed_precision`) and copies it into the serving head (the drafter's dtype) after each good
+learner trains an fp32 master copy (bf16 autocast when `mixed_precision`: by default only
+where the CPU has native bf16 matrix instructions, see `OnlineOptions`) and copies it into the serving head (the drafter's dtype) after each good
 step. It has its own random generator: generation's sampling stream is never touched.
 
 The updates run in the decoding loop, at the start of a step's `propose`, and their time is
@@ -53,6 +53,14 @@ from .common import lm_head_weight, read_head, target_identity, write_head
 from .modules import EagleHead, MedusaHeads
 
 LOSSES = ("kl", "reverse_kl", "jsd")
+
+
+def native_bf16_cpu() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX tiles); without
+    them torch emulates bf16 and a bf16 update is several times slower than fp32."""
+    is_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    return bool(is_bf16() or is_amx())
 
 
 @dataclass
@@ -79,7 +87,10 @@ class OnlineOptions:
         last good weights on the same batch (rolled back if they do explode_factor / 2 better).
     refresh_cache: after an update, recompute the EAGLE head's KV cache of the running rows
         with the new weights (else old entries stay, computed with the weights before).
-    mixed_precision: bf16 autocast for the head's forward/backward (CPU bf16 units, as offline).
+    mixed_precision: bf16 autocast for the head's forward/backward. None (default): on where it
+        is fast, a GPU or a CPU with native bf16 matrix instructions (AVX512-BF16 or AMX);
+        elsewhere bf16 is emulated: on an AVX2 AMD EPYC updates took 57-61% of generation
+        time with it and 7.6-8.3% without (summarisation stream, 128 tokens per prompt).
     seed: the learner's own random generator (batch draws, noise).
     """
 
@@ -103,7 +114,7 @@ class OnlineOptions:
     explode_factor: float = 4.0
     grad_clip: float = 1.0
     refresh_cache: bool = False
-    mixed_precision: bool = True
+    mixed_precision: Optional[bool] = None
     seed: int = 0
 
     def __post_init__(self):
@@ -385,7 +396,10 @@ class OnlineLearner:
 
     def _autocast(self):
         device = self.w_label.device.type
-        if self.options.mixed_precision:
+        mixed = self.options.mixed_precision
+        if mixed is None:
+            mixed = device != "cpu" or native_bf16_cpu()
+        if mixed:
             return torch.autocast(device, dtype=torch.bfloat16)
         return torch.autocast(device, enabled=False)
 
