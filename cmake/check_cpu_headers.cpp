@@ -3,6 +3,7 @@
 #include "specdec/kv_cache.h"
 #include "specdec/ngram.h"
 #include "specdec/ngram_index.h"
+#include "specdec/small_linear.h"
 #include "specdec/tree.h"
 #include "specdec/tree_attention.h"
 #include "specdec/verify.h"
