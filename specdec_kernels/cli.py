@@ -433,7 +433,7 @@ def cmd_bench_online(args) -> int:
 
 
 def cmd_bench_linear(args) -> int:
-    """The target's forward with few-row linears in both layouts (specdec_kernels.benchmarks.linear)."""
+    """The target's forward with few-row linears by our kernel and by F.linear (specdec_kernels.benchmarks.linear)."""
     from .benchmarks import linear
 
     return linear.run_args(args)
@@ -471,7 +471,7 @@ def _add_bench_parser(sub) -> None:
                          description=online.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     online.add_arguments(o)
     o.set_defaults(func=cmd_bench_online)
-    li = kinds.add_parser("linear", help="the target's forward with few-row linears in both layouts (CPU)",
+    li = kinds.add_parser("linear", help="the target's forward with few-row linears by our kernel and by F.linear (CPU)",
                           description=linear.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     linear.add_arguments(li)
     li.set_defaults(func=cmd_bench_linear)

@@ -47,11 +47,17 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tens
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _forward(module: torch.nn.Linear, rows_range: Tuple[int, int], x: torch.Tensor) -> torch.Tensor:
+def routed_linear(x: torch.Tensor, weight: torch.Tensor, bias, rows_range: Tuple[int, int]) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, by `small_linear` when x is fp32 and has rows_range[0] to
+    rows_range[1] rows (all dims but the last), else by `F.linear` itself."""
     rows = x.numel() // max(x.shape[-1], 1)
     if rows_range[0] <= rows <= rows_range[1] and x.dtype == torch.float32:
-        return small_linear(x, module.weight, module.bias)
-    return F.linear(x, module.weight, module.bias)
+        return small_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _forward(module: torch.nn.Linear, rows_range: Tuple[int, int], x: torch.Tensor) -> torch.Tensor:
+    return routed_linear(x, module.weight, module.bias, rows_range)
 
 
 def _qualifies(module) -> bool:

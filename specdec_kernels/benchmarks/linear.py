@@ -51,7 +51,7 @@ def _tiny_model():
 
 @torch.inference_mode()
 def measure(model, counts=COUNTS, rounds: int = 7) -> list:
-    """Rows of the results JSON: per token count, both layouts' median microseconds and the floor."""
+    """Rows of the results JSON: per token count, the median microseconds of ours and of F.linear, and the floor."""
     from .. import config, hf, small_linear
     from ..cost_model import _time_forward
 

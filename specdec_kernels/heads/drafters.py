@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..drafters import Draft, Drafter, MergedDrafter, NgramDrafter, root_tokens, trimmed
-from ..small_linear import choose_small_linear_rows, linear_weights, small_linear, small_linears
+from ..small_linear import choose_small_linear_rows, linear_weights, routed_linear, small_linears
 from ..sampling import target_probs
 from ..tree import TokenTree
 from ..trie import merge_scored_trees
@@ -173,10 +173,7 @@ class _HeadDrafter(Drafter):
 
     def _logits(self, g):
         """Draft-vocabulary logits of head outputs g [..., H] (our kernel where measured faster)."""
-        lo, hi = self.small_linear_rows
-        if lo <= g.numel() // g.shape[-1] <= hi and g.dtype == torch.float32:
-            return small_linear(g.contiguous(), self.w_draft)
-        return g @ self.w_draft.T
+        return routed_linear(g, self.w_draft, None, self.small_linear_rows)
 
     # -- trees -------------------------------------------------------------------------
     def _warped(self, logits, sampling):

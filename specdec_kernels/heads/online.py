@@ -90,7 +90,8 @@ class OnlineOptions:
     mixed_precision: bf16 autocast for the head's forward/backward. None (default): on where it
         is fast, a GPU or a CPU with native bf16 matrix instructions (AVX512-BF16 or AMX);
         elsewhere bf16 is emulated: on an AVX2 AMD EPYC updates took 57-61% of generation
-        time with it and 7.6-8.3% without (summarisation stream, 128 tokens per prompt).
+        time with it and 7-10% without (8.8% over prompts 3-9; summarisation stream, 128 tokens
+        per prompt).
     seed: the learner's own random generator (batch draws, noise).
     """
 

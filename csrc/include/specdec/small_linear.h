@@ -77,27 +77,26 @@ __attribute__((target("avx2,fma"))) inline void small_linear_block_avx2(const fl
   }
 }
 
+// Weight rows [n, n + WR) against every input row, two input rows per pass.
+template <int WR>
+__attribute__((target("avx2,fma"))) inline void small_linear_pass_avx2(const float* x, int64_t rows, int64_t k_dim,
+                                                                       const float* w, int64_t n, const float* bias,
+                                                                       float* y, int64_t n_dim) {
+  for (int64_t m = 0; m < rows; m += 2) {
+    const bool has_b = m + 1 < rows;
+    const float* xa = x + m * k_dim;
+    small_linear_block_avx2<WR>(xa, has_b ? xa + k_dim : xa, has_b, k_dim, w, n, bias, y + m * n_dim,
+                                y + (has_b ? m + 1 : m) * n_dim);
+  }
+}
+
 __attribute__((target("avx2,fma"))) inline void small_linear_rows_avx2(const float* x, int64_t rows, int64_t k_dim,
                                                                        const float* w, const float* bias, float* y,
                                                                        int64_t n_dim, int64_t n_begin,
                                                                        int64_t n_end) {
   int64_t n = n_begin;
-  for (; n + 4 <= n_end; n += 4) {
-    for (int64_t m = 0; m < rows; m += 2) {
-      const bool has_b = m + 1 < rows;
-      const float* xa = x + m * k_dim;
-      small_linear_block_avx2<4>(xa, has_b ? xa + k_dim : xa, has_b, k_dim, w, n, bias, y + m * n_dim,
-                                 y + (has_b ? m + 1 : m) * n_dim);
-    }
-  }
-  for (; n < n_end; ++n) {
-    for (int64_t m = 0; m < rows; m += 2) {
-      const bool has_b = m + 1 < rows;
-      const float* xa = x + m * k_dim;
-      small_linear_block_avx2<1>(xa, has_b ? xa + k_dim : xa, has_b, k_dim, w, n, bias, y + m * n_dim,
-                                 y + (has_b ? m + 1 : m) * n_dim);
-    }
-  }
+  for (; n + 4 <= n_end; n += 4) small_linear_pass_avx2<4>(x, rows, k_dim, w, n, bias, y, n_dim);
+  for (; n < n_end; ++n) small_linear_pass_avx2<1>(x, rows, k_dim, w, n, bias, y, n_dim);
 }
 #endif
 
