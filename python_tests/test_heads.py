@@ -86,33 +86,33 @@ def test_collect_cache_reuses_responses(target, tmp_path):
         collect(target, prompts, max_new_tokens=6, work_dir=tmp_path, progress=False)
 
 
-def test_unrolled_pass_matches_a_drafted_node():
-    """The unrolled training pass (input: the head's own prediction g_{i-1}, context: the true
-    entries before i) computes what the drafter computes for a depth-1 node: the head run over
-    the true entries 0..i-1 followed by the entry (g_{i-1}, x_{i+1})."""
-    from specdec_kernels.heads.modules import EagleHead, causal_attention
-    from specdec_kernels.heads.train import _Trainer
+def test_unrolled_passes_match_drafted_nodes():
+    """Unrolled training pass d (input: pass d - 1's prediction g_{i-1}; context: the true
+    entries up to i - d and the pass outputs before it) computes what the drafter computes for
+    a depth-d chain node: the head run over the true entries 0..i-d followed by d drafted
+    entries, each fed the previous entry's output."""
+    from specdec_kernels.heads.modules import EagleHead
+    from specdec_kernels.heads.train import eagle_passes
 
     cfg = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
                rms_norm_eps=1e-6, rope_theta=10000.0, draft_vocab_size=16)
     head = EagleHead(cfg)
     head.reset_parameters(torch.Generator().manual_seed(0))
     g_ = torch.Generator().manual_seed(1)
-    batch, t = 2, 7
+    batch, t, depths = 2, 7, 3
     feats, embeds = torch.randn(batch, t, 32, generator=g_), torch.randn(batch, t, 32, generator=g_)
     positions = torch.arange(t)[None].expand(batch, -1)
-    kv = []
-
-    def keep(q, k, v):
-        kv[:] = [k, v]
-        return causal_attention(q, k, v)
-
     with torch.no_grad():
-        g = head(feats, embeds, positions, keep)
-        g2 = head(torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], 1), embeds, positions, _Trainer._drafted_attention(kv))
-        for i in range(1, t):
-            node = head(torch.cat([feats[:, :i], g[:, i - 1 : i]], 1), embeds[:, : i + 1], positions[:, : i + 1])
-            torch.testing.assert_close(node[:, -1], g2[:, i], rtol=1e-5, atol=1e-5)
+        outs = eagle_passes(head, feats, embeds, positions, depths)
+        torch.testing.assert_close(outs[0], head(feats, embeds, positions))
+        for d in range(1, depths + 1):
+            for i in range(d, t):
+                seq = feats[:, : i - d + 1]
+                last = head(seq, embeds[:, : i - d + 1], positions[:, : i - d + 1])[:, -1:]
+                for m in range(1, d + 1):
+                    seq = torch.cat([seq, last], 1)
+                    last = head(seq, embeds[:, : seq.shape[1]], positions[:, : seq.shape[1]])[:, -1:]
+                torch.testing.assert_close(last[:, 0], outs[d][:, i], rtol=1e-5, atol=1e-5)
 
 
 def test_training_resumes_and_is_deterministic(target, tmp_path):

@@ -57,8 +57,9 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--unroll", action=argparse.BooleanOptionalAction, default=True,
-                   help="EAGLE: also train the second draft depth on the head's own predicted features (default on)")
+    p.add_argument("--unroll", type=int, default=2, metavar="D",
+                   help="EAGLE: also train draft depths 2 .. D + 1 on the head's own predicted features "
+                        "(training-time test; default 2, 0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.set_defaults(func=run)

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from .common import lm_head_weight, read_head, target_identity, write_head
 from .modules import EagleHead, MedusaHeads
+from .train import eagle_passes
 
 LOSSES = ("kl", "reverse_kl", "jsd")
 
@@ -61,6 +62,18 @@ def native_bf16_cpu() -> bool:
     is_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     is_amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     return bool(is_bf16() or is_amx())
+
+
+def _trained_unroll(source) -> int:
+    """The unrolled depths a head directory was trained with (an adapted head: its base's); 0
+    when unknown."""
+    if source is None:
+        return 0
+    try:
+        training = read_head(source)[0].get("training", {})
+    except (OSError, ValueError):
+        return 0
+    return int(training.get("unroll", training.get("base", {}).get("unroll", 0)) or 0)
 
 
 @dataclass
@@ -92,6 +105,10 @@ class OnlineOptions:
         elsewhere bf16 is emulated: on an AVX2 AMD EPYC updates took 57-61% of generation
         time with it and 7-10% without (8.8% over prompts 3-9; summarisation stream, 128 tokens
         per prompt).
+    unroll: EAGLE: drafted depths also trained on the head's own predicted features
+        (training-time test, as `train_draft_head(unroll=)`), so updates keep the deeper
+        drafts' skill too. None (default): as many as the head was trained with (its
+        config; 0 when unknown).
     seed: the learner's own random generator (batch draws, noise).
     """
 
@@ -116,6 +133,7 @@ class OnlineOptions:
     grad_clip: float = 1.0
     refresh_cache: bool = False
     mixed_precision: Optional[bool] = None
+    unroll: Optional[int] = None
     seed: int = 0
 
     def __post_init__(self):
@@ -128,6 +146,8 @@ class OnlineOptions:
         for name in ("rejected_weight", "prompt_weight", "reg_weight", "noise"):
             if not float(getattr(self, name)) >= 0:
                 raise ValueError(f"online: {name} must be >= 0, got {getattr(self, name)}")
+        if self.unroll is not None and int(self.unroll) < 0:
+            raise ValueError(f"online: unroll must be >= 0 or None, got {self.unroll}")
         if not float(self.explode_factor) > 2:
             raise ValueError(f"online: explode_factor must be > 2, got {self.explode_factor}")
         if self.loss not in LOSSES:
@@ -229,6 +249,8 @@ class OnlineLearner:
         if not isinstance(master, (EagleHead, MedusaHeads)):
             raise ValueError(f"online: expected an EagleHead or MedusaHeads, got {type(master).__name__}")
         self.source = source
+        self.unroll = (0 if self.kind != "eagle" else int(options.unroll) if options.unroll is not None
+                       else _trained_unroll(source))
         self.stats = OnlineStats()
         self.segments: List[_Segment] = []
         with torch.inference_mode(False):
@@ -469,12 +491,15 @@ class OnlineLearner:
             with torch.no_grad():
                 emb = self.drafter.embed(batch["tok"]).float()
             with self._autocast():
-                g = call(inp, emb, batch["pos"])
-                logits = g @ self.w_label.T
-            g = g.float()
-            per = self._divergence(logits, logp)
-            if self.options.reg_weight > 0:
-                per = per + float(self.options.reg_weight) * F.smooth_l1_loss(g, batch["tgt"], reduction="none").mean(-1)
+                outs = eagle_passes(call, inp, emb, batch["pos"], self.unroll)
+                logits = [g @ self.w_label.T for g in outs]
+            per = 0.0
+            for d, g in enumerate(outs):  # pass d drafts depth d + 1 (positions i >= d only)
+                g = g.float()
+                pass_loss = self._divergence(logits[d], logp)
+                if self.options.reg_weight > 0:
+                    pass_loss = pass_loss + float(self.options.reg_weight) * F.smooth_l1_loss(g, batch["tgt"], reduction="none").mean(-1)
+                per = per + pass_loss * (torch.arange(g.shape[1], device=g.device) >= d)
         else:
             with self._autocast():
                 outs = call(batch["inp"])  # [P, K, H]

@@ -76,6 +76,50 @@ def _batches(windows, batch_tokens: int, generator: torch.Generator):
     return [batches[i] for i in perm]
 
 
+def drafted_attention(pass_kv):
+    """The attention of unrolled pass d = len(pass_kv) (the drafter's depth-d tree node):
+    query i sees the first pass's keys j <= i - d (entries built from the target's true
+    features, as in the drafter's cache), pass m's key at i - d + m for 0 < m < d (its drafted
+    ancestors) and its own new key. pass_kv: the (keys, values) [B, T, Hkv, D] of passes 0 .. d - 1."""
+    def attend(q, k, v):
+        depth, t = len(pass_kv), q.shape[1]
+        i = torch.arange(t, device=q.device)
+        blocks = [i[None, :] <= i[:, None] - depth]
+        blocks += [i[None, :] == i[:, None] - depth + m for m in range(1, depth + 1)]
+        mask = torch.cat(blocks, dim=1)  # [T, (depth + 1) T]
+        keys = torch.cat([kv[0] for kv in pass_kv] + [k.to(pass_kv[0][0].dtype)], 1)
+        values = torch.cat([kv[1] for kv in pass_kv] + [v.to(pass_kv[0][1].dtype)], 1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2).to(q.dtype),
+                                             values.transpose(1, 2).to(q.dtype), attn_mask=mask,
+                                             enable_gqa=q.shape[2] != keys.shape[2])
+        return out.transpose(1, 2)
+    return attend
+
+
+def eagle_passes(run_head, features, token_embeds, positions, unroll: int) -> list:
+    """An EAGLE head's outputs for drafting depths 1 .. unroll + 1 over training windows
+    (training-time test): pass 0 is the head on the target's true features f_i (causal);
+    unrolled pass d feeds it pass d - 1's prediction g_{i-1} of f_i instead, attending as the
+    drafter's depth-d node does (`drafted_attention`), so each pass trains what the drafter
+    computes at that depth. Predictions fed forward are detached.
+
+    run_head(features, token_embeds, positions, attend) -> g [B, T, H]; returns [g_0, .., g_unroll]."""
+    pass_kv = []  # each pass's keys and values, for the passes after it
+
+    def keeping(attend):
+        def run(q, k, v):
+            pass_kv.append((k, v))
+            return attend(q, k, v)
+        return run
+
+    outs = [run_head(features, token_embeds, positions, keeping(causal_attention) if unroll else None)]
+    for d in range(1, unroll + 1):
+        fed = torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1].detach()], 1)
+        attend = drafted_attention(list(pass_kv))
+        outs.append(run_head(fed, token_embeds, positions, keeping(attend) if d < unroll else attend))
+    return outs
+
+
 class _Trainer:
     """Loss computation for one head kind on padded batches of windows."""
 
@@ -126,23 +170,6 @@ class _Trainer:
         with torch.autocast(self.device.type, dtype=self.autocast):
             return self.head(*args).float()
 
-    @staticmethod
-    def _drafted_attention(first_kv):
-        """The attention of the unrolled pass: query i sees the first pass's keys j < i (the
-        entries built from the target's true features, as in the drafter's cache) and its own
-        new key (the entry built from the head's own prediction, as a drafted node)."""
-        def attend(q, k, v):
-            k1, v1 = first_kv
-            t = q.shape[1]
-            i = torch.arange(t, device=q.device)
-            mask = torch.cat([i[None, :] < i[:, None], i[None, :] == i[:, None]], dim=1)  # [T, 2T]
-            keys, values = torch.cat([k1, k.to(k1.dtype)], 1), torch.cat([v1, v.to(v1.dtype)], 1)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2).to(q.dtype),
-                                                 values.transpose(1, 2).to(q.dtype), attn_mask=mask,
-                                                 enable_gqa=q.shape[2] != keys.shape[2])
-            return out.transpose(1, 2)
-        return attend
-
     def loss(self, windows, generator: Optional[torch.Generator]):
         """Mean loss over the batch and a dict of metrics (sums and counts)."""
         width = max(w[2] for w in windows)
@@ -158,37 +185,24 @@ class _Trainer:
             positions = torch.tensor([w[1] for w in windows], device=self.device)[:, None] + torch.arange(width, device=self.device)
             with torch.no_grad():
                 emb = self.embed(tokens).float()
-            first_kv = []
-
-            def keep_kv(q, k, v):  # the first pass's keys/values, for the unrolled pass
-                first_kv[:] = [k, v]
-                return causal_attention(q, k, v)
-
-            g = self._run_head(inp, emb, positions, keep_kv if self.unroll else None)
+            outs = eagle_passes(self._run_head, inp, emb, positions, self.unroll)
             with torch.no_grad():
                 logp = self._target_logprobs(tgt, lse)
                 p = logp.exp()
-            ce, kl, top = self._soft_ce(self._draft_logits(g), p, logp)
-            reg = F.smooth_l1_loss(g, tgt, reduction="none").mean(-1)
-            hit = self.vocab[top] == argmax
-            n = valid.sum()
-            loss = (ce * valid).sum() / n + self.reg_weight * (reg * valid).sum() / n
-            ce, kl, reg = ce.detach(), kl.detach(), reg.detach()
-            metrics = {"ce": float((ce * valid).sum()), "kl": float((kl * valid).sum()), "reg": float((reg * valid).sum()),
-                       "acc": float((hit & valid).sum()), "n": int(n)}
-            if self.unroll:
-                # Unrolled pass (the drafter's second depth): input i is the head's own
-                # prediction g_{i-1} of f_i instead of the true feature, with the true entries
-                # before it as context; same targets. Position 0 has no prediction to feed.
-                inp2 = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1].detach()], 1)
-                g2 = self._run_head(inp2, emb, positions, self._drafted_attention(first_kv))
-                ok = valid & (torch.arange(width, device=self.device) >= 1)[None, :]
-                ce2, kl2, top2 = self._soft_ce(self._draft_logits(g2), p, logp)
-                reg2 = F.smooth_l1_loss(g2, tgt, reduction="none").mean(-1)
-                n2 = ok.sum().clamp(min=1)
-                loss = loss + (ce2 * ok).sum() / n2 + self.reg_weight * (reg2 * ok).sum() / n2
-                metrics.update({"ce2": float((ce2.detach() * ok).sum()), "kl2": float((kl2 * ok).sum()),
-                                "acc2": float(((self.vocab[top2] == argmax) & ok).sum()), "n2": int(ok.sum())})
+            loss, metrics = 0.0, {}
+            for d, g in enumerate(outs):
+                # Pass d's output at position i drafts the token at depth d + 1; positions
+                # i < d have no chain of d predictions to feed.
+                ok = valid & (torch.arange(width, device=self.device) >= d)[None, :]
+                ce, kl, top = self._soft_ce(self._draft_logits(g), p, logp)
+                reg = F.smooth_l1_loss(g, tgt, reduction="none").mean(-1)
+                n = ok.sum().clamp(min=1)
+                loss = loss + (ce * ok).sum() / n + self.reg_weight * (reg * ok).sum() / n
+                sfx = "" if d == 0 else str(d + 1)
+                metrics.update({f"ce{sfx}": float((ce.detach() * ok).sum()), f"kl{sfx}": float((kl * ok).sum()),
+                                f"acc{sfx}": float(((self.vocab[top] == argmax) & ok).sum()), f"n{sfx}": int(ok.sum())})
+                if d == 0:
+                    metrics["reg"] = float((reg.detach() * ok).sum())
             return loss, metrics
         # Medusa: head k at position t learns the target's distribution at t + k.
         k_max = self.num_heads
@@ -239,9 +253,11 @@ def _summary(metrics_list, kind, num_heads) -> dict:
     if kind == "eagle":
         n = max(total.get("n", 0), 1)
         out = {k: round(total[k] / n, 5) for k in ("ce", "kl", "reg", "acc")}
-        if "n2" in total:  # the unrolled pass
-            n2 = max(total["n2"], 1)
-            out.update({k: round(total[k] / n2, 5) for k in ("ce2", "kl2", "acc2")})
+        depth = 2
+        while f"n{depth}" in total:  # the unrolled passes
+            n_d = max(total[f"n{depth}"], 1)
+            out.update({f"{k}{depth}": round(total[f"{k}{depth}"] / n_d, 5) for k in ("ce", "kl", "acc")})
+            depth += 1
         return out
     out = {}
     for k in range(1, num_heads + 1):
@@ -269,7 +285,7 @@ def train_draft_head(
     lr: float = 1e-3,
     reg_weight: float = 1.0,
     noise: float = 0.05,
-    unroll: bool = True,
+    unroll: int = 2,
     eval_fraction: float = 0.05,
     seed: int = 0,
     collect_batch_size: int = 32,
@@ -299,10 +315,13 @@ def train_draft_head(
             (cheaper drafting and training); >= the vocabulary size keeps every token.
         steps, batch_tokens, max_len, lr, reg_weight, noise: optimisation (AdamW, warmup then
             cosine decay to lr / 10; batches of at most batch_tokens positions).
-        unroll: EAGLE: also train the drafter's second depth, where the head's input feature is
-            its own prediction rather than the target's (the attention sees the true entries
-            before it, as in the drafter's cache); losses ce2/kl2/acc2. About 2x the compute
-            per step.
+        unroll: EAGLE: how many drafted depths to also train on the head's own predictions
+            (training-time test, as in EAGLE-3). Unrolled pass d feeds the head its previous
+            pass's predicted features, with the true entries up to d positions back and the
+            drafted ancestors as context, exactly as the drafter's depth-d tree node sees
+            them; its losses are ce{d+1}/kl{d+1}/acc{d+1} (the token at depth d + 1).
+            0: only the first depth (the head always fed the target's true features); True
+            counts as 1. Each pass adds about the first pass's compute.
         eval_fraction: share of the examples held out for the validation losses.
         seed: makes data collection, batch order, noise and initialisation reproducible.
         collect_batch_size: prompts the target answers together while collecting.
@@ -384,7 +403,9 @@ def train_draft_head(
     coverage = float(sum(torch.isin(ex["argmax"].long(), vocab).sum() for ex in examples) /
                      max(sum(ex["argmax"].numel() for ex in examples), 1))
     low = torch.bfloat16 if mixed_precision else None
-    unrolled = bool(unroll) and kind == "eagle"
+    if int(unroll) < 0:
+        raise ValueError(f"unroll must be >= 0, got {unroll}")
+    unrolled = int(unroll) if kind == "eagle" else 0
     trainer = _Trainer(kind, head, target, train_examples, num_heads, reg_weight, noise, low, unrolled)
     eval_trainer = (_Trainer(kind, head, target, eval_examples, num_heads, reg_weight, noise, low, unrolled)
                     if eval_examples else None)
@@ -409,7 +430,7 @@ def train_draft_head(
         if ckpt.get("request") != request:
             raise ValueError(f"{ckpt_path} was trained on other data (other prompts or collection settings); "
                              "remove it to train on the new data")
-        if ckpt["config"] != config or ckpt["kind"] != kind or ckpt.get("unroll", False) != unrolled:
+        if ckpt["config"] != config or ckpt["kind"] != kind or int(ckpt.get("unroll", 0)) != unrolled:
             raise ValueError(f"{ckpt_path} is a checkpoint of another head configuration; use a fresh work_dir")
         head.load_state_dict(ckpt["model"])
         optim.load_state_dict(ckpt["optim"])
