@@ -87,7 +87,8 @@ def online_drafters(target, heads):
     """Head drafters whose head takes an optimiser step before every propose."""
     every_step = dict(interval=1, min_positions=4, batch=32, window=8, lr=1e-2)
     return {
-        "eagle_tree": EagleDrafter(target, heads["eagle"], max_nodes=8, top_k=3, depth=3, min_score=0.0, online=every_step),
+        "eagle_tree_unrolled": EagleDrafter(target, heads["eagle"], max_nodes=8, top_k=3, depth=3, min_score=0.0,
+                                            online=dict(every_step, unroll=2)),
         "medusa_tree": MedusaDrafter(target, heads["medusa"], max_nodes=8, top_k=3, online=every_step),
         "eagle+ngram_jsd": HeadNgramDrafter(EagleDrafter(target, heads["eagle"], max_nodes=6, top_k=2, depth=3, min_score=0.0,
                                                          online=dict(every_step, loss="jsd")),
@@ -165,6 +166,36 @@ def assert_restored(drafter, good):
         assert torch.equal(p.detach(), g), name
     for (name, p), (_, q) in zip(drafter.head.named_parameters(), learner.master.named_parameters()):
         assert torch.equal(p, q.detach().to(p.dtype)), name  # the serving head too
+
+
+def test_unrolled_update_loss_adds_the_deeper_depths(target, heads):
+    """With unroll=D the online loss is the depth-1 loss plus one term per unrolled depth (the
+    training passes of `train_draft_head`, positions i >= d): on one batch it equals the
+    depth-1 loss plus the unrolled passes' own losses computed separately."""
+    from specdec_kernels.heads.train import eagle_passes
+
+    drafter = EagleDrafter(target, heads["eagle"], online=dict(min_positions=4, batch=32, window=8, unroll=2, noise=0.0))
+    sk.generate(target, repetitive_prompts(1, seed=3)[0][None], drafter=drafter, max_new_tokens=12)
+    learner = drafter.online
+    batch = learner._batch()
+    assert batch is not None
+    with torch.no_grad():
+        full = learner._loss(batch)
+        learner.unroll = 0
+        first = learner._loss(batch)
+        learner.unroll = 2
+        emb = drafter.embed(batch["tok"]).float()
+        outs = eagle_passes(learner.master, batch["inp"], emb, batch["pos"], 2)
+        logp = torch.log_softmax(batch["tgt"] @ learner.w_label.T, -1)
+        w = batch["w"]
+        deeper = 0.0
+        for d in (1, 2):
+            g = outs[d].float()
+            per = learner._divergence(g @ learner.w_label.T, logp)
+            per = per + learner.options.reg_weight * torch.nn.functional.smooth_l1_loss(g, batch["tgt"], reduction="none").mean(-1)
+            deeper = deeper + (per * (torch.arange(g.shape[1]) >= d) * w).sum() / w.sum()
+    assert float(deeper) > 0
+    torch.testing.assert_close(full, first + deeper, rtol=1e-4, atol=1e-5)
 
 
 def test_forced_nan_rolls_back(target):
@@ -278,7 +309,8 @@ def test_default_drafter_online(target, tmp_path, monkeypatch):
 
 def test_bad_settings(target, heads):
     for bad, match in ((dict(loss="mse"), "loss"), (dict(interval=0), "interval"), (dict(capacity=0), "capacity"),
-                       (dict(lr=0.0), "lr"), (dict(explode_factor=1.5), "explode_factor"), (dict(bogus=1), "bogus")):
+                       (dict(lr=0.0), "lr"), (dict(explode_factor=1.5), "explode_factor"), (dict(bogus=1), "bogus"),
+                       (dict(unroll=-1), "unroll")):
         with pytest.raises(ValueError, match=match):
             EagleDrafter(target, heads["eagle"], online=bad)
     with pytest.raises(ValueError, match="online"):

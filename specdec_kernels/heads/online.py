@@ -64,18 +64,6 @@ def native_bf16_cpu() -> bool:
     return bool(is_bf16() or is_amx())
 
 
-def _trained_unroll(source) -> int:
-    """The unrolled depths a head directory was trained with (an adapted head: its base's); 0
-    when unknown."""
-    if source is None:
-        return 0
-    try:
-        training = read_head(source)[0].get("training", {})
-    except (OSError, ValueError):
-        return 0
-    return int(training.get("unroll", training.get("base", {}).get("unroll", 0)) or 0)
-
-
 @dataclass
 class OnlineOptions:
     """Settings of online adaptation (`online=` of the head drafters: True for these
@@ -106,9 +94,8 @@ class OnlineOptions:
         time with it and 7-10% without (8.8% over prompts 3-9; summarisation stream, 128 tokens
         per prompt).
     unroll: EAGLE: drafted depths also trained on the head's own predicted features
-        (training-time test, as `train_draft_head(unroll=)`), so updates keep the deeper
-        drafts' skill too. None (default): as many as the head was trained with (its
-        config; 0 when unknown).
+        (training-time test, as `train_draft_head(unroll=)`). Each adds about one update's
+        compute; 0 (default) keeps the update cost of depth 1 alone.
     seed: the learner's own random generator (batch draws, noise).
     """
 
@@ -133,7 +120,7 @@ class OnlineOptions:
     grad_clip: float = 1.0
     refresh_cache: bool = False
     mixed_precision: Optional[bool] = None
-    unroll: Optional[int] = None
+    unroll: int = 0
     seed: int = 0
 
     def __post_init__(self):
@@ -146,8 +133,8 @@ class OnlineOptions:
         for name in ("rejected_weight", "prompt_weight", "reg_weight", "noise"):
             if not float(getattr(self, name)) >= 0:
                 raise ValueError(f"online: {name} must be >= 0, got {getattr(self, name)}")
-        if self.unroll is not None and int(self.unroll) < 0:
-            raise ValueError(f"online: unroll must be >= 0 or None, got {self.unroll}")
+        if int(self.unroll) < 0:
+            raise ValueError(f"online: unroll must be >= 0, got {self.unroll}")
         if not float(self.explode_factor) > 2:
             raise ValueError(f"online: explode_factor must be > 2, got {self.explode_factor}")
         if self.loss not in LOSSES:
@@ -249,8 +236,7 @@ class OnlineLearner:
         if not isinstance(master, (EagleHead, MedusaHeads)):
             raise ValueError(f"online: expected an EagleHead or MedusaHeads, got {type(master).__name__}")
         self.source = source
-        self.unroll = (0 if self.kind != "eagle" else int(options.unroll) if options.unroll is not None
-                       else _trained_unroll(source))
+        self.unroll = int(options.unroll) if self.kind == "eagle" else 0
         self.stats = OnlineStats()
         self.segments: List[_Segment] = []
         with torch.inference_mode(False):
