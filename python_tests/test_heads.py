@@ -115,6 +115,37 @@ def test_unrolled_passes_match_drafted_nodes():
                 torch.testing.assert_close(last[:, 0], outs[d][:, i], rtol=1e-5, atol=1e-5)
 
 
+def test_prompt_weight_scales_the_prompt_positions(target):
+    """EAGLE training weighs positions that predict prompt tokens by prompt_weight: at 0 the
+    loss ignores their labels (here: the log-normaliser of the target's distribution there),
+    at 0.2 it does not; response accuracy (racc) counts response tokens only."""
+    from specdec_kernels.heads.modules import EagleHead
+    from specdec_kernels.heads.train import _Trainer, head_config
+
+    g = torch.Generator().manual_seed(0)
+    head = EagleHead(head_config(target, "eagle", VOCAB))
+    head.reset_parameters(g)
+    head.draft_vocab.copy_(torch.arange(VOCAB))
+    hidden = head.config["hidden_size"]
+
+    def example(n, prompt_len):
+        return {"tokens": torch.randint(0, VOCAB, (n,), generator=g, dtype=torch.int32),
+                "features": torch.randn(n - 1, hidden, generator=g).half(), "lse": torch.randn(n - 1, generator=g) + 5,
+                "argmax": torch.randint(0, VOCAB, (n - 1,), generator=g, dtype=torch.int32), "prompt_len": prompt_len}
+
+    examples = [example(24, 10), example(17, 5)]
+    windows = [(0, 0, 22), (1, 0, 15)]
+    changed = [dict(ex, lse=torch.cat([ex["lse"][: ex["prompt_len"] - 1] + 3.0, ex["lse"][ex["prompt_len"] - 1 :]]))
+               for ex in examples]
+    with torch.no_grad():
+        for weight, same in ((0.0, True), (0.2, False)):
+            a, metrics = _Trainer("eagle", head, target, examples, 4, 1.0, 0.0, None, 1, weight).loss(windows, None)
+            b, _ = _Trainer("eagle", head, target, changed, 4, 1.0, 0.0, None, 1, weight).loss(windows, None)
+            assert torch.isclose(a, b, rtol=1e-6) == same, weight
+    assert metrics["rn"] == (24 - 10) + (17 - 5) and metrics["rn2"] == metrics["rn"]
+    assert metrics["n"] == 22 + 15
+
+
 def test_training_resumes_and_is_deterministic(target, tmp_path):
     """Same seed, same head; a run stopped at step 2 and resumed to 4 equals a run straight to 4."""
     a = train(target, tmp_path, "eagle", VOCAB, steps=4, name="a")

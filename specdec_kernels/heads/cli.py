@@ -60,6 +60,8 @@ def add_parser(sub) -> None:
     p.add_argument("--unroll", type=int, default=2, metavar="D",
                    help="EAGLE: also train draft depths 2 .. D + 1 on the head's own predicted features "
                         "(training-time test; default 2, 0: off)")
+    p.add_argument("--prompt-weight", type=float, default=0.2,
+                   help="EAGLE: loss weight of positions predicting prompt tokens (responses: 1; default 0.2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.set_defaults(func=run)
@@ -98,6 +100,7 @@ def run(args) -> int:
                            collect_batch_size=args.collect_batch_size,
                            generation_dtype=None if args.generation_dtype == "model" else getattr(torch, args.generation_dtype),
                            draft_vocab_size=args.draft_vocab, num_heads=args.num_heads, steps=args.steps,
-                           batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed, unroll=args.unroll, notes=notes)
+                           batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed, unroll=args.unroll,
+                           prompt_weight=args.prompt_weight, notes=notes)
     print(f"specdec train-draft: head written to {out}")
     return 0

@@ -123,9 +123,10 @@ def eagle_passes(run_head, features, token_embeds, positions, unroll: int) -> li
 class _Trainer:
     """Loss computation for one head kind on padded batches of windows."""
 
-    def __init__(self, kind, head, target, examples, num_heads, reg_weight, noise, autocast=None, unroll=False):
+    def __init__(self, kind, head, target, examples, num_heads, reg_weight, noise, autocast=None, unroll=0,
+                 prompt_weight=1.0):
         self.kind, self.head, self.examples = kind, head, examples
-        self.unroll = unroll
+        self.unroll, self.prompt_weight = unroll, prompt_weight
         # bf16 autocast for the head's forward/backward and its logits (CPU bf16 matrix
         # units: several times faster); the target's labels stay fp32.
         self.autocast = autocast
@@ -186,6 +187,11 @@ class _Trainer:
             with torch.no_grad():
                 emb = self.embed(tokens).float()
             outs = eagle_passes(self._run_head, inp, emb, positions, self.unroll)
+            # Input i predicts token s + i + 2: a response token, or a prompt token (weighted
+            # prompt_weight: drafting only ever happens in responses).
+            prompt_len = torch.tensor([self.examples[e]["prompt_len"] for e, _, _ in windows], device=self.device)
+            response = (positions + 2) >= prompt_len[:, None]
+            weight = torch.where(response, 1.0, float(self.prompt_weight))
             with torch.no_grad():
                 logp = self._target_logprobs(tgt, lse)
                 p = logp.exp()
@@ -196,11 +202,14 @@ class _Trainer:
                 ok = valid & (torch.arange(width, device=self.device) >= d)[None, :]
                 ce, kl, top = self._soft_ce(self._draft_logits(g), p, logp)
                 reg = F.smooth_l1_loss(g, tgt, reduction="none").mean(-1)
-                n = ok.sum().clamp(min=1)
-                loss = loss + (ce * ok).sum() / n + self.reg_weight * (reg * ok).sum() / n
+                w = ok * weight
+                total = w.sum().clamp(min=1e-6)
+                loss = loss + (ce * w).sum() / total + self.reg_weight * (reg * w).sum() / total
+                hit = self.vocab[top] == argmax
                 sfx = "" if d == 0 else str(d + 1)
                 metrics.update({f"ce{sfx}": float((ce.detach() * ok).sum()), f"kl{sfx}": float((kl * ok).sum()),
-                                f"acc{sfx}": float(((self.vocab[top] == argmax) & ok).sum()), f"n{sfx}": int(ok.sum())})
+                                f"acc{sfx}": float((hit & ok).sum()), f"n{sfx}": int(ok.sum()),
+                                f"racc{sfx}": float((hit & ok & response).sum()), f"rn{sfx}": int((ok & response).sum())})
                 if d == 0:
                     metrics["reg"] = float((reg.detach() * ok).sum())
             return loss, metrics
@@ -253,10 +262,12 @@ def _summary(metrics_list, kind, num_heads) -> dict:
     if kind == "eagle":
         n = max(total.get("n", 0), 1)
         out = {k: round(total[k] / n, 5) for k in ("ce", "kl", "reg", "acc")}
+        out["racc"] = round(total["racc"] / max(total["rn"], 1), 5)  # top-1 agreement on response tokens
         depth = 2
         while f"n{depth}" in total:  # the unrolled passes
             n_d = max(total[f"n{depth}"], 1)
             out.update({f"{k}{depth}": round(total[f"{k}{depth}"] / n_d, 5) for k in ("ce", "kl", "acc")})
+            out[f"racc{depth}"] = round(total[f"racc{depth}"] / max(total[f"rn{depth}"], 1), 5)
             depth += 1
         return out
     out = {}
@@ -286,6 +297,7 @@ def train_draft_head(
     reg_weight: float = 1.0,
     noise: float = 0.05,
     unroll: int = 2,
+    prompt_weight: float = 0.2,
     eval_fraction: float = 0.05,
     seed: int = 0,
     collect_batch_size: int = 32,
@@ -322,6 +334,9 @@ def train_draft_head(
             them; its losses are ce{d+1}/kl{d+1}/acc{d+1} (the token at depth d + 1).
             0: only the first depth (the head always fed the target's true features); True
             counts as 1. Each pass adds about the first pass's compute.
+        prompt_weight: EAGLE: weight of the positions that predict a prompt token, against 1
+            for response tokens (drafting only happens in responses; a summarisation prompt
+            is ~5x longer than its answer). Metrics racc* are top-1 agreement on response tokens.
         eval_fraction: share of the examples held out for the validation losses.
         seed: makes data collection, batch order, noise and initialisation reproducible.
         collect_batch_size: prompts the target answers together while collecting.
@@ -363,8 +378,9 @@ def train_draft_head(
     stored = load_examples(work / "data.pt")
     if stored is not None and stored["meta"].get("target") != identity:
         raise ValueError(f"work_dir {work} holds data collected from another target; use a fresh work_dir")
-    if stored is not None and stored["meta"].get("request") != request:
-        stored = None
+    if stored is not None and (stored["meta"].get("request") != request
+                               or any("prompt_len" not in ex for ex in stored["examples"])):
+        stored = None  # (data written before prompt lengths were kept: rebuilt from the cache)
     if stored is None:
         t0 = time.perf_counter()
         own = self_prompts(target, tokenizer, self_prompt_count, seed=seed, batch_size=collect_batch_size,
@@ -375,6 +391,8 @@ def train_draft_head(
             raise ValueError("prompts: no usable prompt")
         examples = collect(target, ids, max_new_tokens=max_new_tokens, batch_size=collect_batch_size, seed=seed,
                            generation_dtype=generation_dtype, work_dir=work / "collect", progress=progress)
+        for ex, p in zip(examples, ids):
+            ex["prompt_len"] = len(p)
         meta = {"target": identity, "request": request, "prompts": len(ids), "self_prompts": len(own), "max_new_tokens": max_new_tokens,
                 "generation_dtype": str(generation_dtype).replace("torch.", ""),
                 "positions": int(sum(ex["features"].shape[0] for ex in examples)),
@@ -406,8 +424,10 @@ def train_draft_head(
     if int(unroll) < 0:
         raise ValueError(f"unroll must be >= 0, got {unroll}")
     unrolled = int(unroll) if kind == "eagle" else 0
-    trainer = _Trainer(kind, head, target, train_examples, num_heads, reg_weight, noise, low, unrolled)
-    eval_trainer = (_Trainer(kind, head, target, eval_examples, num_heads, reg_weight, noise, low, unrolled)
+    if not 0.0 <= float(prompt_weight) <= 1.0:
+        raise ValueError(f"prompt_weight must be in [0, 1], got {prompt_weight}")
+    trainer = _Trainer(kind, head, target, train_examples, num_heads, reg_weight, noise, low, unrolled, prompt_weight)
+    eval_trainer = (_Trainer(kind, head, target, eval_examples, num_heads, reg_weight, noise, low, unrolled, prompt_weight)
                     if eval_examples else None)
     windows = _windows(train_examples, max_len, kind, num_heads)
     if not windows:
@@ -430,7 +450,8 @@ def train_draft_head(
         if ckpt.get("request") != request:
             raise ValueError(f"{ckpt_path} was trained on other data (other prompts or collection settings); "
                              "remove it to train on the new data")
-        if ckpt["config"] != config or ckpt["kind"] != kind or int(ckpt.get("unroll", 0)) != unrolled:
+        if ckpt["config"] != config or ckpt["kind"] != kind or int(ckpt.get("unroll", 0)) != unrolled \
+                or float(ckpt.get("prompt_weight", 1.0)) != float(prompt_weight):
             raise ValueError(f"{ckpt_path} is a checkpoint of another head configuration; use a fresh work_dir")
         head.load_state_dict(ckpt["model"])
         optim.load_state_dict(ckpt["optim"])
@@ -459,7 +480,7 @@ def train_draft_head(
 
     def save_checkpoint():
         tmp = ckpt_path.with_suffix(".tmp")
-        torch.save({"step": step, "kind": kind, "config": config, "unroll": unrolled, "request": request, "model": head.state_dict(), "optim": optim.state_dict(),
+        torch.save({"step": step, "kind": kind, "config": config, "unroll": unrolled, "prompt_weight": prompt_weight, "request": request, "model": head.state_dict(), "optim": optim.state_dict(),
                     "noise_gen": noise_gen.get_state()}, tmp)
         tmp.replace(ckpt_path)
 
@@ -496,7 +517,7 @@ def train_draft_head(
         if step % log_every == 0 or step == steps:
             row = {"step": step, "epoch": epoch, "lr": round(lr_at(step - 1), 7), "loss": round(float(loss.detach()), 5),
                    **_summary(window_metrics, kind, num_heads), "elapsed_s": round(time.perf_counter() - t_start, 1)}
-            bar.set_postfix({k: row[k] for k in row if k in ("kl", "acc", "acc2", "kl1", "acc1")})
+            bar.set_postfix({k: row[k] for k in row if k in ("kl", "acc", "racc", "racc2", "kl1", "acc1")})
             log(row)
             window_metrics = []
         if step % checkpoint_every == 0 or step == steps:
@@ -513,7 +534,7 @@ def train_draft_head(
         final = {"train": train_rows[-1] if train_rows else {}, "val": val_rows[-1] if val_rows else {}}
     training = {"steps": steps, "seed": seed, "lr": lr, "batch_tokens": batch_tokens, "max_len": max_len,
                 "mixed_precision": mixed_precision,
-                "reg_weight": reg_weight, "noise": noise, "unroll": unrolled, "argmax_coverage": round(coverage, 5), "data": data_meta,
+                "reg_weight": reg_weight, "noise": noise, "unroll": unrolled, "prompt_weight": prompt_weight, "argmax_coverage": round(coverage, 5), "data": data_meta,
                 "final": final, **(notes or {})}
     state = {k: v for k, v in head.state_dict().items()}
     write_head(out, {"kind": kind, "head": config, "target": identity, "training": training}, state)
