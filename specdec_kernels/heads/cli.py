@@ -60,8 +60,8 @@ def add_parser(sub) -> None:
     p.add_argument("--unroll", type=int, default=2, metavar="D",
                    help="EAGLE: also train draft depths 2 .. D + 1 on the head's own predicted features "
                         "(training-time test; default 2, 0: off)")
-    p.add_argument("--prompt-weight", type=float, default=0.2,
-                   help="EAGLE: loss weight of positions predicting prompt tokens (responses: 1; default 0.2)")
+    p.add_argument("--prompt-weight", type=float, default=1.0,
+                   help="EAGLE: loss weight of positions predicting prompt tokens (responses: 1; default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.set_defaults(func=run)

@@ -297,7 +297,7 @@ def train_draft_head(
     reg_weight: float = 1.0,
     noise: float = 0.05,
     unroll: int = 2,
-    prompt_weight: float = 0.2,
+    prompt_weight: float = 1.0,
     eval_fraction: float = 0.05,
     seed: int = 0,
     collect_batch_size: int = 32,
@@ -337,6 +337,7 @@ def train_draft_head(
         prompt_weight: EAGLE: weight of the positions that predict a prompt token, against 1
             for response tokens (drafting only happens in responses; a summarisation prompt
             is ~5x longer than its answer). Metrics racc* are top-1 agreement on response tokens.
+            On the default model's data 0.2 did not beat 1 (held-out racc 0.439 against 0.445).
         eval_fraction: share of the examples held out for the validation losses.
         seed: makes data collection, batch order, noise and initialisation reproducible.
         collect_batch_size: prompts the target answers together while collecting.
