@@ -182,6 +182,10 @@ def test_bad_arguments(target, heads, tmp_path):
         train_draft_head(target, [[1, 2, 3]], kind="mtp", out_dir=tmp_path / "x")
     with pytest.raises(ValueError, match="steps"):
         train_draft_head(target, [[1, 2, 3]], kind="eagle", out_dir=tmp_path / "x", steps=0)
+    for bad, match in ((dict(unroll=-1), "unroll"), (dict(prompt_weight=1.5), "prompt_weight")):
+        with pytest.raises(ValueError, match=match):  # before any data is collected
+            train_draft_head(target, [[1, 2, 3]], kind="eagle", out_dir=tmp_path / "y", **bad)
+        assert not (tmp_path / "y" / "work" / "collect").exists()
     with pytest.raises(ValueError, match="not a head directory"):
         EagleDrafter(target, tmp_path)
     with pytest.raises(ValueError, match="max_nodes"):

@@ -362,6 +362,10 @@ def train_draft_head(
             raise ValueError(f"{name} must be >= 1, got {value}")
     if not 0 <= eval_fraction < 1:
         raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    if int(unroll) < 0:
+        raise ValueError(f"unroll must be >= 0, got {unroll}")
+    if not 0.0 <= float(prompt_weight) <= 1.0:
+        raise ValueError(f"prompt_weight must be in [0, 1], got {prompt_weight}")
     if threads is not None:
         torch.set_num_threads(int(threads))
     out = Path(out_dir)
@@ -422,11 +426,7 @@ def train_draft_head(
     coverage = float(sum(torch.isin(ex["argmax"].long(), vocab).sum() for ex in examples) /
                      max(sum(ex["argmax"].numel() for ex in examples), 1))
     low = torch.bfloat16 if mixed_precision else None
-    if int(unroll) < 0:
-        raise ValueError(f"unroll must be >= 0, got {unroll}")
     unrolled = int(unroll) if kind == "eagle" else 0
-    if not 0.0 <= float(prompt_weight) <= 1.0:
-        raise ValueError(f"prompt_weight must be in [0, 1], got {prompt_weight}")
     trainer = _Trainer(kind, head, target, train_examples, num_heads, reg_weight, noise, low, unrolled, prompt_weight)
     eval_trainer = (_Trainer(kind, head, target, eval_examples, num_heads, reg_weight, noise, low, unrolled, prompt_weight)
                     if eval_examples else None)
