@@ -86,6 +86,56 @@ def test_collect_cache_reuses_responses(target, tmp_path):
         collect(target, prompts, max_new_tokens=6, work_dir=tmp_path, progress=False)
 
 
+class WordTokenizer:
+    """A stand-in chat tokenizer for the tiny target: words hashed into its vocabulary, each id
+    decoded as a word of its own, a trivial chat template."""
+
+    chat_template = "user: {content}\nassistant:"
+
+    def _ids(self, text):
+        return [1 + sum(map(ord, w)) * 31 % (VOCAB - 1) for w in text.split()]
+
+    def __call__(self, text, return_tensors=None, add_special_tokens=True):
+        ids = self._ids(text)
+        return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return self.chat_template.format(content=messages[-1]["content"]) if add_generation_prompt \
+            else "user: " + messages[-1]["content"] + "\n"
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"w{int(t)}" for t in ids)
+
+
+def test_self_written_prompts_resume_extend_and_train(target, tmp_path):
+    """Self-written user turns are distinct; self-written articles become summarisation
+    requests in the workload's exact wording; the cache resumes them and a larger count
+    extends the same sequence; train_draft_head collects one example per article."""
+    from specdec_kernels.heads.data import load_examples, self_articles, self_prompts
+    from specdec_kernels.workloads import Request, summarization_request
+
+    tok, cache = WordTokenizer(), tmp_path / "articles.json"
+    turns = self_prompts(target, tok, 3, seed=0, max_tokens=8, batch_size=4, generation_dtype=None, progress=False)
+    assert len(set(turns)) == 3 and all(len(t) >= 8 for t in turns)
+    args = dict(seed=0, max_tokens=60, batch_size=4, generation_dtype=None, cache=cache, progress=False)
+    five = self_articles(target, tok, 5, **args)
+    assert len(five) == 5 and len({r.text for r in five}) == 5
+    for r in five:
+        assert isinstance(r, Request) and r.workload == "summarization" and r.chat
+        article = r.text.split("\n\n", 1)[1]
+        assert r.text == summarization_request(article).text and len(article) >= 200
+    attempts = json.loads(cache.read_text())["attempts"]
+    assert [r.text for r in self_articles(target, tok, 5, **args)] == [r.text for r in five]
+    assert json.loads(cache.read_text())["attempts"] == attempts  # resumed: nothing written again
+    seven = self_articles(target, tok, 7, **args)
+    assert [r.text for r in seven[:5]] == [r.text for r in five] and len(seven) == 7
+
+    out = train(target, tmp_path, "eagle", VOCAB, steps=2, self_article_count=3, tokenizer=tok, work_dir=tmp_path / "w")
+    meta = load_examples(tmp_path / "w" / "data.pt")["meta"]
+    assert meta["self_articles"] == 3 and meta["prompts"] == 12 + 3
+    assert (out / "head.safetensors").is_file()
+
+
 def test_unrolled_passes_match_drafted_nodes():
     """Unrolled training pass d (input: pass d - 1's prediction g_{i-1}; context: the true
     entries up to i - d and the pass outputs before it) computes what the drafter computes for

@@ -58,6 +58,11 @@ class Request:
         return encoded["input_ids"]
 
 
+def summarization_request(article: str, id: str = "summarization") -> Request:
+    """The summarisation workload's chat request over `article` (cut to ARTICLE_CHARS)."""
+    return Request("summarization", id, f"Summarize the following article.\n\n{article[:ARTICLE_CHARS]}", chat=True)
+
+
 def code_edit_request(code: str, function_name: str, id: str = "code_edit") -> Request:
     """A chat request asking to rename `function_name` to `<name>_v2` in `code` and return all of it."""
     instruction = (
@@ -147,8 +152,7 @@ def load_workload(name: str, *, limit=None, data=None) -> list:
         elif name == "code_edit":
             req = code_edit_request(row["prompt"] + row["canonical_solution"], row["entry_point"], id=row["task_id"])
         elif name == "summarization":
-            article = row["article"][:ARTICLE_CHARS]
-            req = Request(name, row["id"], f"Summarize the following article.\n\n{article}", chat=True)
+            req = summarization_request(row["article"], id=row["id"])
         else:
             req = Request(name, row["id"], row["prompt"], chat=True)
         # The hhh file repeats a request once per candidate answer; a repeated prompt

@@ -45,6 +45,8 @@ def add_parser(sub) -> None:
                    help="shared dev workloads to take prompts from (after --holdout), e.g. chat,summarization:20 or all")
     p.add_argument("--holdout", type=int, default=10, help="requests left out at the start of each workload (default 10)")
     p.add_argument("--self-prompts", type=int, default=0, help="user turns the model writes itself (default 0)")
+    p.add_argument("--self-articles", type=int, default=0,
+                   help="summarisation requests over news articles the model writes itself (default 0)")
     p.add_argument("--out", required=True, help="output directory (head.safetensors, config.json, train_log.jsonl)")
     p.add_argument("--work-dir", default=None, help="resumable state (default <out>/work)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="response length per prompt (default 128)")
@@ -89,14 +91,16 @@ def run(args) -> int:
         prompts += reqs
         sources.append(f"workload {name}: requests {args.holdout}..{args.holdout + len(reqs) - 1} "
                        f"(the first {args.holdout} held out)")
-    if not prompts and args.self_prompts <= 0:
-        print("specdec train-draft: give --prompts, --workloads or --self-prompts", file=sys.stderr)
+    if not prompts and args.self_prompts <= 0 and args.self_articles <= 0:
+        print("specdec train-draft: give --prompts, --workloads, --self-prompts or --self-articles", file=sys.stderr)
         return 2
     model, tokenizer = load_model(args.model)
     notes = {"command": "specdec " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["train-draft"] else None,
-             "prompt_sources": sources + ([f"self-written user turns: {args.self_prompts}"] if args.self_prompts else [])}
+             "prompt_sources": sources + ([f"self-written user turns: {args.self_prompts}"] if args.self_prompts else [])
+             + ([f"summaries of self-written articles: {args.self_articles}"] if args.self_articles else [])}
     out = train_draft_head(model, prompts, kind=args.kind, out_dir=args.out, tokenizer=tokenizer, work_dir=args.work_dir,
                            max_new_tokens=args.max_new_tokens, self_prompt_count=args.self_prompts,
+                           self_article_count=args.self_articles,
                            collect_batch_size=args.collect_batch_size,
                            generation_dtype=None if args.generation_dtype == "model" else getattr(torch, args.generation_dtype),
                            draft_vocab_size=args.draft_vocab, num_heads=args.num_heads, steps=args.steps,

@@ -125,6 +125,43 @@ def _hf_generate(model, rows: List[List[int]], *, max_new_tokens: int, temperatu
     return responses
 
 
+def _self_written(target, tokenizer, prefix: List[int], count: int, *, seed: int, max_tokens: int, batch_size: int,
+                  temperature: float, min_chars: int, generation_dtype, cache, desc: str, progress: bool) -> List[str]:
+    """`count` distinct texts the target writes after the token ids `prefix` (sampling at
+    `temperature`, top_p 0.95, up to `max_tokens` tokens, stopping at eos); texts shorter
+    than `min_chars` are dropped. `cache` (a JSON file) keeps what was written so far, so a
+    run resumes, and a larger count extends the same sequence (the same seed gives the same texts)."""
+    from tqdm import tqdm
+
+    cache = Path(cache) if cache is not None else None
+    state = {"seed": seed, "max_tokens": max_tokens, "batch_size": batch_size, "turns": [], "attempts": 0}
+    if cache is not None and cache.is_file():
+        stored = json.loads(cache.read_text())
+        if all(stored.get(k) == state[k] for k in ("seed", "max_tokens", "batch_size")):
+            state = stored
+    texts = state["turns"]
+    writer = None
+    eos = _eos_ids(target)
+    bar = tqdm(total=count, initial=min(len(texts), count), desc=desc, unit="text", disable=not progress)
+    while len(texts) < count and state["attempts"] < 4 * count // batch_size + 4:
+        writer = writer or _writer(target, generation_dtype)
+        new = _hf_generate(writer, [prefix] * batch_size, max_new_tokens=max_tokens, temperature=temperature,
+                           top_p=0.95, seed=seed * 1000003 + state["attempts"], eos=eos)
+        state["attempts"] += 1
+        before = len(texts)
+        for row in new:
+            text = tokenizer.decode(row, skip_special_tokens=True).strip()
+            if len(text) >= min_chars and text not in texts:
+                texts.append(text)
+        bar.update(min(len(texts), count) - min(before, count))
+        if cache is not None:
+            tmp = cache.with_suffix(".tmp")
+            tmp.write_text(json.dumps(state))
+            tmp.replace(cache)
+    bar.close()
+    return texts[:count]
+
+
 def self_prompts(target, tokenizer, count: int, *, seed: int, max_tokens: int = 64, batch_size: int = 32,
                  generation_dtype=torch.bfloat16, cache=None, progress: bool = True) -> List[str]:
     """`count` distinct user turns written by the target itself: it continues its chat
@@ -134,42 +171,44 @@ def self_prompts(target, tokenizer, count: int, *, seed: int, max_tokens: int = 
     generation_dtype: dtype of the copy of the target that writes (None: the target itself).
     cache: a JSON file that keeps the turns written so far (resumes from it; the same seed
     gives the same turns)."""
-    from tqdm import tqdm
-
     if count <= 0:
         return []
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("self_prompts: the tokenizer has no chat template to write user turns with")
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], tokenize=False, add_generation_prompt=False)
     prefix = tokenizer(rendered[: rendered.index(_MARK)], add_special_tokens=False)["input_ids"]
-    cache = Path(cache) if cache is not None else None
-    state = {"seed": seed, "max_tokens": max_tokens, "batch_size": batch_size, "turns": [], "attempts": 0}
-    if cache is not None and cache.is_file():
-        stored = json.loads(cache.read_text())
-        if all(stored.get(k) == state[k] for k in ("seed", "max_tokens", "batch_size")):
-            state = stored
-    turns = state["turns"]
-    writer = None
-    # The end of a user turn is the template's end-of-turn token (eos for most chat models).
-    eos = _eos_ids(target)
-    bar = tqdm(total=count, initial=min(len(turns), count), desc="writing user turns", unit="turn", disable=not progress)
-    while len(turns) < count and state["attempts"] < 4 * count // batch_size + 4:
-        writer = writer or _writer(target, generation_dtype)
-        new = _hf_generate(writer, [prefix] * batch_size, max_new_tokens=max_tokens, temperature=1.0, top_p=0.95,
-                           seed=seed * 1000003 + state["attempts"], eos=eos)
-        state["attempts"] += 1
-        before = len(turns)
-        for row in new:
-            text = tokenizer.decode(row, skip_special_tokens=True).strip()
-            if len(text) >= 8 and text not in turns:
-                turns.append(text)
-        bar.update(min(len(turns), count) - min(before, count))
-        if cache is not None:
-            tmp = cache.with_suffix(".tmp")
-            tmp.write_text(json.dumps(state))
-            tmp.replace(cache)
-    bar.close()
-    return turns[:count]
+    # (The end of a user turn is the template's end-of-turn token: eos for most chat models.)
+    return _self_written(target, tokenizer, prefix, count, seed=seed, max_tokens=max_tokens, batch_size=batch_size,
+                         temperature=1.0, min_chars=8, generation_dtype=generation_dtype, cache=cache,
+                         desc="writing user turns", progress=progress)
+
+
+ARTICLE_INSTRUCTION = "Write a news article."
+
+
+def self_articles(target, tokenizer, count: int, *, seed: int, max_tokens: int = 320, batch_size: int = 32,
+                  generation_dtype=torch.bfloat16, cache=None, progress: bool = True) -> list:
+    """`count` summarisation requests (the `summarization` workload's exact wording) over
+    news articles the target writes itself, answering ARTICLE_INSTRUCTION (sampling at
+    temperature 0.8, top_p 0.95, up to `max_tokens` tokens; an article cut there stays cut, as
+    the workload cuts long articles). A head trained on them sees many documents to
+    summarise, where the dev workload has 90: on the 90 alone it learnt those summaries
+    (top-1 ~0.45 on them) but agreed with the target only ~0.2 on unseen articles.
+
+    Returns `workloads.Request`s (ids "self-article-<i>"). cache: as for `self_prompts`."""
+    from ..workloads import summarization_request
+
+    if count <= 0:
+        return []
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("self_articles: the tokenizer has no chat template to ask for articles with")
+    prefix = tokenizer.apply_chat_template([{"role": "user", "content": ARTICLE_INSTRUCTION}], tokenize=False,
+                                           add_generation_prompt=True)
+    prefix = tokenizer(prefix, add_special_tokens=False)["input_ids"]
+    articles = _self_written(target, tokenizer, prefix, count, seed=seed + 1, max_tokens=max_tokens, batch_size=batch_size,
+                             temperature=0.8, min_chars=200, generation_dtype=generation_dtype, cache=cache,
+                             desc="writing articles", progress=progress)
+    return [summarization_request(a, id=f"self-article-{i}") for i, a in enumerate(articles)]
 
 
 def _key(ids: Sequence[int]) -> str:

@@ -2,7 +2,8 @@
 
 Stages, each resumable from its file in `work_dir` (default `<out_dir>/work`):
 1. data (`data.pt`): the target answers the prompts (plus, optionally, user turns it wrote
-   itself, kept in `self_prompts.json`) and its features are recorded (`heads.data`; shards
+   itself, kept in `self_prompts.json`, and requests to summarise articles it wrote itself,
+   `self_articles.json`) and its features are recorded (`heads.data`; shards
    of both passes in `collect/`, so an interrupted collection resumes batch by batch).
 2. training (`checkpoint.pt`, every `checkpoint_every` steps): soft cross-entropy to the
    target's distribution over the draft vocabulary (the target's probabilities are exact:
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import KINDS, input_embedding, lm_head_weight, rope_theta, target_identity, text_config, write_head
-from .data import collect, draft_vocabulary, load_examples, render_prompts, save_examples, self_prompts
+from .data import collect, draft_vocabulary, load_examples, render_prompts, save_examples, self_articles, self_prompts
 from .modules import EagleHead, MedusaHeads, causal_attention
 
 
@@ -235,7 +236,7 @@ class _Trainer:
         return loss, metrics
 
 
-def _data_request(prompts, self_prompt_count, seed, max_new_tokens, generation_dtype) -> str:
+def _data_request(prompts, self_prompt_count, seed, max_new_tokens, generation_dtype, self_article_count=0) -> str:
     """sha256 of what the data stage was asked for (prompts and collection settings): data
     collected for another request is collected again (from the response cache)."""
     import hashlib
@@ -249,8 +250,10 @@ def _data_request(prompts, self_prompt_count, seed, max_new_tokens, generation_d
             return [int(t) for t in p]
         return repr(p)  # a workloads.Request (a dataclass: its repr holds every field)
 
-    text = json.dumps([[plain(p) for p in prompts], int(self_prompt_count), int(seed), int(max_new_tokens),
-                       str(generation_dtype)], sort_keys=True, default=str)
+    request = [[plain(p) for p in prompts], int(self_prompt_count), int(seed), int(max_new_tokens), str(generation_dtype)]
+    if self_article_count:  # (appended only when asked for: earlier requests keep their hash)
+        request.append({"self_articles": int(self_article_count)})
+    text = json.dumps(request, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -288,6 +291,7 @@ def train_draft_head(
     work_dir=None,
     max_new_tokens: int = 128,
     self_prompt_count: int = 0,
+    self_article_count: int = 0,
     draft_vocab_size: int = 8192,
     num_heads: int = 4,
     steps: int = 1000,
@@ -323,6 +327,9 @@ def train_draft_head(
         work_dir: resumable state (collected data, checkpoints); default `<out_dir>/work`.
         max_new_tokens: length of each response the target writes.
         self_prompt_count: extra user turns the target writes itself (chat-like data).
+        self_article_count: extra summarisation requests over news articles the target
+            writes itself (`data.self_articles`: many documents to summarise, where the dev
+            workload has 90).
         draft_vocab_size: the head proposes only the N most frequent tokens of the data
             (cheaper drafting and training); >= the vocabulary size keeps every token.
         steps, batch_tokens, max_len, lr, reg_weight, noise: optimisation (AdamW, warmup then
@@ -373,13 +380,13 @@ def train_draft_head(
     work.mkdir(parents=True, exist_ok=True)
     identity = target_identity(target)
     target.eval()
-    if tokenizer is None and (self_prompt_count or not all(isinstance(p, (list, tuple, torch.Tensor)) for p in prompts)):
+    if tokenizer is None and (self_prompt_count or self_article_count or not all(isinstance(p, (list, tuple, torch.Tensor)) for p in prompts)):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(target.config._name_or_path)
 
     # 1) data (collected again, from the cache in work/collect, when the request changed)
-    request = _data_request(prompts, self_prompt_count, seed, max_new_tokens, generation_dtype)
+    request = _data_request(prompts, self_prompt_count, seed, max_new_tokens, generation_dtype, self_article_count)
     stored = load_examples(work / "data.pt")
     if stored is not None and stored["meta"].get("target") != identity:
         raise ValueError(f"work_dir {work} holds data collected from another target; use a fresh work_dir")
@@ -388,17 +395,21 @@ def train_draft_head(
         stored = None  # (data written before prompt lengths were kept: rebuilt from the cache)
     if stored is None:
         t0 = time.perf_counter()
-        own = self_prompts(target, tokenizer, self_prompt_count, seed=seed, batch_size=collect_batch_size,
-                           generation_dtype=generation_dtype, cache=work / "self_prompts.json",
-                           progress=progress) if self_prompt_count else []
-        ids = render_prompts(tokenizer, list(prompts) + own)
+        turns = self_prompts(target, tokenizer, self_prompt_count, seed=seed, batch_size=collect_batch_size,
+                             generation_dtype=generation_dtype, cache=work / "self_prompts.json",
+                             progress=progress) if self_prompt_count else []
+        articles = self_articles(target, tokenizer, self_article_count, seed=seed, batch_size=collect_batch_size,
+                                 generation_dtype=generation_dtype, cache=work / "self_articles.json",
+                                 progress=progress) if self_article_count else []
+        ids = render_prompts(tokenizer, list(prompts) + turns + articles)
         if not ids:
             raise ValueError("prompts: no usable prompt")
         examples = collect(target, ids, max_new_tokens=max_new_tokens, batch_size=collect_batch_size, seed=seed,
                            generation_dtype=generation_dtype, work_dir=work / "collect", progress=progress)
         for ex, p in zip(examples, ids):
             ex["prompt_len"] = len(p)
-        meta = {"target": identity, "request": request, "prompts": len(ids), "self_prompts": len(own), "max_new_tokens": max_new_tokens,
+        meta = {"target": identity, "request": request, "prompts": len(ids), "self_prompts": len(turns),
+                "self_articles": len(articles), "max_new_tokens": max_new_tokens,
                 "generation_dtype": str(generation_dtype).replace("torch.", ""),
                 "positions": int(sum(ex["features"].shape[0] for ex in examples)),
                 "response_tokens": int(sum(ex["tokens"].numel() - len(p) for ex, p in zip(examples, ids))),
