@@ -32,6 +32,11 @@ def main(model_dir, out_dir):
     results["hf_greedy"] = target.generate(ids["input_ids"], attention_mask=ids["attention_mask"], max_new_tokens=12,
                                            do_sample=False, pad_token_id=0)
     torch.save(results, os.path.join(out_dir, f"rank{os.environ['RANK']}.pt"))
+    # Leave together and tear the group down before exit: a gloo group still alive at
+    # interpreter shutdown can abort a worker ("terminate called without an active exception";
+    # seen once in a fresh-clone run).
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 CASES = {
