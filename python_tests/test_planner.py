@@ -70,20 +70,6 @@ def test_cost_against_gain():
     assert choose_counts(gains, torch.tensor([1.0, 1.1, 1.2, 1.3], dtype=torch.float64)).tolist() == [2]
 
 
-def test_margin_refuses_break_even_widenings():
-    """A margin only raises the bar for speculating at all: it never changes which of the
-    speculative levels wins."""
-    one = torch.tensor([[0.5]], dtype=torch.float64)
-    seconds = torch.tensor([1.0, 1.4], dtype=torch.float64)  # 1.5 / 1.4 = 1.07x plain
-    assert choose_counts(one, seconds).tolist() == [1]
-    assert choose_counts(one, seconds, margin=0.05).tolist() == [1]
-    assert choose_counts(one, seconds, margin=0.1).tolist() == [0]
-    two = torch.tensor([[0.9, 0.8]], dtype=torch.float64)
-    seconds = torch.tensor([1.0, 1.1, 1.2], dtype=torch.float64)  # 1.73x and 2.25x plain
-    assert choose_counts(two, seconds, margin=0.5).tolist() == [2]
-    assert choose_counts(two, seconds, margin=0.9).tolist() == [2]
-
-
 def test_batch_budget_goes_to_the_largest_gains():
     gains = torch.tensor([[0.9, 0.8, 0.7], [0.3, 0.1, 0.05], [0.85, 0.2, 0.0]])
     free = torch.ones(4)
@@ -107,10 +93,6 @@ def test_bad_configuration():
         choose_counts(torch.zeros(1, 2), torch.ones(2))
     with pytest.raises(ValueError, match="min_gain"):
         Planner(min_gain=-0.1)
-    with pytest.raises(ValueError, match="margin"):
-        Planner(margin=-0.1)
-    with pytest.raises(ValueError, match="margin"):
-        choose_counts(torch.zeros(1, 2), torch.ones(3), margin=float("nan"))
     with pytest.raises(ValueError, match="seconds"):
         cm.CostModel({}, [1, 2], [0.1, -1.0])
     with pytest.raises(ValueError, match="tokens"):

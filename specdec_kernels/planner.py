@@ -51,7 +51,7 @@ _LEARNED: Dict[str, float] = {}
 
 
 def choose_counts(gains: torch.Tensor, step_seconds: torch.Tensor, *, max_batch_nodes: Optional[int] = None,
-                  min_gain: float = 0.0, margin: float = 0.0) -> torch.Tensor:
+                  min_gain: float = 0.0) -> torch.Tensor:
     """How many nodes each row verifies, for the best expected tokens per second.
 
     Args:
@@ -61,9 +61,6 @@ def choose_counts(gains: torch.Tensor, step_seconds: torch.Tensor, *, max_batch_
             nodes (n = 0 .. N).
         max_batch_nodes: most drafted nodes over all rows (None: no limit).
         min_gain: nodes with a gain <= min_gain are never verified.
-        margin: a step that verifies drafts must promise more than (1 + margin) x the
-            goodput of plain decoding (no drafts): gains are estimates, and a widening
-            predicted to win by less is as likely to lose.
 
     Returns:
         int64 [R]: row r verifies its first counts[r] nodes.
@@ -73,8 +70,6 @@ def choose_counts(gains: torch.Tensor, step_seconds: torch.Tensor, *, max_batch_
         raise ValueError(f"step_seconds: expected shape ({num + 1},), got {tuple(step_seconds.shape)}")
     if max_batch_nodes is not None and max_batch_nodes < 0:
         raise ValueError(f"max_batch_nodes: expected >= 0 or None, got {max_batch_nodes}")
-    if not margin >= 0:
-        raise ValueError(f"margin: expected a value >= 0, got {margin}")
     if rows == 0 or num == 0:
         return torch.zeros(rows, dtype=torch.int64, device=gains.device)
     gains = gains.double()
@@ -98,7 +93,6 @@ def choose_counts(gains: torch.Tensor, step_seconds: torch.Tensor, *, max_batch_
             expected[over] = rows + top.values.sum(1)
     width = counts.max(1).values  # the widest row sets the step's cost
     goodput = expected / step_seconds.to(expected)[width]
-    goodput = torch.where(width > 0, goodput / (1.0 + margin), goodput)
     # The cheapest level within rounding of the best (a tie buys nothing for the extra compute).
     best = int((goodput >= goodput.max() * (1 - 1e-9)).nonzero()[0, 0])
     return counts[best]
@@ -249,28 +243,23 @@ class Planner:
         max_batch_nodes: most drafted nodes verified per step over the whole batch (None: no
             limit beyond each drafter's size).
         min_gain: a node whose estimated acceptance is at most this is never verified.
-        margin: a step verifies drafts only if its predicted goodput beats plain decoding's by
-            more than this factor (`choose_counts`).
         decay, prior: of the acceptance model (`AcceptanceModel`).
         verbose: print the calibration's progress line.
     """
 
     def __init__(self, cost_model: Optional[CostModel] = None, *, max_batch_nodes: Optional[int] = None,
-                 min_gain: float = 0.01, margin: float = 0.0, decay: float = 0.8, prior: float = 0.6,
-                 verbose: bool = True):
+                 min_gain: float = 0.01, decay: float = 0.8, prior: float = 0.6, verbose: bool = True):
         if max_batch_nodes is not None and (not isinstance(max_batch_nodes, int) or max_batch_nodes < 0):
             raise ValueError(f"max_batch_nodes: expected an int >= 0 or None, got {max_batch_nodes!r}")
         if not 0.0 <= min_gain < 1.0:
             raise ValueError(f"min_gain: expected a value in [0, 1), got {min_gain}")
-        if not 0.0 <= margin < 1.0:
-            raise ValueError(f"margin: expected a value in [0, 1), got {margin}")
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay: expected a value in [0, 1), got {decay}")
         if not 0.0 < prior < 1.0:
             raise ValueError(f"prior: expected a value in (0, 1), got {prior}")
         if cost_model is not None and not isinstance(cost_model, CostModel):
             raise ValueError(f"cost_model: expected a CostModel or None, got {type(cost_model).__name__}")
-        self.cost_model, self.max_batch_nodes, self.min_gain, self.margin = cost_model, max_batch_nodes, min_gain, margin
+        self.cost_model, self.max_batch_nodes, self.min_gain = cost_model, max_batch_nodes, min_gain
         self._measure = cost_model is None  # ours to (re)load when the target changes
         self.decay, self.prior, self.verbose = decay, prior, verbose
         self.acceptance: Optional[AcceptanceModel] = None
@@ -323,8 +312,7 @@ class Planner:
             rank = torch.arange(rates.shape[1], device=rates.device)
             rates = torch.where(rank[None, :] + 1 < remaining.to(rates.device)[:, None], rates, 0.0)
         self._seconds = self._step_seconds(rates.shape[0], prefix, rates.shape[1])  # select() reuses it
-        return choose_counts(rates, self._seconds, max_batch_nodes=self.max_batch_nodes, min_gain=self.min_gain,
-                             margin=self.margin)
+        return choose_counts(rates, self._seconds, max_batch_nodes=self.max_batch_nodes, min_gain=self.min_gain)
 
     def select(self, draft: Draft, prefix: float, remaining: Optional[torch.Tensor] = None) -> Draft:
         """The drafted tree cut to the nodes worth verifying (sampled trees: as drafted);
@@ -350,8 +338,7 @@ class Planner:
         gains = torch.where(node[None, : width - 1] < num_real[:, None], gains, 0.0)
         seconds = self._seconds[:width] if self._seconds is not None and self._seconds.shape[0] >= width else \
             self._step_seconds(rows, prefix, width - 1)
-        counts = choose_counts(gains, seconds, max_batch_nodes=self.max_batch_nodes, min_gain=self.min_gain,
-                             margin=self.margin)
+        counts = choose_counts(gains, seconds, max_batch_nodes=self.max_batch_nodes, min_gain=self.min_gain)
         keep = (position <= counts[:, None]) & (real | (node == 0))
         if bool((counts >= num_real).all()):  # nothing pruned: the draft as it is
             self._plan = _Plan(torch.where(real, position - 1, -1), tree.parents, draft.scores, rows, width, prefix)
