@@ -9,6 +9,7 @@ import importlib
 import importlib.util
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -18,6 +19,33 @@ import torch
 import specdec_kernels
 
 HAS_CUDA = torch.cuda.is_available()
+
+
+class WordTokenizer:
+    """A stand-in chat tokenizer for tiny random models: words and punctuation hashed into a
+    vocabulary of `vocab` ids (stable across runs), each id decoded as a word of its own, a
+    trivial chat template."""
+
+    chat_template = "user: {content}\nassistant:"
+    pad_token_id = 0
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def _ids(self, text):
+        return [1 + sum(map(ord, w)) * 31 % (self.vocab - 1) for w in re.findall(r"\w+|[^\w\s]", text)]
+
+    def __call__(self, text, return_tensors=None, add_special_tokens=True):
+        ids = self._ids(text)
+        return {"input_ids": torch.tensor([ids], dtype=torch.long) if return_tensors == "pt" else ids}
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        if add_generation_prompt:
+            return self.chat_template.format(content=messages[-1]["content"])
+        return "user: " + messages[-1]["content"] + "\n"
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"w{int(t)}" for t in ids)
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ pytest.importorskip("matplotlib")
 
 from specdec_kernels import cli, workloads  # noqa: E402
 from specdec_kernels.benchmarks import common, e2e, kernels  # noqa: E402
+from conftest import WordTokenizer  # noqa: E402
 
 VOCAB = 512
 HEADER_KEYS = {"benchmark", "device", "backend", "torch", "triton", "transformers", "commit", "date", "rows"}
@@ -25,23 +26,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-class WordTokenizer:
-    """A stand-in tokenizer for the tiny random model: words and punctuation hashed into the
-    model's small vocabulary (stable across runs), a trivial chat template."""
-
-    chat_template = "user: {content}\nassistant:"
-    pad_token_id = 0
-
-    def _ids(self, text):
-        return [1 + sum(map(ord, w)) * 31 % (VOCAB - 1) for w in re.findall(r"\w+|[^\w\s]", text)]
-
-    def __call__(self, text, return_tensors=None, add_special_tokens=True):
-        return {"input_ids": torch.tensor([self._ids(text)], dtype=torch.long)}
-
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
-        return self.chat_template.format(content=messages[-1]["content"])
 
 
 def tiny_model(seed):
@@ -101,7 +85,7 @@ def test_e2e_every_method_batch_and_sampling(tiny_models, tmp_path, monkeypatch)
     train_draft_head(model, prompts, kind="eagle", out_dir=tmp_path / "heads" / "tiny", steps=2, max_new_tokens=4,
                      batch_tokens=128, eval_fraction=0.0, draft_vocab_size=vocab, progress=False)
     requests = {"code_edit": short_requests()["code_edit"]}
-    rows = e2e.run(model, WordTokenizer(), requests, draft=draft, methods=e2e.METHODS, batch_sizes=(1, 2),
+    rows = e2e.run(model, WordTokenizer(VOCAB), requests, draft=draft, methods=e2e.METHODS, batch_sizes=(1, 2),
                    temperatures=(0.0, 0.7), max_new_tokens=4, prompts_per_workload=1, profile_kernels=False,
                    progress=False)
     assert len(rows) == 2 * 2 * len(e2e.METHODS)
@@ -111,7 +95,7 @@ def test_e2e_every_method_batch_and_sampling(tiny_models, tmp_path, monkeypatch)
 def test_e2e_repeats_report_medians_of_paired_ratios(tiny_models):
     model, _ = tiny_models
     requests = {"code_edit": short_requests()["code_edit"]}
-    rows = e2e.run(model, WordTokenizer(), requests, methods=("hf", "ours_ngram", "ours_ngram_fixed"), batch_sizes=(1,),
+    rows = e2e.run(model, WordTokenizer(VOCAB), requests, methods=("hf", "ours_ngram", "ours_ngram_fixed"), batch_sizes=(1,),
                    temperatures=(0.0,), max_new_tokens=4, prompts_per_workload=1, profile_kernels=False,
                    progress=False, repeats=3)
     assert len(rows) == 3
@@ -127,13 +111,13 @@ def test_e2e_repeats_report_medians_of_paired_ratios(tiny_models):
             assert steps == r["steps"]  # the first pass's record
             assert all(0.0 <= v[1] <= int(k) for k, v in r["size_vs_acceptance"].items())
     with pytest.raises(ValueError, match="repeats"):
-        e2e.run(model, WordTokenizer(), requests, methods=("hf",), batch_sizes=(1,), temperatures=(0.0,),
+        e2e.run(model, WordTokenizer(VOCAB), requests, methods=("hf",), batch_sizes=(1,), temperatures=(0.0,),
                 max_new_tokens=2, prompts_per_workload=1, progress=False, repeats=0)
 
 
 def test_e2e_kernel_share(tiny_models):
     model, _ = tiny_models
-    (input_ids, mask, _), = e2e.make_batches(short_requests()["code_edit"][:1], WordTokenizer(), 1, "cpu")
+    (input_ids, mask, _), = e2e.make_batches(short_requests()["code_edit"][:1], WordTokenizer(VOCAB), 1, "cpu")
     share = e2e.kernel_share("ours_ngram", model, None, input_ids, mask, max_new_tokens=4, temperature=0.0, eos=None,
                              pad=0, seed=0)
     assert share["basis"] == "cpu time" and "verify" in share and 0.0 < share["total"] <= 1.5
@@ -141,7 +125,7 @@ def test_e2e_kernel_share(tiny_models):
 
 def test_e2e_four_workloads_write_json_and_plots(tiny_models, tmp_path):
     model, _ = tiny_models
-    rows = e2e.run(model, WordTokenizer(), short_requests(), methods=("hf", "ours_ngram"), batch_sizes=(1,),
+    rows = e2e.run(model, WordTokenizer(VOCAB), short_requests(), methods=("hf", "ours_ngram"), batch_sizes=(1,),
                    temperatures=(0.0,), max_new_tokens=4, prompts_per_workload=1, progress=False)
     assert [r["config"]["workload"] for r in rows] == [w for w in workloads.WORKLOADS for _ in range(2)]
     check_rows(rows)

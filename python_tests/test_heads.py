@@ -19,6 +19,7 @@ import specdec_kernels as sk  # noqa: E402
 from specdec_kernels import hf  # noqa: E402
 from specdec_kernels.heads import EagleDrafter, HeadNgramDrafter, MedusaDrafter, default_drafter, train_draft_head  # noqa: E402
 from specdec_kernels.heads.common import read_head, target_identity  # noqa: E402
+from conftest import WordTokenizer  # noqa: E402
 from test_generate import (  # noqa: E402
     SAMPLE_PROMPT, SAMPLE_ROWS, SMALL_VOCAB, VOCAB, chi_square_pvalue, exact_pair_distribution, hf_greedy, left_pad,
     repetitive_prompts, tiny_model,
@@ -86,27 +87,6 @@ def test_collect_cache_reuses_responses(target, tmp_path):
         collect(target, prompts, max_new_tokens=6, work_dir=tmp_path, progress=False)
 
 
-class WordTokenizer:
-    """A stand-in chat tokenizer for the tiny target: words hashed into its vocabulary, each id
-    decoded as a word of its own, a trivial chat template."""
-
-    chat_template = "user: {content}\nassistant:"
-
-    def _ids(self, text):
-        return [1 + sum(map(ord, w)) * 31 % (VOCAB - 1) for w in text.split()]
-
-    def __call__(self, text, return_tensors=None, add_special_tokens=True):
-        ids = self._ids(text)
-        return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
-
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
-        return self.chat_template.format(content=messages[-1]["content"]) if add_generation_prompt \
-            else "user: " + messages[-1]["content"] + "\n"
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(f"w{int(t)}" for t in ids)
-
-
 def test_self_written_prompts_resume_extend_and_train(target, tmp_path):
     """Self-written user turns are distinct; self-written articles become summarisation
     requests in the workload's exact wording; the cache resumes them and a larger count
@@ -114,7 +94,7 @@ def test_self_written_prompts_resume_extend_and_train(target, tmp_path):
     from specdec_kernels.heads.data import load_examples, self_articles, self_prompts
     from specdec_kernels.workloads import Request, summarization_request
 
-    tok, cache = WordTokenizer(), tmp_path / "articles.json"
+    tok, cache = WordTokenizer(VOCAB), tmp_path / "articles.json"
     turns = self_prompts(target, tok, 3, seed=0, max_tokens=8, batch_size=4, generation_dtype=None, progress=False)
     assert len(set(turns)) == 3 and all(len(t) >= 8 for t in turns)
     args = dict(seed=0, max_tokens=60, batch_size=4, generation_dtype=None, cache=cache, progress=False)

@@ -202,9 +202,7 @@ def self_articles(target, tokenizer, count: int, *, seed: int, max_tokens: int =
         return []
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("self_articles: the tokenizer has no chat template to ask for articles with")
-    prefix = tokenizer.apply_chat_template([{"role": "user", "content": ARTICLE_INSTRUCTION}], tokenize=False,
-                                           add_generation_prompt=True)
-    prefix = tokenizer(prefix, add_special_tokens=False)["input_ids"]
+    prefix = render_prompts(tokenizer, [ARTICLE_INSTRUCTION])[0]  # the instruction as a user turn
     articles = _self_written(target, tokenizer, prefix, count, seed=seed + 1, max_tokens=max_tokens, batch_size=batch_size,
                              temperature=0.8, min_chars=200, generation_dtype=generation_dtype, cache=cache,
                              desc="writing articles", progress=progress)

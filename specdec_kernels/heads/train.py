@@ -396,11 +396,9 @@ def train_draft_head(
     if stored is None:
         t0 = time.perf_counter()
         turns = self_prompts(target, tokenizer, self_prompt_count, seed=seed, batch_size=collect_batch_size,
-                             generation_dtype=generation_dtype, cache=work / "self_prompts.json",
-                             progress=progress) if self_prompt_count else []
+                             generation_dtype=generation_dtype, cache=work / "self_prompts.json", progress=progress)
         articles = self_articles(target, tokenizer, self_article_count, seed=seed, batch_size=collect_batch_size,
-                                 generation_dtype=generation_dtype, cache=work / "self_articles.json",
-                                 progress=progress) if self_article_count else []
+                                 generation_dtype=generation_dtype, cache=work / "self_articles.json", progress=progress)
         ids = render_prompts(tokenizer, list(prompts) + turns + articles)
         if not ids:
             raise ValueError("prompts: no usable prompt")
