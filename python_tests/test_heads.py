@@ -49,22 +49,25 @@ def log_rows(folder):
 
 @pytest.fixture(scope="module")
 def heads(target, tmp_path_factory):
-    """One EAGLE and one Medusa head for `target`, trained a few steps (shared by the tests)."""
+    """EAGLE heads (on the LM head's input; EAGLE-3 style on hidden states 0 and 1) and a
+    Medusa head for `target`, trained a few steps (shared by the tests)."""
     tmp = tmp_path_factory.mktemp("heads")
-    return {"eagle": train(target, tmp, "eagle", VOCAB), "medusa": train(target, tmp, "medusa", VOCAB)}
+    return {"eagle": train(target, tmp, "eagle", VOCAB), "medusa": train(target, tmp, "medusa", VOCAB),
+            "eagle3": train(target, tmp, "eagle", VOCAB, name="eagle3", feature_layers=[0, 1])}
 
 
 # ----------------------------------------------------------------------------- training
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
 def test_training_lowers_the_loss(tmp_path, kind):
     """KL to the target (the part of the soft cross-entropy a head can remove) falls."""
     target = tiny_model(3, logit_scale=6.0)  # peaked distributions: something to learn
-    out = train(target, tmp_path, kind, VOCAB, steps=30, lr=3e-3, batch_tokens=512)
+    layers = dict(feature_layers=[0, 1], kind="eagle") if kind == "eagle3" else dict(kind=kind)
+    out = train(target, tmp_path, name=kind, vocab=VOCAB, steps=30, lr=3e-3, batch_tokens=512, **layers)
     rows = [r for r in log_rows(out) if "loss" in r]
     assert len(rows) == 30
-    key = "kl" if kind == "eagle" else "kl1"
+    key = "kl1" if kind == "medusa" else "kl"
     first, last = sum(r[key] for r in rows[:3]) / 3, sum(r[key] for r in rows[-3:]) / 3
     assert last < 0.8 * first, (first, last)
 
@@ -212,9 +215,13 @@ def test_bad_arguments(target, heads, tmp_path):
         train_draft_head(target, [[1, 2, 3]], kind="mtp", out_dir=tmp_path / "x")
     with pytest.raises(ValueError, match="steps"):
         train_draft_head(target, [[1, 2, 3]], kind="eagle", out_dir=tmp_path / "x", steps=0)
-    for bad, match in ((dict(unroll=-1), "unroll"), (dict(prompt_weight=1.5), "prompt_weight")):
+    for bad, match in ((dict(unroll=-1), "unroll"), (dict(prompt_weight=1.5), "prompt_weight"),
+                       (dict(feature_layers=[0, 3]), r"feature_layers \[0, 3\].*0 \.\. 2"),
+                       (dict(feature_layers=[1, 1]), "distinct"), (dict(feature_layers="eagle3"), "at least 4 layers"),
+                       (dict(feature_layers="eagle2"), "'eagle3' or a list"),
+                       (dict(feature_layers=[1], kind="medusa"), "only EAGLE")):
         with pytest.raises(ValueError, match=match):  # before any data is collected
-            train_draft_head(target, [[1, 2, 3]], kind="eagle", out_dir=tmp_path / "y", **bad)
+            train_draft_head(target, [[1, 2, 3]], out_dir=tmp_path / "y", **{"kind": "eagle", **bad})
         assert not (tmp_path / "y" / "work" / "collect").exists()
     with pytest.raises(ValueError, match="not a head directory"):
         EagleDrafter(target, tmp_path)
@@ -234,6 +241,33 @@ def test_forward_return_hidden_matches_model(target):
     expected = target(ids).logits
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(target.lm_head(hidden), expected, rtol=1e-4, atol=1e-4)
+    # EAGLE-3 heads ask for several hidden states (transformers' numbering), stacked on dim -2.
+    states = target(ids, output_hidden_states=True).hidden_states
+    with hf.use_tree_attention(target):
+        cache = hf.TreeKVCache.for_model(target, 1, 64)
+        logits, layers = hf.forward(target, cache, ids, torch.arange(ids.shape[1])[None], return_hidden=(0, 2))
+        with pytest.raises(ValueError, match=r"hidden layers \[3\]"):
+            hf.forward(target, hf.TreeKVCache.for_model(target, 1, 64), ids, torch.arange(ids.shape[1])[None],
+                       return_hidden=(0, 3))
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    assert layers.shape == (1, ids.shape[1], 2, target.config.hidden_size)
+    torch.testing.assert_close(layers[:, :, 0], states[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layers[:, :, 1], states[2], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(states[2], hidden, rtol=1e-4, atol=1e-4)  # the last one is the LM head's input
+
+
+def test_eagle3_head_reads_its_layers(target, heads):
+    """An EAGLE-3 head names its layers in its config, the drafter asks generate for them,
+    and a drafter merged with one that reads other layers is refused."""
+    config, tensors = read_head(heads["eagle3"], "eagle")
+    assert config["head"]["feature_layers"] == [0, 1] and "fuse.weight" in tensors
+    assert "fuse.weight" not in read_head(heads["eagle"], "eagle")[1]
+    drafter = EagleDrafter(target, heads["eagle3"])
+    assert drafter.hidden_layers == (0, 1) and EagleDrafter(target, heads["eagle"]).hidden_layers is None
+    assert HeadNgramDrafter(drafter, sk.NgramDrafter()).hidden_layers == (0, 1)
+    assert EagleDrafter(target, heads["eagle3"], online=True).hidden_layers == (0, 1, 2)  # + the labels' layer
+    with pytest.raises(ValueError, match="different hidden layers"):
+        sk.MergedDrafter([drafter, EagleDrafter(target, heads["eagle"])])
 
 
 def start_on_prompts(drafter, target, rows: int, capacity: int = 64):
@@ -302,6 +336,7 @@ HEAD_DRAFTERS = {
     "medusa_tree": lambda t, h: MedusaDrafter(t, h["medusa"], max_nodes=8, top_k=3),
     "eagle+ngram": lambda t, h: HeadNgramDrafter(EagleDrafter(t, h["eagle"], max_nodes=6, top_k=2, depth=3, min_score=0.0),
                                                  sk.NgramDrafter(num_tokens=3)),
+    "eagle3_tree": lambda t, h: EagleDrafter(t, h["eagle3"], max_nodes=10, top_k=3, depth=4, min_score=0.0),
 }
 
 
@@ -358,7 +393,9 @@ def small_target_heads(tmp_path_factory):
     target = tiny_model(20, vocab=SMALL_VOCAB, hidden=32, logit_scale=8.0)
     tmp = tmp_path_factory.mktemp("small_heads")
     return target, {"eagle": train(target, tmp, "eagle", SMALL_VOCAB, steps=6, lr=3e-3),
-                    "medusa": train(target, tmp, "medusa", SMALL_VOCAB, steps=6, lr=3e-3)}
+                    "medusa": train(target, tmp, "medusa", SMALL_VOCAB, steps=6, lr=3e-3),
+                    "eagle3": train(target, tmp, "eagle", SMALL_VOCAB, steps=6, lr=3e-3, name="eagle3",
+                                    feature_layers=[1, 2])}
 
 
 @pytest.mark.parametrize("kind", list(HEAD_DRAFTERS))

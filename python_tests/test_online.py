@@ -95,13 +95,16 @@ def online_drafters(target, heads):
                                             sk.NgramDrafter(num_tokens=3)),
         "eagle_reverse_kl": EagleDrafter(target, heads["eagle"], max_nodes=4, top_k=1, depth=4, min_score=0.0,
                                          online=dict(every_step, loss="reverse_kl", refresh_cache=True)),
+        "eagle3_tree_unrolled": EagleDrafter(target, heads["eagle3"], max_nodes=8, top_k=3, depth=3, min_score=0.0,
+                                             online=dict(every_step, unroll=1)),
     }
 
 
 @pytest.fixture(scope="module")
 def heads(target, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("online_heads")
-    return {"eagle": train(target, tmp, "eagle", VOCAB), "medusa": train(target, tmp, "medusa", VOCAB)}
+    return {"eagle": train(target, tmp, "eagle", VOCAB), "medusa": train(target, tmp, "medusa", VOCAB),
+            "eagle3": train(target, tmp, "eagle", VOCAB, name="eagle3", feature_layers=[0, 1])}
 
 
 def learner_of(drafter):
@@ -126,14 +129,14 @@ def test_greedy_identity_with_updates_every_step(target, heads):
         assert stats.updates > before and stats.rollbacks == 0, (name, stats)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
 def test_sampling_exact_with_updates_between_steps(small_target_heads, kind):
     """Chi-square against the exact distribution of the first two tokens while the head is
     updated before each of the call's steps (its buffer holds an earlier call's rows)."""
     target, heads = small_target_heads
     settings = dict(interval=1, min_positions=4, batch=64, window=8, lr=1e-2)
-    if kind == "eagle":
-        drafter = EagleDrafter(target, heads["eagle"], max_nodes=6, top_k=2, depth=3, online=settings)
+    if kind.startswith("eagle"):
+        drafter = EagleDrafter(target, heads[kind], max_nodes=6, top_k=2, depth=3, online=settings)
     else:
         drafter = MedusaDrafter(target, heads["medusa"], max_nodes=6, top_k=2, online=settings)
     warm = torch.tensor(SAMPLE_PROMPT).expand(16, -1)
@@ -145,6 +148,22 @@ def test_sampling_exact_with_updates_between_steps(small_target_heads, kind):
     pvalue = chi_square_pvalue(out.sequences[:, -2:], exact_pair_distribution(target, SAMPLE_PROMPT))
     assert pvalue > 1e-3, f"{kind}: chi-square p = {pvalue}"
     assert out.stats.acceptance_per_depth[0] > 0.05  # drafts exercised
+
+
+def test_eagle3_learner_trains_on_fused_inputs_and_lm_head_labels(target, heads):
+    """An EAGLE-3 head's online buffer holds its fused input features and, as labels, the
+    target's LM head inputs (not the fused features): what offline training uses."""
+    drafter = EagleDrafter(target, heads["eagle3"], dtype=torch.float32, online=dict(interval=10**6))
+    ids = torch.tensor([repetitive_prompts(1, seed=3)[0].tolist()])
+    out = sk.generate(target, ids, drafter=drafter, max_new_tokens=12, adaptive=False)
+    segment = drafter.online.segments[-1]  # the finished row
+    m = segment.size
+    with torch.no_grad():
+        states = target(out.sequences[:, :m], output_hidden_states=True).hidden_states
+        fused = drafter.head.input_features(torch.stack([states[0], states[1]], dim=2))[0]
+    torch.testing.assert_close(segment.labels, states[2][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(segment.feats, fused, rtol=1e-4, atol=1e-4)
+    assert torch.equal(segment.next_tokens, out.sequences[0, 1 : m + 1])
 
 
 # ----------------------------------------------------------------------------- safety

@@ -137,6 +137,9 @@ class Drafter:
         models: transformers models the drafter runs (switched to tree attention by `generate`).
         needs_hidden_states: `generate` calls `observe` with the target's hidden states
             (otherwise it never computes them for the drafter).
+        hidden_layers: None (observe gets the LM head's input), or which of the target's
+            hidden states observe gets, stacked (transformers' numbering: 0 the embeddings,
+            i the output of decoder layer i, the last one the LM head's input).
         drafts_for_free: drafting its full size costs next to nothing (n-gram lookup), so the
             adaptive planner asks for the full draft and prunes it by the drafter's scores,
             instead of capping it beforehand from the rows' history alone.
@@ -145,6 +148,7 @@ class Drafter:
     max_nodes: int = 0
     models: tuple = ()
     needs_hidden_states: bool = False
+    hidden_layers: Optional[tuple] = None
     drafts_for_free: bool = False
 
     def start(self, history: torch.Tensor, lengths: torch.Tensor, capacity: int) -> None:
@@ -170,7 +174,8 @@ class Drafter:
         the left-aligned history (row b valid for its first lengths[b] - 1), with
         accepted_nodes / num_accepted None. After every verify forward: the tree's T nodes
         `[B, T, H]` with verify's accepted_nodes [B, T] and num_accepted [B], before finished
-        rows leave the batch (`keep_rows` follows).
+        rows leave the batch (`keep_rows` follows). With `hidden_layers`, [B, L or T,
+        len(hidden_layers), H] instead.
         """
 
     def keep_rows(self, rows: torch.Tensor) -> None:
@@ -484,6 +489,10 @@ class MergedDrafter(Drafter):
         self.max_nodes = sum(d.max_nodes for d in self.drafters)
         self.models = tuple(m for d in self.drafters for m in d.models)
         self.needs_hidden_states = any(d.needs_hidden_states for d in self.drafters)
+        layers = {d.hidden_layers for d in self.drafters if d.needs_hidden_states}
+        if len(layers) > 1:
+            raise ValueError(f"MergedDrafter: its drafters read different hidden layers of the target: {sorted(map(str, layers))}")
+        self.hidden_layers = layers.pop() if layers else None
 
     def start(self, history, lengths, capacity):
         for d in self.drafters:

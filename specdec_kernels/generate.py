@@ -333,7 +333,8 @@ def generate(
         raise ValueError(f"adaptive: expected True, False or a Planner, got {type(adaptive).__name__}")
     if adaptive is not False and drafter.max_nodes > 0:
         planner = adaptive if isinstance(adaptive, Planner) else Planner()
-    with_hidden = drafter.needs_hidden_states
+    # What observe gets: the LM head's input (True), or the layers the drafter names.
+    with_hidden = (tuple(drafter.hidden_layers) if drafter.hidden_layers else True) if drafter.needs_hidden_states else False
 
     stats = GenerateStats()
     capacity = prompt_len + max_new_tokens + 1 + drafter.max_nodes

@@ -64,6 +64,10 @@ def add_parser(sub) -> None:
                         "(training-time test; default 2, 0: off)")
     p.add_argument("--prompt-weight", type=float, default=1.0,
                    help="EAGLE: loss weight of positions predicting prompt tokens (responses: 1; default 1)")
+    p.add_argument("--feature-layers", default=None, metavar="eagle3|I,J,..",
+                   help="EAGLE: fuse these hidden states of the model into the head's input (EAGLE-3): 'eagle3' "
+                        "(the outputs of layers 2, L/2 and L-3) or indices (0 the embeddings, i the output of layer i); "
+                        "default: the LM head's input alone")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.set_defaults(func=run)
@@ -94,6 +98,14 @@ def run(args) -> int:
     if not prompts and args.self_prompts <= 0 and args.self_articles <= 0:
         print("specdec train-draft: give --prompts, --workloads, --self-prompts or --self-articles", file=sys.stderr)
         return 2
+    layers = args.feature_layers
+    if layers is not None and layers != "eagle3":
+        try:
+            layers = [int(i) for i in layers.split(",")]
+        except ValueError:
+            print(f"specdec train-draft: --feature-layers must be 'eagle3' or comma-separated integers, got {layers!r}",
+                  file=sys.stderr)
+            return 2
     model, tokenizer = load_model(args.model)
     notes = {"command": "specdec " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["train-draft"] else None,
              "prompt_sources": sources + ([f"self-written user turns: {args.self_prompts}"] if args.self_prompts else [])
@@ -105,6 +117,6 @@ def run(args) -> int:
                            generation_dtype=None if args.generation_dtype == "model" else getattr(torch, args.generation_dtype),
                            draft_vocab_size=args.draft_vocab, num_heads=args.num_heads, steps=args.steps,
                            batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed, unroll=args.unroll,
-                           prompt_weight=args.prompt_weight, notes=notes)
+                           prompt_weight=args.prompt_weight, feature_layers=layers, notes=notes)
     print(f"specdec train-draft: head written to {out}")
     return 0

@@ -13,7 +13,8 @@ Two passes, both batched and both resumable from shards in a work folder:
 
 One example: `tokens int32 [n]`, `features fp16 [n - 1, H]` (feature i predicts token i + 1),
 `lse fp32 [n - 1]`, `argmax int32 [n - 1]` (both from the fp16-rounded features, the same
-numbers training reads back).
+numbers training reads back), and with `feature_layers` (EAGLE-3 heads) `inputs fp16
+[n - 1, len(feature_layers), H]`, those hidden states of the target at every position.
 """
 
 import json
@@ -253,7 +254,7 @@ def _next_shard(folder: Path, prefix: str) -> Path:
 def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_size: int = 32,
             temperature: float = 0.0, top_p: Optional[float] = None, seed: int = 0, eos_token_id=None,
             generation_dtype=torch.bfloat16, feature_batch_tokens: int = 8192, work_dir=None,
-            progress: bool = True) -> list:
+            feature_layers: Sequence[int] = (), progress: bool = True) -> list:
     """Self-distillation examples (see the module docstring) for each prompt: the target's
     response (greedy when temperature is 0, else sampled with temperature / top_p) and the
     target's features and labels at every position.
@@ -264,7 +265,10 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
     feature_batch_tokens: rows x longest sequence per feature forward.
     work_dir: cache folder: each batch of responses and of features is saved as a shard keyed
         by its token ids, so a stopped collection resumes, and a later one with more prompts
-        (same settings) computes only the new ones. None keeps everything in memory."""
+        (same settings) computes only the new ones. None keeps everything in memory.
+    feature_layers: also record these hidden states of the target (transformers' numbering:
+        0 the embeddings, i the output of decoder layer i) as each example's "inputs"
+        (cached in their own shards, so one work folder serves heads of several layer sets)."""
     from tqdm import tqdm
 
     from ..hf.attention import _decoder
@@ -308,8 +312,12 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
     # 2) features and labels: one forward of the target per group of similar-length sequences.
     sequences = [list(prompt_ids[i]) + list(known[keys[i]]) for i in range(len(prompt_ids))]
     seq_keys = [_key(s) for s in sequences]
+    layers = [int(i) for i in feature_layers]
+    layer_prefix = "layers-" + "-".join(map(str, layers))
     done = _load_shards(folder, "features")
-    todo = sorted({k: i for i, k in enumerate(seq_keys) if k not in done}.values(), key=lambda i: (len(sequences[i]), i))
+    done_layers = _load_shards(folder, layer_prefix) if layers else {}
+    todo = sorted({k: i for i, k in enumerate(seq_keys) if k not in done or (layers and k not in done_layers)}.values(),
+                  key=lambda i: (len(sequences[i]), i))
     groups, current = [], []
     for i in todo:
         if current and (len(current) + 1) * len(sequences[i]) > feature_batch_tokens:
@@ -328,9 +336,18 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
         for r, i in enumerate(idx):
             ids[r, : len(sequences[i])] = torch.tensor(sequences[i])
         # Right padding: causal attention keeps every real position blind to the padding.
-        hidden = decoder(input_ids=ids.to(device), use_cache=False).last_hidden_state
+        out = decoder(input_ids=ids.to(device), use_cache=False, output_hidden_states=bool(layers))
+        hidden = out.last_hidden_state
+        if layers:
+            stacked = torch.stack([out.hidden_states[j] for j in layers], dim=2)  # [rows, width, k, H]
+            new_layers = {seq_keys[i]: stacked[r, : len(sequences[i]) - 1].to(torch.float16).cpu() for r, i in enumerate(idx)}
+            done_layers.update(new_layers)
+            if folder is not None:
+                _save_atomic(new_layers, _next_shard(folder, layer_prefix))
         new = {}
         for r, i in enumerate(idx):
+            if seq_keys[i] in done:
+                continue
             n = len(sequences[i])
             feats = hidden[r, : n - 1].to(torch.float16)
             lse, top = [], []
@@ -343,11 +360,13 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
                                 "argmax": (torch.cat(top).to(torch.int32).cpu() if top
                                            else torch.zeros(0, dtype=torch.int32))}
         done.update(new)
-        if folder is not None:
+        if folder is not None and new:
             _save_atomic(new, _next_shard(folder, "features"))
         bar.update(sum(len(sequences[i]) for i in idx))
     bar.close()
-    return [done[k] for k in seq_keys]
+    if not layers:
+        return [done[k] for k in seq_keys]
+    return [{**done[k], "inputs": done_layers[k]} for k in seq_keys]
 
 def save_examples(path, examples: list, meta: dict) -> None:
     """One file (torch.save) with every example and how they were made; written atomically."""

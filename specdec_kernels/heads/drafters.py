@@ -4,7 +4,9 @@ Both read the target's features (its LM head's input) that `generate` hands to `
 after the prefill and after every verify forward: no extra target pass. Both keep a feature
 buffer per row: `features[b, i]` is the target's feature at position i (the one whose
 logits predicted token i + 1), known for i < lengths[b] - 1 (the root's own feature is not
-computed until the root is verified).
+computed until the root is verified). An EAGLE head with `feature_layers` (EAGLE-3) asks
+`generate` for those hidden states instead (`hidden_layers`) and buffers their fusion, its
+input feature.
 
 Trees are built best-first, EAGLE-2 style: every drafted node has a score, the product of
 the draft probabilities along its path (the estimated chance that the target accepts the
@@ -32,7 +34,7 @@ from ..small_linear import choose_small_linear_rows, linear_weights, routed_line
 from ..sampling import target_probs
 from ..tree import TokenTree
 from ..trie import merge_scored_trees
-from .common import check_target, input_embedding, lm_head_weight, read_head
+from .common import check_target, input_embedding, lm_head_weight, read_head, text_config
 from .modules import EagleHead, MedusaHeads
 from .online import OnlineLearner, OnlineOptions, training_copy
 
@@ -105,7 +107,14 @@ class _HeadDrafter(Drafter):
         # A step's head forwards see a few rows (the frontier, the tokens accepted since the
         # last step): on some CPUs our kernel runs those faster (specdec_kernels/small_linear.py); measured here.
         self.small_linear_rows = _small_linear_rows(self.head, self.w_draft)
-        self.features = None
+        # EAGLE-3 heads read several of the target's layers; online learning also needs the
+        # LM head's input (its labels), appended last.
+        self.feature_layers = tuple(getattr(module, "feature_layers", ()))
+        self.with_labels = bool(self.feature_layers) and options is not None
+        final = int(text_config(target).num_hidden_layers)
+        layers = self.feature_layers + ((final,) if self.with_labels else ())
+        self.hidden_layers = layers or None
+        self.features = self.labels = None
         self.source = source
         # Online adaptation (heads.online): the head keeps learning from what the target verifies.
         self.online = OnlineLearner(self, master, options, source) if options is not None else None
@@ -127,33 +136,46 @@ class _HeadDrafter(Drafter):
     def start(self, history, lengths, capacity):
         hidden = self.w_draft.shape[1]
         self.features = torch.zeros(history.shape[0], capacity, hidden, device=history.device, dtype=self.dtype)
+        self.labels = torch.zeros_like(self.features) if self.with_labels else None
         self.known = lengths.long() - 1  # features known per row once observe has run
         if self.online is not None:
             self.online.started(history, lengths, capacity)
 
     def observe(self, hidden_states, accepted_nodes=None, num_accepted=None):
         h = hidden_states.to(self.dtype)
+        labels = None
+        if self.feature_layers:  # [B, T, layers (+ the LM head input), H]: fuse, keep the labels
+            k = len(self.feature_layers)
+            labels = h[:, :, k] if self.with_labels else None
+            with torch.no_grad():
+                h = self.head.input_features(h[:, :, :k])
         if accepted_nodes is None:
             self.features[:, : h.shape[1]] = h
+            if labels is not None:
+                self.labels[:, : h.shape[1]] = labels
             return
         batch, num_nodes = accepted_nodes.shape
         j = torch.arange(num_nodes, device=h.device)
         keep = j[None, :] <= num_accepted.long()[:, None]
-        path = h.gather(1, accepted_nodes.long().clamp(min=0)[:, :, None].expand(-1, -1, h.shape[-1]))
+        index = accepted_nodes.long().clamp(min=0)[:, :, None].expand(-1, -1, h.shape[-1])
         slots = (self.known[:, None] + j).clamp(max=self.features.shape[1] - 1)
         rows = torch.arange(batch, device=h.device)[:, None].expand_as(slots)
-        self.features[rows[keep], slots[keep]] = path[keep]
+        self.features[rows[keep], slots[keep]] = h.gather(1, index)[keep]
+        if labels is not None:
+            self.labels[rows[keep], slots[keep]] = labels.gather(1, index)[keep]
         self.known = self.known + num_accepted.long() + 1
 
     def keep_rows(self, rows):
         if self.online is not None:
             self.online.keeping(rows)  # (reads the leaving rows' features first)
         self.features, self.known = self.features[rows], self.known[rows]
+        if self.labels is not None:
+            self.labels = self.labels[rows]
 
     def finish(self):
         if self.online is not None:
             self.online.finishing()
-        self.features = None
+        self.features = self.labels = None
 
     def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
         """Draft a tree per row (`_propose`, see the class docstring); online, the learner

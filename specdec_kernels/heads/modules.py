@@ -8,6 +8,12 @@ attention, and a final RMSNorm gives g_i, the head's prediction of f_{i+1}. Logi
 target's frozen LM head applied to g_i (restricted to the draft vocabulary), so the head
 predicts token x_{i+2}. Drafting feeds g back in as the next feature.
 
+With `feature_layers` (EAGLE-3's multi-layer features), f_i is instead `fuse` applied to
+several of the target's hidden states at i (low, middle and high layers: more of what the
+target knows about the tokens after x_{i+1} than its last layer, which is tuned to predict
+x_{i+1} alone); drafted depths still feed g, so the head learns to read its own outputs
+(training-time test, `train.eagle_passes`).
+
 `MedusaHeads`: K residual blocks on the target's feature f_t; head k (1-based) predicts
 token x_{t+1+k} through the target's LM head (the target itself predicts x_{t+1}).
 """
@@ -59,8 +65,10 @@ class EagleHead(nn.Module):
     """fc + one Llama decoder layer + final norm (see the module docstring).
 
     Args (the keys of `config`): hidden_size, num_attention_heads, num_key_value_heads,
-    head_dim, intermediate_size, rms_norm_eps, rope_theta (the target's values), and
-    draft_vocab_size (N: how many target tokens the head can propose).
+    head_dim, intermediate_size, rms_norm_eps, rope_theta (the target's values),
+    draft_vocab_size (N: how many target tokens the head can propose), and optionally
+    feature_layers (the target's hidden-state indices fused into the head's input feature,
+    transformers' numbering; absent: its LM head input alone).
     """
 
     def __init__(self, config: dict):
@@ -69,6 +77,8 @@ class EagleHead(nn.Module):
         h, nh, nkv, hd = (int(config[k]) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
         inter, eps = int(config["intermediate_size"]), float(config["rms_norm_eps"])
         self.num_heads, self.num_kv_heads, self.head_dim, self.theta = nh, nkv, hd, float(config["rope_theta"])
+        self.feature_layers = tuple(int(i) for i in config.get("feature_layers") or ())
+        self.fuse = nn.Linear(len(self.feature_layers) * h, h, bias=False) if self.feature_layers else None
         self.fc = nn.Linear(2 * h, h, bias=True)
         self.input_norm = RMSNorm(h, eps)
         self.q_proj = nn.Linear(h, nh * hd, bias=False)
@@ -95,9 +105,18 @@ class EagleHead(nn.Module):
                 with torch.no_grad():
                     p.copy_(torch.randn(p.shape, generator=generator) * std)
 
+    def input_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's input feature from the target's hidden states: hidden [..., H] (the LM
+        head's input) as is, or with `feature_layers` hidden [..., len(feature_layers), H]
+        fused to [..., H]."""
+        if self.fuse is None:
+            return hidden
+        return self.fuse(hidden.flatten(-2))
+
     def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
                 attend: Optional[Callable] = None) -> torch.Tensor:
-        """features, token_embeds [B, T, H], positions [B, T] -> g [B, T, H].
+        """features (`input_features`, or the head's own outputs g when drafting deeper),
+        token_embeds [B, T, H], positions [B, T] -> g [B, T, H].
 
         attend(q, k, v) -> [B, T, Hq, D] does the attention (RoPE already applied):
         default causal over the T inputs; drafting passes one that also reads and writes a

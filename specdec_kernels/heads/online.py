@@ -190,14 +190,27 @@ class OnlineStats:
 
 @dataclass
 class _Segment:
-    """Consecutive positions base .. base + m - 1 of one row: features [m, H], the tokens
-    that followed them [m] and each position's sample weight [m] (sample j trains the
-    prediction of the target's distribution at position j + 1)."""
+    """Consecutive positions base .. base + m - 1 of one row: features [m, H] (the head's
+    input), the tokens that followed them [m], each position's sample weight [m] (sample j
+    trains the prediction of the target's distribution at position j + 1), and the LM head's
+    inputs [m, H] there (the labels: the features themselves unless the head fuses several
+    layers, EAGLE-3)."""
 
     feats: torch.Tensor
     next_tokens: torch.Tensor
     weights: torch.Tensor
     base: int
+    labels: torch.Tensor
+
+    def tail(self, start: int) -> "_Segment":
+        """Positions start .. m - 1 of this segment."""
+        labels = self.feats[start:] if self.labels is self.feats else self.labels[start:]
+        return _Segment(self.feats[start:], self.next_tokens[start:], self.weights[start:], self.base + start, labels)
+
+    def clone(self) -> "_Segment":
+        feats = self.feats.clone()
+        labels = feats if self.labels is self.feats else self.labels.clone()
+        return _Segment(feats, self.next_tokens.clone(), self.weights.clone(), self.base, labels)
 
     @property
     def size(self) -> int:
@@ -344,7 +357,9 @@ class OnlineLearner:
         m = int(self._lengths[b]) - 1
         if m < 2:
             return None
-        return _Segment(self.drafter.features[b, :m], self._history[b, 1 : m + 1], self.row_weights[b, :m], 0)
+        feats = self.drafter.features[b, :m]
+        labels = feats if self.drafter.labels is None else self.drafter.labels[b, :m]
+        return _Segment(feats, self._history[b, 1 : m + 1], self.row_weights[b, :m], 0, labels)
 
     def _archive(self, b):
         """Copy row b of the running call into the buffer (oldest positions dropped beyond capacity)."""
@@ -352,7 +367,7 @@ class OnlineLearner:
         if seg is None:
             return
         with torch.inference_mode(False):
-            seg = _Segment(seg.feats.clone(), seg.next_tokens.clone(), seg.weights.clone(), seg.base)
+            seg = seg.clone()
         self.segments.append(seg)
         total = self.stats.buffered + seg.size
         cap = int(self.options.capacity)
@@ -363,8 +378,7 @@ class OnlineLearner:
                 self.segments.pop(0)
                 total -= oldest.size
             else:  # keep its last positions
-                self.segments[0] = _Segment(oldest.feats[extra:], oldest.next_tokens[extra:], oldest.weights[extra:],
-                                            oldest.base + extra)
+                self.segments[0] = oldest.tail(extra)
                 total -= extra
         self.stats.buffered = total
 
@@ -434,12 +448,12 @@ class OnlineLearner:
             for r, (k, s, e) in enumerate(spans):
                 src = sources[k]
                 inp[r, : e - s] = src.feats[s:e].to(device).float()
-                tgt[r, : e - s] = src.feats[s + 1 : e + 1].to(device).float()
+                tgt[r, : e - s] = src.labels[s + 1 : e + 1].to(device).float()
                 tok[r, : e - s] = src.next_tokens[s:e].to(device).long()
                 wts[r, : e - s] = src.weights[s:e].to(device).float()
                 pos[r] = src.base + s + torch.arange(n, device=device)
             if self.options.noise > 0:  # as offline: robustness to the head's own (inexact) features
-                scale = tgt.pow(2).mean(-1, keepdim=True).sqrt()
+                scale = inp.pow(2).mean(-1, keepdim=True).sqrt()
                 noise = (torch.rand(inp.shape, generator=self.generator) * 2 - 1).to(device)
                 inp = inp + noise * float(self.options.noise) * scale
             return {"inp": inp, "tgt": tgt, "tok": tok, "w": wts, "pos": pos}

@@ -19,7 +19,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +29,14 @@ from .data import collect, draft_vocabulary, load_examples, render_prompts, save
 from .modules import EagleHead, MedusaHeads, causal_attention
 
 
-def head_config(target, kind: str, draft_vocab_size: int, num_heads: int = 4) -> dict:
-    """The head's shape for `target` (EAGLE: the target's decoder-layer shapes)."""
+def head_config(target, kind: str, draft_vocab_size: int, num_heads: int = 4, feature_layers=None) -> dict:
+    """The head's shape for `target` (EAGLE: the target's decoder-layer shapes, and the
+    target's hidden states it fuses into its input when `feature_layers` is given)."""
     cfg = text_config(target)
     if kind == "medusa":
         return {"hidden_size": int(cfg.hidden_size), "num_heads": int(num_heads), "draft_vocab_size": int(draft_vocab_size)}
     num_heads_q = int(cfg.num_attention_heads)
+    layers = {"feature_layers": [int(i) for i in feature_layers]} if feature_layers else {}
     return {
         "hidden_size": int(cfg.hidden_size),
         "num_attention_heads": num_heads_q,
@@ -44,7 +46,35 @@ def head_config(target, kind: str, draft_vocab_size: int, num_heads: int = 4) ->
         "rms_norm_eps": float(getattr(cfg, "rms_norm_eps", 1e-6)),
         "rope_theta": rope_theta(cfg),
         "draft_vocab_size": int(draft_vocab_size),
+        **layers,
     }
+
+
+def eagle3_layers(target) -> List[int]:
+    """EAGLE-3's choice of hidden states for a target of L decoder layers: a low, a middle
+    and a high one (the outputs of layers 2, L // 2 and L - 3), in transformers' numbering."""
+    num = int(text_config(target).num_hidden_layers)
+    if num < 4:
+        raise ValueError(f"feature_layers='eagle3' needs a target of at least 4 layers, this one has {num}")
+    return [2, num // 2, num - 3]
+
+
+def check_feature_layers(target, feature_layers) -> List[int]:
+    """`feature_layers` as a list of valid hidden-state indices of `target` ('eagle3':
+    `eagle3_layers`; None or empty: [])."""
+    if not feature_layers:
+        return []
+    if isinstance(feature_layers, str):
+        if feature_layers != "eagle3":
+            raise ValueError(f"feature_layers: expected 'eagle3' or a list of layer indices, got {feature_layers!r}")
+        return eagle3_layers(target)
+    num = int(text_config(target).num_hidden_layers)
+    layers = [int(i) for i in feature_layers]
+    bad = [i for i in layers if not 0 <= i <= num]
+    if bad or len(set(layers)) != len(layers):
+        raise ValueError(f"feature_layers {layers}: need distinct hidden-state indices in 0 .. {num} "
+                         f"(0 the embeddings, i the output of decoder layer i)")
+    return layers
 
 
 def _windows(examples, max_len: int, kind: str, num_heads: int):
@@ -166,6 +196,12 @@ class _Trainer:
             neg_entropy = torch.xlogy(p, p).sum(-1) if logp is None else (p * logp).sum(-1)
         return ce, ce.detach() + neg_entropy, logits.detach().argmax(-1)
 
+    def _run_fuse(self, layers):
+        if self.autocast is None:
+            return self.head.input_features(layers)
+        with torch.autocast(self.device.type, dtype=self.autocast):
+            return self.head.input_features(layers).float()
+
     def _run_head(self, *args):
         if self.autocast is None:
             return self.head(*args)
@@ -181,9 +217,15 @@ class _Trainer:
             tokens = self._pad(windows, "tokens", 1).long()  # x_{s+1} .. x_{s+n}
             lse, argmax = self._pad(windows, "lse", 1), self._pad(windows, "argmax", 1).long()
             inp, tgt = feats[:, :-1], feats[:, 1:]
-            if generator is not None and self.noise > 0:
+            if generator is not None and self.noise > 0 and self.head.fuse is None:
                 scale = tgt.pow(2).mean(-1, keepdim=True).sqrt()
                 inp = inp + (torch.rand(inp.shape, generator=generator) * 2 - 1).to(self.device) * self.noise * scale
+            if self.head.fuse is not None:  # EAGLE-3: the input is the fusion of several layers
+                layers = self._pad(windows, "inputs", 0).float()  # [B, W, k, H]
+                if generator is not None and self.noise > 0:
+                    scale = layers.pow(2).mean(-1, keepdim=True).sqrt()
+                    layers = layers + (torch.rand(layers.shape, generator=generator) * 2 - 1).to(self.device) * self.noise * scale
+                inp = self._run_fuse(layers)
             positions = torch.tensor([w[1] for w in windows], device=self.device)[:, None] + torch.arange(width, device=self.device)
             with torch.no_grad():
                 emb = self.embed(tokens).float()
@@ -236,7 +278,8 @@ class _Trainer:
         return loss, metrics
 
 
-def _data_request(prompts, self_prompt_count, seed, max_new_tokens, generation_dtype, self_article_count=0) -> str:
+def _data_request(prompts, self_prompt_count, seed, max_new_tokens, generation_dtype, self_article_count=0,
+                  feature_layers=()) -> str:
     """sha256 of what the data stage was asked for (prompts and collection settings): data
     collected for another request is collected again (from the response cache)."""
     import hashlib
@@ -253,6 +296,8 @@ def _data_request(prompts, self_prompt_count, seed, max_new_tokens, generation_d
     request = [[plain(p) for p in prompts], int(self_prompt_count), int(seed), int(max_new_tokens), str(generation_dtype)]
     if self_article_count:  # (appended only when asked for: earlier requests keep their hash)
         request.append({"self_articles": int(self_article_count)})
+    if feature_layers:
+        request.append({"feature_layers": [int(i) for i in feature_layers]})
     text = json.dumps(request, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -302,6 +347,7 @@ def train_draft_head(
     noise: float = 0.05,
     unroll: int = 2,
     prompt_weight: float = 1.0,
+    feature_layers=None,
     eval_fraction: float = 0.05,
     seed: int = 0,
     collect_batch_size: int = 32,
@@ -345,6 +391,10 @@ def train_draft_head(
             for response tokens (drafting only happens in responses; a summarisation prompt
             is ~5x longer than its answer). Metrics racc* are top-1 agreement on response tokens.
             On the default model's data 0.2 did not beat 1 (held-out racc 0.439 against 0.445).
+        feature_layers: EAGLE: None (the head reads the target's LM head input), 'eagle3'
+            (`eagle3_layers`: a low, a middle and a high layer, as EAGLE-3) or a list of the
+            target's hidden-state indices (0 the embeddings, i the output of decoder layer
+            i) fused into the head's input.
         eval_fraction: share of the examples held out for the validation losses.
         seed: makes data collection, batch order, noise and initialisation reproducible.
         collect_batch_size: prompts the target answers together while collecting.
@@ -373,6 +423,9 @@ def train_draft_head(
         raise ValueError(f"unroll must be >= 0, got {unroll}")
     if not 0.0 <= float(prompt_weight) <= 1.0:
         raise ValueError(f"prompt_weight must be in [0, 1], got {prompt_weight}")
+    if feature_layers and kind != "eagle":
+        raise ValueError("feature_layers: only EAGLE heads read several layers of the target")
+    layers = check_feature_layers(target, feature_layers)
     if threads is not None:
         torch.set_num_threads(int(threads))
     out = Path(out_dir)
@@ -386,7 +439,7 @@ def train_draft_head(
         tokenizer = AutoTokenizer.from_pretrained(target.config._name_or_path)
 
     # 1) data (collected again, from the cache in work/collect, when the request changed)
-    request = _data_request(prompts, self_prompt_count, seed, max_new_tokens, generation_dtype, self_article_count)
+    request = _data_request(prompts, self_prompt_count, seed, max_new_tokens, generation_dtype, self_article_count, layers)
     stored = load_examples(work / "data.pt")
     if stored is not None and stored["meta"].get("target") != identity:
         raise ValueError(f"work_dir {work} holds data collected from another target; use a fresh work_dir")
@@ -403,7 +456,8 @@ def train_draft_head(
         if not ids:
             raise ValueError("prompts: no usable prompt")
         examples = collect(target, ids, max_new_tokens=max_new_tokens, batch_size=collect_batch_size, seed=seed,
-                           generation_dtype=generation_dtype, work_dir=work / "collect", progress=progress)
+                           generation_dtype=generation_dtype, work_dir=work / "collect", feature_layers=layers,
+                           progress=progress)
         for ex, p in zip(examples, ids):
             ex["prompt_len"] = len(p)
         meta = {"target": identity, "request": request, "prompts": len(ids), "self_prompts": len(turns),
@@ -422,7 +476,7 @@ def train_draft_head(
     eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     vocab_size = identity["vocab_size"]
     vocab = draft_vocabulary(examples, draft_vocab_size, vocab_size, always=eos)
-    config = head_config(target, kind, len(vocab), num_heads)
+    config = head_config(target, kind, len(vocab), num_heads, layers)
     head = (EagleHead if kind == "eagle" else MedusaHeads)(config)
     head.reset_parameters(torch.Generator().manual_seed(seed))
     head.draft_vocab.copy_(vocab)

@@ -128,11 +128,14 @@ def forward(model, cache, tokens, position_ids, tree_mask=None, logits_to_keep=0
             ancestor mask of the T tokens, which attend to their row's prefix and ancestors.
         logits_to_keep: as in transformers (0: all positions).
         return_hidden: also return the input of the LM head (after the final norm) at all T
-            positions, for drafters that read the target's hidden states.
+            positions, for drafters that read the target's hidden states; or a tuple of
+            hidden-state indices (transformers' numbering: 0 the embeddings, i the output of
+            decoder layer i, the last one the LM head input) to return those, stacked.
 
     Returns:
         logits [B, T or logits_to_keep, V] in fp32, or (logits, hidden [B, T, H]) with
-        return_hidden. The caller sets the new cache lengths.
+        return_hidden True, (logits, hidden [B, T, len(layers), H]) with layer indices. The
+        caller sets the new cache lengths.
     """
     extra = {}
     if tree_mask is not None:
@@ -144,9 +147,23 @@ def forward(model, cache, tokens, position_ids, tree_mask=None, logits_to_keep=0
                 position_ids=position_ids, past_key_values=cache, use_cache=True, **extra)
     if not return_hidden:
         return model(logits_to_keep=logits_to_keep, **args).logits.float()
-    hidden = _decoder(model)(**args).last_hidden_state
-    kept = hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:]
+    last, hidden = _hidden(model, args, return_hidden)
+    kept = last if logits_to_keep == 0 else last[:, -logits_to_keep:]
     return model.get_output_embeddings()(kept).float(), hidden
+
+
+def _hidden(model, args, layers):
+    """Run the decoder under `model` on `args`: (last hidden state, what `return_hidden`
+    asked for: the last hidden state itself for True, else the `layers` stacked on dim -2)."""
+    if layers is True:
+        hidden = _decoder(model)(**args).last_hidden_state
+        return hidden, hidden
+    out = _decoder(model)(output_hidden_states=True, **args)
+    states = out.hidden_states
+    bad = [i for i in layers if not -len(states) <= int(i) < len(states)]
+    if bad:
+        raise ValueError(f"hidden layers {bad}: {type(model).__name__} has hidden states 0 .. {len(states) - 1}")
+    return out.last_hidden_state, torch.stack([states[int(i)] for i in layers], dim=-2)
 
 
 def _decoder(model):
@@ -166,7 +183,8 @@ def prefill(model, cache, history: torch.Tensor, lengths: torch.Tensor, return_h
     lets a real token see it, and later writes overwrite it.
 
     Returns None, or with return_hidden the final hidden states [B, max(lengths) - 1, H]
-    (row b valid for its first lengths[b] - 1), computed without the LM head.
+    (row b valid for its first lengths[b] - 1), computed without the LM head; with a tuple
+    of layer indices (see `forward`) those layers, [B, max(lengths) - 1, len(layers), H].
     """
     prefix = lengths.long() - 1
     num = int(prefix.max())
@@ -174,12 +192,14 @@ def prefill(model, cache, history: torch.Tensor, lengths: torch.Tensor, return_h
     if num > 0:
         positions = torch.arange(num, device=history.device)[None, :].expand(history.shape[0], -1)
         if return_hidden:
-            hidden = _decoder(model)(input_ids=history[:, :num], position_ids=positions, past_key_values=cache,
-                                     use_cache=True).last_hidden_state
+            hidden = _hidden(model, dict(input_ids=history[:, :num], position_ids=positions, past_key_values=cache,
+                                         use_cache=True), return_hidden)[1]
         else:
             forward(model, cache, history[:, :num], positions, logits_to_keep=1)
     elif return_hidden:
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        hidden = torch.zeros(history.shape[0], 0, cfg.hidden_size, dtype=next(model.parameters()).dtype, device=history.device)
+        layers = () if return_hidden is True else (len(return_hidden),)
+        hidden = torch.zeros(history.shape[0], 0, *layers, cfg.hidden_size, dtype=next(model.parameters()).dtype,
+                             device=history.device)
     cache.set_lengths(prefix)
     return hidden
