@@ -327,46 +327,6 @@ def test_merged_head_and_ngram_budget_and_scores(target, heads, monkeypatch):
         HeadNgramDrafter(drafter.head_drafter, drafter.ngram, confident=0.0)
 
 
-def test_head_stops_where_its_gain_does_not_pay(target, heads):
-    """HeadNgramDrafter counts, per row, the accepted drafts the n-gram continuation did not
-    also propose (the head's own gain); with the planner's budget, a row whose gain is below
-    head_cost x (1 + accepted drafts) gets no head drafts until `probe_every` steps later."""
-    drafter = HeadNgramDrafter(EagleDrafter(target, heads["eagle"], max_nodes=6, top_k=2, depth=3, min_score=0.0),
-                               sk.NgramDrafter(num_tokens=3), confident=None, head_cost=0.5, probe_every=3)
-    history, lengths = start_on_prompts(drafter, target, 2)
-    # The last step: row 0's n-gram chain was [7, 8, 9], row 1's [7]; both rows drafted with the head.
-    chain = lambda toks: (toks, list(range(-1, len(toks) - 1)))  # noqa: E731
-    (t0, p0), (t1, p1) = chain([5, 7, 8, 9]), chain([5, 7, -1, -1])
-    p1 = [-1, 0, -1, -1]
-    before = lengths.clone()
-    for b, emitted in ((0, [7, 8, 4, 1]), (1, [7, 2, 3, 6])):  # 3 accepted drafts + the target's token each
-        history[b, int(before[b]) : int(before[b]) + 4] = torch.tensor(emitted)
-    drafter._last = ([t0, t1], [p0, p1], before, torch.tensor([True, True]))
-    drafter._score_last_step(history, before + 4)
-    d = drafter._DECAY
-    # Row 0: 3 accepted, the n-gram matched 7, 8 -> gain 1; row 1: matched 7 -> gain 2.
-    torch.testing.assert_close(drafter._rows["accepted"], torch.tensor([d + (1 - d) * 3] * 2))
-    torch.testing.assert_close(drafter._rows["gain"], torch.tensor([d + (1 - d) * 1, d + (1 - d) * 2]))
-    drafter._rows["gain"] = torch.tensor([0.1, 5.0])  # row 0: not worth the head; row 1: worth it
-    asked = []
-    original = drafter.head_drafter.propose
-
-    def spy(history, lengths, sampling=None, budget=None):
-        asked.append(None if budget is None else budget.tolist())
-        return original(history, lengths, sampling, budget)
-
-    drafter.head_drafter.propose = spy
-    for _ in range(4):
-        drafter._last = None  # (keep the averages fixed: no scoring between these calls)
-        drafter.propose(history, lengths, budget=torch.tensor([4, 4]))
-    assert asked == [[0, 4], [0, 4], [0, 4], [4, 4]]  # row 0 probes after 3 idle steps
-    assert drafter.propose(history, lengths).tree.num_nodes.min() > 1  # no budget: fixed-size drafting, head always on
-    with pytest.raises(ValueError, match="head_cost"):
-        HeadNgramDrafter(drafter.head_drafter, drafter.ngram, head_cost=1.0)
-    with pytest.raises(ValueError, match="probe_every"):
-        HeadNgramDrafter(drafter.head_drafter, drafter.ngram, probe_every=0)
-
-
 # ----------------------------------------------------------------------------- greedy identity
 
 HEAD_DRAFTERS = {
@@ -377,8 +337,6 @@ HEAD_DRAFTERS = {
     "eagle+ngram": lambda t, h: HeadNgramDrafter(EagleDrafter(t, h["eagle"], max_nodes=6, top_k=2, depth=3, min_score=0.0),
                                                  sk.NgramDrafter(num_tokens=3)),
     "eagle3_tree": lambda t, h: EagleDrafter(t, h["eagle3"], max_nodes=10, top_k=3, depth=4, min_score=0.0),
-    "eagle+ngram_gated": lambda t, h: HeadNgramDrafter(EagleDrafter(t, h["eagle"], max_nodes=6, top_k=2, depth=3),
-                                                       sk.NgramDrafter(num_tokens=3), head_cost=0.6, probe_every=2),
 }
 
 

@@ -518,88 +518,15 @@ class HeadNgramDrafter(MergedDrafter):
             this (a long match: a copy in progress) get no head drafts; the head's siblings
             would only pay when a near-certain token is wrong, and its forwards cost ~7% of
             a target forward per depth on a CPU. None: the head always drafts.
-        head_cost: what one head draft costs, as a share of a decoding step. Each row keeps
-            running averages (over the steps its head drafted) of the drafts it accepted and
-            of those the n-gram continuation did not also propose (the head's own gain); a
-            row whose head gain is below head_cost x (1 + accepted drafts), i.e. below the
-            tokens the head's time would buy, stops asking the head (on summaries the head
-            adds ~0.15 tokens per step, less than its ~5 ms of a ~33 ms step on the 2-core
-            development CPU), and asks again every `probe_every` steps to see whether that
-            changed. Default 0.15 for a CPU target, 0 (never stop) on a GPU, where a head
-            draft is a few small kernels. Only with the adaptive planner (a `budget`); decided
-            from past outcomes only, so exact (and the same for the same seed when sampling).
-        probe_every: steps after which a row whose head was stopped drafts with it again.
     """
 
     needs_hidden_states = True
-    _DECAY = 0.8  # running averages of the head's outcomes: about the last 5 drafting steps
 
-    def __init__(self, head_drafter: _HeadDrafter, ngram: Drafter, confident: Optional[float] = 0.8,
-                 head_cost: Optional[float] = None, probe_every: int = 8):
+    def __init__(self, head_drafter: _HeadDrafter, ngram: Drafter, confident: Optional[float] = 0.8):
         if confident is not None and not 0.0 < confident <= 1.0:
             raise ValueError(f"confident must be in (0, 1] or None, got {confident}")
-        if head_cost is not None and not 0.0 <= head_cost < 1.0:
-            raise ValueError(f"head_cost must be in [0, 1) or None, got {head_cost}")
-        if int(probe_every) < 1:
-            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
         super().__init__([head_drafter, ngram])
         self.head_drafter, self.ngram, self.confident = head_drafter, ngram, confident
-        on_cpu = lm_head_weight(head_drafter.target).device.type == "cpu"
-        self.head_cost = float(head_cost) if head_cost is not None else (0.15 if on_cpu else 0.0)
-        self.probe_every = int(probe_every)
-        self._rows = None
-
-    # -- the head's own gain, per row --------------------------------------------------
-    def start(self, history, lengths, capacity):
-        super().start(history, lengths, capacity)
-        batch = history.shape[0]
-        # Running averages per row, starting where the head looks worth it: it drafts first.
-        self._rows = {"gain": torch.ones(batch), "accepted": torch.ones(batch),
-                      "idle": torch.zeros(batch, dtype=torch.int64)}
-        self._last = None  # (n-gram trees as lists, lengths before the step, rows the head drafted for)
-
-    def keep_rows(self, rows):
-        super().keep_rows(rows)
-        cpu_rows = rows.cpu()
-        self._rows = {k: v[cpu_rows] for k, v in self._rows.items()}
-        if self._last is not None:
-            keep = cpu_rows.tolist()
-            tokens, parents, before, drafted = self._last
-            self._last = ([tokens[i] for i in keep], [parents[i] for i in keep], before[cpu_rows], drafted[cpu_rows])
-
-    def finish(self):
-        super().finish()
-        self._rows = self._last = None
-
-    def _score_last_step(self, history, lengths):
-        """Update the running averages of the rows the head drafted for last step: the drafts
-        they accepted, and how many of those lay beyond the n-gram continuation's match."""
-        tokens, parents, before, drafted = self._last
-        self._last = None
-        rows = drafted.nonzero()[:, 0].tolist()
-        if not rows:
-            return
-        got = (lengths.cpu() - before - 1).clamp(min=0)  # accepted drafts (the last token is the target's own)
-        accepted, gain = torch.zeros(len(rows)), torch.zeros(len(rows))
-        for i, b in enumerate(rows):
-            n = int(got[b])
-            emitted = history[b, int(before[b]) : int(before[b]) + n].tolist()
-            node, matched = 0, 0
-            for tok in emitted:  # follow the n-gram tree along the accepted drafts
-                node = next((j for j in range(1, len(tokens[b])) if parents[b][j] == node and tokens[b][j] == tok), None)
-                if node is None:
-                    break
-                matched += 1
-            accepted[i], gain[i] = n, n - matched
-        d = self._DECAY
-        index = torch.tensor(rows)
-        self._rows["accepted"][index] = d * self._rows["accepted"][index] + (1 - d) * accepted
-        self._rows["gain"][index] = d * self._rows["gain"][index] + (1 - d) * gain
-
-    def head_rows(self) -> torch.Tensor:
-        """bool [B]: the rows whose head drafts are worth their cost this step (see head_cost)."""
-        worth = self._rows["gain"] >= self.head_cost * (1 + self._rows["accepted"])
-        return worth | (self._rows["idle"] >= self.probe_every)
 
     def observe(self, hidden_states, accepted_nodes=None, num_accepted=None):
         self.head_drafter.observe(hidden_states, accepted_nodes, num_accepted)
@@ -614,24 +541,13 @@ class HeadNgramDrafter(MergedDrafter):
         return self.head_drafter.save(out_dir)
 
     def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
-        """The head's tree (within `budget`, for the rows where it pays: `head_rows`) merged
-        with the n-gram proposal, with scores."""
-        if self._last is not None:
-            self._score_last_step(history, lengths)
+        """The head's tree (within `budget`) merged with the n-gram proposal, with scores."""
         ngram = self.ngram.propose(history, lengths, None)
         if budget is not None and self.confident is not None and ngram.scores is not None \
                 and ngram.scores.shape[1] > 1:
             sure = ngram.scores[:, 1].to(budget.device) >= self.confident
             budget = torch.where(sure, 0, budget)
-        if budget is not None and self._rows is not None:  # (fixed-size drafting: the head always drafts)
-            budget = torch.where(self.head_rows().to(budget.device), budget, 0)
-            self._rows["idle"] = torch.where(budget.cpu() > 0, 0, self._rows["idle"] + 1)
-        head = self.head_drafter.propose(history, lengths, None, budget)
-        if budget is not None and self._rows is not None:
-            drafted = (head.tree.parents[:, 1:] >= 0).any(1).cpu() if head.tree.parents.shape[1] > 1 \
-                else torch.zeros(history.shape[0], dtype=torch.bool)
-            self._last = (ngram.tree.tokens.tolist(), ngram.tree.parents.tolist(), lengths.cpu().long(), drafted)
-        drafts = [head, ngram]
+        drafts = [self.head_drafter.propose(history, lengths, None, budget), ngram]
         scores = [d.scores if d.scores is not None else 0.5 ** d.tree.depths.clamp(min=0).float() for d in drafts]
         tokens, parents, merged = merge_scored_trees(root_tokens(history, lengths).tolist(),
                                                      [(d.tree.tokens, d.tree.parents) for d in drafts],
