@@ -88,6 +88,20 @@ def test_collect_cache_reuses_responses(target, tmp_path):
         assert x["features"].shape[0] == x["tokens"].numel() - 1 == x["lse"].numel() == x["argmax"].numel()
     with pytest.raises(ValueError, match="other settings.*max_new_tokens"):
         collect(target, prompts, max_new_tokens=6, work_dir=tmp_path, progress=False)
+    # EAGLE-3 layers: the target's hidden states, cached in their own shards (responses and
+    # features reused), one cache serving several layer sets.
+    features = len(list(tmp_path.glob("features_*.pt")))
+    for layers in ([1], [0, 2]):
+        c = collect(target, prompts, max_new_tokens=5, batch_size=2, work_dir=tmp_path, progress=False,
+                    feature_layers=layers)
+        for x, y in zip(a, c):
+            assert torch.equal(x["features"], y["features"]) and y["inputs"].dtype == torch.bfloat16
+            with torch.no_grad():
+                states = target(x["tokens"][None, :-1].long(), output_hidden_states=True).hidden_states
+            torch.testing.assert_close(y["inputs"].float(), torch.stack([states[i][0] for i in layers], 1),
+                                       rtol=1e-2, atol=1e-2)
+    assert len(list(tmp_path.glob("features_*.pt"))) == features
+    assert len(list(tmp_path.glob("layers-1_*.pt"))) >= 1 and len(list(tmp_path.glob("layers-0-2_*.pt"))) >= 1
 
 
 def test_self_written_prompts_resume_extend_and_train(target, tmp_path):

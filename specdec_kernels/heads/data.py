@@ -13,7 +13,7 @@ Two passes, both batched and both resumable from shards in a work folder:
 
 One example: `tokens int32 [n]`, `features fp16 [n - 1, H]` (feature i predicts token i + 1),
 `lse fp32 [n - 1]`, `argmax int32 [n - 1]` (both from the fp16-rounded features, the same
-numbers training reads back), and with `feature_layers` (EAGLE-3 heads) `inputs fp16
+numbers training reads back), and with `feature_layers` (EAGLE-3 heads) `inputs bf16
 [n - 1, len(feature_layers), H]`, those hidden states of the target at every position.
 """
 
@@ -340,7 +340,9 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
         hidden = out.last_hidden_state
         if layers:
             stacked = torch.stack([out.hidden_states[j] for j in layers], dim=2)  # [rows, width, k, H]
-            new_layers = {seq_keys[i]: stacked[r, : len(sequences[i]) - 1].to(torch.float16).cpu() for r, i in enumerate(idx)}
+            # bf16: middle layers carry "massive activations" (up to ~24k in the default model,
+            # more in others) that fp16 could overflow; the heads serve in bf16 anyway.
+            new_layers = {seq_keys[i]: stacked[r, : len(sequences[i]) - 1].to(torch.bfloat16).cpu() for r, i in enumerate(idx)}
             done_layers.update(new_layers)
             if folder is not None:
                 _save_atomic(new_layers, _next_shard(folder, layer_prefix))
