@@ -448,6 +448,14 @@ def test_default_drafter_finds_a_saved_head_by_identity(target, tmp_path, monkey
         out = sk.generate(target, ids, attention_mask=mask, drafter=default_drafter(target), max_new_tokens=20)
         assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 20))
         assert out.stats.tokens_per_step > 1.0  # repetitive prompts: the n-gram part is accepted
+    # head=: a given head directory instead of the lookup (still checked against the target)
+    other = tmp_path / "cache" / "heads" / "another-target"
+    chosen = default_drafter(target, head=tmp_path / "cache" / "heads" / "tiny-eagle")
+    assert isinstance(chosen, HeadNgramDrafter) and chosen.head_drafter.source == folder
+    with pytest.raises(ValueError, match="another target"):
+        default_drafter(target, head=other)
+    with pytest.raises(ValueError, match="not a head directory"):
+        default_drafter(target, head=tmp_path)
 
 
 def test_shipped_heads_load_for_the_default_model():

@@ -378,6 +378,7 @@ def test_bench_online_summary_settings_and_cli(tmp_path):
     assert summary["update_share"] == pytest.approx(0.1) and summary["identical"]
     if bench.common.pyplot() is not None:
         assert bench.plot(rows, tmp_path / "online.png").stat().st_size > 0
-    args = build_parser().parse_args(["bench", "online", "--workloads", "chat", "--prompts", "3", "--online", "interval=4"])
-    assert args.workloads == ("chat",) and args.prompts == 3 and args.online == {"interval": 4}
+    args = build_parser().parse_args(["bench", "online", "--workloads", "chat", "--prompts", "3", "--online", "interval=4",
+                                      "--head", "some/dir"])
+    assert args.workloads == ("chat",) and args.prompts == 3 and args.online == {"interval": 4} and args.head == "some/dir"
     assert args.func.__name__ == "cmd_bench_online"

@@ -73,6 +73,8 @@ def add_arguments(parser):
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's; 1 is steadier on a shared, loaded machine)")
     parser.add_argument("--model", default=None, help="target (default SmolLM2-135M-Instruct; needs a trained head)")
+    parser.add_argument("--head", default=None, metavar="DIR",
+                        help="the head both arms start from (default: the target's shipped or saved head)")
     parser.add_argument("--out-dir", default=None, help="results folder (default bench/results of the checkout)")
     return parser
 
@@ -118,12 +120,13 @@ def _result(out, seconds) -> dict:
             "step_tokens": [round(t["accepted_per_row"] + 1) for t in out.stats.trace]}
 
 
-def run_stream(target, tokenizer, workload, requests, *, max_new_tokens, online_settings, log=print):
-    """Serve `requests` with a frozen and an online `default_drafter`; one row per request."""
+def run_stream(target, tokenizer, workload, requests, *, max_new_tokens, online_settings, head=None, log=print):
+    """Serve `requests` with a frozen and an online `default_drafter` (with `head`, a head
+    directory, instead of the target's own); one row per request."""
     from ..heads import default_drafter
 
-    frozen = _Arm("frozen", default_drafter(target))
-    online = _Arm("online", default_drafter(target, online=online_settings or True))
+    frozen = _Arm("frozen", default_drafter(target, head=head))
+    online = _Arm("online", default_drafter(target, online=online_settings or True, head=head))
     learner = online.drafter.online
     if learner is None:
         raise ValueError("model: no trained head for this target: nothing to adapt online")
@@ -249,7 +252,8 @@ def run_args(args) -> int:
         requests = load_workload(workload)[: args.prompts]
         print(f"{workload}: {len(requests)} prompts, {args.max_new_tokens} new tokens each", flush=True)
         stream_rows, learners[workload] = run_stream(target, tokenizer, workload, requests,
-                                                     max_new_tokens=args.max_new_tokens, online_settings=args.online)
+                                                     max_new_tokens=args.max_new_tokens, online_settings=args.online,
+                                                     head=args.head)
         rows += stream_rows
     summary = summarize(rows, args.warmup)
     headers = ["workload", "prompt", "tok/step frozen", "tok/step online", "ratio", "tok/s frozen", "tok/s online",
@@ -271,7 +275,7 @@ def run_args(args) -> int:
     options = OnlineOptions.coerce(args.online or True)
     out_dir = Path(args.out_dir) if args.out_dir else common.results_dir()
     result = common.metadata("online", device, "cpu" if device.type == "cpu" else "cuda",
-                             model=getattr(target.config, "_name_or_path", None), greedy=True,
+                             model=getattr(target.config, "_name_or_path", None), head=args.head, greedy=True,
                              max_new_tokens=args.max_new_tokens, warmup=args.warmup,
                              online_options=vars(options).copy(), learner_stats=learners,
                              load_average=_load_average(), wall_s=round(time.perf_counter() - start, 1))

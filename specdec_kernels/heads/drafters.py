@@ -594,10 +594,12 @@ def find_head(target, kind: Optional[str] = None) -> Optional[Path]:
     return None
 
 
-def default_drafter(target, *, online=False) -> Drafter:
+def default_drafter(target, *, online=False, head=None) -> Drafter:
     """The best drafter this package has for `target`: its trained head (shipped in
     `specdec_kernels/heads/trained/`, or saved by the user under `<cache_dir>/heads/`, found
     by the target's identity) merged with n-gram drafts, else n-gram drafts alone.
+
+    head: a head directory to use instead of looking one up (checked against `target`).
 
     online: False (a frozen head), True (default settings) or a dict / `OnlineOptions` of
     settings (`heads.online`): the head keeps learning from the target's verified features
@@ -608,7 +610,9 @@ def default_drafter(target, *, online=False) -> Drafter:
     `target` there is nothing to adapt: n-gram drafts alone, whatever `online` says."""
     options = OnlineOptions.coerce(online)  # bad settings fail here, head or not
     ngram = NgramDrafter(num_tokens=16)  # what n-gram drafting alone uses
-    folder = find_head(target)
+    folder = find_head(target) if head is None else Path(head)
+    if head is not None and not (folder / "config.json").is_file():
+        raise ValueError(f"head: {folder} is not a head directory (no config.json)")
     if folder is None:
         return NgramDrafter(num_tokens=16)  # the planner verifies what pays of up to 16 (a long copy pays)
     import json
