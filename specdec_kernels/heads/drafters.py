@@ -143,6 +143,10 @@ class _HeadDrafter(Drafter):
 
     def observe(self, hidden_states, accepted_nodes=None, num_accepted=None):
         h = hidden_states.to(self.dtype)
+        if accepted_nodes is not None:  # only the accepted path's nodes are kept (and fused)
+            width = int(num_accepted.max()) + 1
+            index = accepted_nodes[:, :width].long().clamp(min=0)
+            h = h.gather(1, index.view(*index.shape, *[1] * (h.dim() - 2)).expand(*index.shape, *h.shape[2:]))
         labels = None
         if self.feature_layers:  # [B, T, layers (+ the LM head input), H]: fuse, keep the labels
             k = len(self.feature_layers)
@@ -154,15 +158,13 @@ class _HeadDrafter(Drafter):
             if labels is not None:
                 self.labels[:, : h.shape[1]] = labels
             return
-        batch, num_nodes = accepted_nodes.shape
-        j = torch.arange(num_nodes, device=h.device)
+        j = torch.arange(h.shape[1], device=h.device)
         keep = j[None, :] <= num_accepted.long()[:, None]
-        index = accepted_nodes.long().clamp(min=0)[:, :, None].expand(-1, -1, h.shape[-1])
         slots = (self.known[:, None] + j).clamp(max=self.features.shape[1] - 1)
-        rows = torch.arange(batch, device=h.device)[:, None].expand_as(slots)
-        self.features[rows[keep], slots[keep]] = h.gather(1, index)[keep]
+        rows = torch.arange(h.shape[0], device=h.device)[:, None].expand_as(slots)
+        self.features[rows[keep], slots[keep]] = h[keep]
         if labels is not None:
-            self.labels[rows[keep], slots[keep]] = labels.gather(1, index)[keep]
+            self.labels[rows[keep], slots[keep]] = labels[keep]
         self.known = self.known + num_accepted.long() + 1
 
     def keep_rows(self, rows):
