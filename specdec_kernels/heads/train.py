@@ -196,17 +196,20 @@ class _Trainer:
             neg_entropy = torch.xlogy(p, p).sum(-1) if logp is None else (p * logp).sum(-1)
         return ce, ce.detach() + neg_entropy, logits.detach().argmax(-1)
 
-    def _run_fuse(self, layers):
+    def _autocast(self, fn, *args):
+        """fn(*args) in the trainer's autocast (fp32 out), or as is without one."""
         if self.autocast is None:
-            return self.head.input_features(layers)
+            return fn(*args)
         with torch.autocast(self.device.type, dtype=self.autocast):
-            return self.head.input_features(layers).float()
+            return fn(*args).float()
 
     def _run_head(self, *args):
-        if self.autocast is None:
-            return self.head(*args)
-        with torch.autocast(self.device.type, dtype=self.autocast):
-            return self.head(*args).float()
+        return self._autocast(self.head, *args)
+
+    def _noisy(self, x, rms_of, generator):
+        """x plus uniform noise of `noise` times the RMS of `rms_of` (per position)."""
+        scale = rms_of.pow(2).mean(-1, keepdim=True).sqrt()
+        return x + (torch.rand(x.shape, generator=generator) * 2 - 1).to(self.device) * self.noise * scale
 
     def loss(self, windows, generator: Optional[torch.Generator]):
         """Mean loss over the batch and a dict of metrics (sums and counts)."""
@@ -217,15 +220,12 @@ class _Trainer:
             tokens = self._pad(windows, "tokens", 1).long()  # x_{s+1} .. x_{s+n}
             lse, argmax = self._pad(windows, "lse", 1), self._pad(windows, "argmax", 1).long()
             inp, tgt = feats[:, :-1], feats[:, 1:]
-            if generator is not None and self.noise > 0 and self.head.fuse is None:
-                scale = tgt.pow(2).mean(-1, keepdim=True).sqrt()
-                inp = inp + (torch.rand(inp.shape, generator=generator) * 2 - 1).to(self.device) * self.noise * scale
+            noisy = generator is not None and self.noise > 0
             if self.head.fuse is not None:  # EAGLE-3: the input is the fusion of several layers
                 layers = self._pad(windows, "inputs", 0).float()  # [B, W, k, H]
-                if generator is not None and self.noise > 0:
-                    scale = layers.pow(2).mean(-1, keepdim=True).sqrt()
-                    layers = layers + (torch.rand(layers.shape, generator=generator) * 2 - 1).to(self.device) * self.noise * scale
-                inp = self._run_fuse(layers)
+                inp = self._autocast(self.head.input_features, self._noisy(layers, layers, generator) if noisy else layers)
+            elif noisy:
+                inp = self._noisy(inp, tgt, generator)
             positions = torch.tensor([w[1] for w in windows], device=self.device)[:, None] + torch.arange(width, device=self.device)
             with torch.no_grad():
                 emb = self.embed(tokens).float()
