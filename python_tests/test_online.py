@@ -382,3 +382,25 @@ def test_bench_online_summary_settings_and_cli(tmp_path):
                                       "--head", "some/dir"])
     assert args.workloads == ("chat",) and args.prompts == 3 and args.online == {"interval": 4} and args.head == "some/dir"
     assert args.func.__name__ == "cmd_bench_online"
+
+
+def test_bench_online_drafters(small_target_heads, tmp_path):
+    """`--drafter default` serves default_drafter (head + n-gram), `--drafter head` the head
+    alone; both carry the online settings; an unknown kind or a folder without a head is a
+    clear error."""
+    from specdec_kernels.benchmarks import online as bench
+    from specdec_kernels.cli import build_parser
+
+    target, heads = small_target_heads
+    for name, kind in (("eagle", EagleDrafter), ("medusa", MedusaDrafter)):
+        alone = bench.make_drafter(target, "head", online={"interval": 3}, head=heads[name])
+        assert isinstance(alone, kind) and alone.online.options.interval == 3
+        merged = bench.make_drafter(target, "default", head=heads[name])
+        assert isinstance(merged, HeadNgramDrafter) and merged.online is None
+    with pytest.raises(ValueError, match="drafter: expected one of"):
+        bench.make_drafter(target, "medusa", head=heads["eagle"])
+    with pytest.raises(ValueError, match="not a head directory"):
+        bench.make_drafter(target, "head", head=tmp_path)
+    args = build_parser().parse_args(["bench", "online", "--drafter", "head"])
+    assert args.drafter == "head"
+    assert build_parser().parse_args(["bench", "online"]).drafter == "default"

@@ -6,7 +6,8 @@
 Each workload's stream is its first `--prompts` requests: the requests the shipped head held
 out of its training (`heads/trained/*/README.md`: the first 10 of every workload), so the
 head meets them for the first time. Two drafters serve the stream, both `default_drafter`
-(the shipped EAGLE head merged with n-gram drafts, adaptive planner on): `frozen`
+(the shipped EAGLE head merged with n-gram drafts, adaptive planner on), or with `--drafter
+head` both the head alone: `frozen`
 (online=False) and `online` (online=True, or `--online` settings), one object each for the
 whole stream, so the online head keeps what it learned from one prompt to the next. Every
 prompt runs under both, greedy, in alternating order (frozen first on even prompts), so
@@ -30,6 +31,7 @@ import torch
 from . import common
 
 WORKLOADS = ("summarization", "chat")
+DRAFTERS = ("default", "head")
 HELD_OUT = 10  # the shipped head's training left out requests 0 .. 9 of every workload
 
 
@@ -73,6 +75,9 @@ def add_arguments(parser):
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's; 1 is steadier on a shared, loaded machine)")
     parser.add_argument("--model", default=None, help="target (default SmolLM2-135M-Instruct; needs a trained head)")
+    parser.add_argument("--drafter", choices=DRAFTERS, default="default",
+                        help="default: default_drafter (the head merged with n-gram drafts); head: the head "
+                             "alone (EagleDrafter / MedusaDrafter), so its own acceptance is what is measured")
     parser.add_argument("--head", default=None, metavar="DIR",
                         help="the head both arms start from (default: the target's shipped or saved head)")
     parser.add_argument("--out-dir", default=None, help="results folder (default bench/results of the checkout)")
@@ -120,13 +125,34 @@ def _result(out, seconds) -> dict:
             "step_tokens": [round(t["accepted_per_row"] + 1) for t in out.stats.trace]}
 
 
-def run_stream(target, tokenizer, workload, requests, *, max_new_tokens, online_settings, head=None, log=print):
-    """Serve `requests` with a frozen and an online `default_drafter` (with `head`, a head
-    directory, instead of the target's own); one row per request."""
-    from ..heads import default_drafter
+def make_drafter(target, kind: str, *, online=False, head=None):
+    """The drafter an arm serves with: `default_drafter(target, online=, head=)` for kind
+    "default"; for "head" the head alone (`EagleDrafter` or `MedusaDrafter` of `head`, or of
+    the target's shipped or saved head), adaptive planner on in both."""
+    from ..heads import EagleDrafter, MedusaDrafter, default_drafter, find_head
 
-    frozen = _Arm("frozen", default_drafter(target, head=head))
-    online = _Arm("online", default_drafter(target, online=online_settings or True, head=head))
+    if kind == "default":
+        return default_drafter(target, online=online, head=head)
+    if kind != "head":
+        raise ValueError(f"drafter: expected one of {DRAFTERS}, got {kind!r}")
+    folder = find_head(target) if head is None else Path(head)
+    if folder is None:
+        raise ValueError("model: no trained head for this target: nothing to adapt online")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"head: {folder} is not a head directory (no config.json)")
+    import json
+
+    kind_of_head = json.loads((folder / "config.json").read_text())["kind"]
+    return (EagleDrafter if kind_of_head == "eagle" else MedusaDrafter)(target, folder, online=online)
+
+
+def run_stream(target, tokenizer, workload, requests, *, max_new_tokens, online_settings, head=None, drafter="default",
+               log=print):
+    """Serve `requests` with a frozen and an online drafter (`make_drafter`: `drafter`
+    "default" or "head", with `head`, a head directory, instead of the target's own); one
+    row per request."""
+    frozen = _Arm("frozen", make_drafter(target, drafter, head=head))
+    online = _Arm("online", make_drafter(target, drafter, online=online_settings or True, head=head))
     learner = online.drafter.online
     if learner is None:
         raise ValueError("model: no trained head for this target: nothing to adapt online")
@@ -253,7 +279,7 @@ def run_args(args) -> int:
         print(f"{workload}: {len(requests)} prompts, {args.max_new_tokens} new tokens each", flush=True)
         stream_rows, learners[workload] = run_stream(target, tokenizer, workload, requests,
                                                      max_new_tokens=args.max_new_tokens, online_settings=args.online,
-                                                     head=args.head)
+                                                     head=args.head, drafter=args.drafter)
         rows += stream_rows
     summary = summarize(rows, args.warmup)
     headers = ["workload", "prompt", "tok/step frozen", "tok/step online", "ratio", "tok/s frozen", "tok/s online",
@@ -275,7 +301,8 @@ def run_args(args) -> int:
     options = OnlineOptions.coerce(args.online or True)
     out_dir = Path(args.out_dir) if args.out_dir else common.results_dir()
     result = common.metadata("online", device, "cpu" if device.type == "cpu" else "cuda",
-                             model=getattr(target.config, "_name_or_path", None), head=args.head, greedy=True,
+                             model=getattr(target.config, "_name_or_path", None), head=args.head, drafter=args.drafter,
+                             greedy=True,
                              max_new_tokens=args.max_new_tokens, warmup=args.warmup,
                              online_options=vars(options).copy(), learner_stats=learners,
                              load_average=_load_average(), wall_s=round(time.perf_counter() - start, 1))
