@@ -404,3 +404,52 @@ def test_bench_online_drafters(small_target_heads, tmp_path):
     args = build_parser().parse_args(["bench", "online", "--drafter", "head"])
     assert args.drafter == "head"
     assert build_parser().parse_args(["bench", "online"]).drafter == "default"
+
+
+def test_planner_step_times_leave_out_the_drafters_upkeep():
+    """The step times the planner's cost model learns from leave out the drafter's upkeep
+    (an online head's updates inside `propose`), while the trace keeps the wall time; a
+    merged drafter sums its parts' upkeep; a duck-typed drafter without the method has none."""
+    import time
+
+    from specdec_kernels.drafters import Drafter, MergedDrafter, upkeep_seconds
+    from specdec_kernels.generate import _Trace
+
+    class Busy(Drafter):
+        spent = 0.0
+
+        def upkeep_seconds(self):
+            return self.spent
+
+    class Planner:
+        def __init__(self):
+            self.seen = []
+
+        def observe_time(self, seconds):
+            self.seen.append(seconds)
+
+        def observe(self, out, active):
+            pass
+
+    drafter, planner = Busy(), Planner()
+    trace = _Trace(planner, drafter)
+    for step in range(4):
+        trace.next_step()
+        time.sleep(0.03)
+        drafter.spent += 0.03  # the whole step was upkeep
+        trace.records.append({"rows": 1})
+    trace.next_step()
+    walls = [r["seconds"] for r in trace.records]
+    assert len(planner.seen) == 3 and all(w >= 0.03 for w in walls)
+    assert all(s < 0.02 for s in planner.seen), planner.seen
+    assert upkeep_seconds(MergedDrafter([drafter, Busy()])) == pytest.approx(drafter.spent)
+    assert upkeep_seconds(object()) == 0.0
+
+
+def test_online_head_reports_its_updates_as_upkeep(target):
+    """An online head's upkeep is its update time; a frozen head's is 0."""
+    drafter = eagle(target, dict(interval=1, min_positions=4, batch=16, window=8))
+    sk.generate(target, torch.tensor([[5, 6, 7, 8, 9, 10]]), drafter=drafter, max_new_tokens=12, adaptive=False)
+    assert drafter.online.stats.updates > 0
+    assert drafter.upkeep_seconds() == pytest.approx(drafter.online.stats.update_seconds) and drafter.upkeep_seconds() > 0
+    assert eagle(target, False).upkeep_seconds() == 0.0

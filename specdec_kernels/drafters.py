@@ -129,6 +129,13 @@ def root_tokens(history: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return history.gather(1, (lengths.long() - 1)[:, None])[:, 0]
 
 
+def upkeep_seconds(drafter) -> float:
+    """`drafter.upkeep_seconds()`, or 0 for a drafter written without it (the interface
+    gained it late; duck-typed drafters keep working)."""
+    method = getattr(drafter, "upkeep_seconds", None)
+    return 0.0 if method is None else float(method())
+
+
 class Drafter:
     """Interface of a drafter used by `specdec_kernels.generate`.
 
@@ -184,6 +191,13 @@ class Drafter:
 
     def finish(self) -> None:
         """Called when generation ends: release per-call state (caches)."""
+
+    def upkeep_seconds(self) -> float:
+        """Seconds this drafter has spent so far (cumulative, over its life) on its own upkeep
+        inside `propose` rather than on the step's draft: an online head's updates. The
+        adaptive planner leaves them out of the step times it learns its costs from (a step
+        that also trained the head would otherwise look like an expensive tree width)."""
+        return 0.0
 
 
 class NgramDrafter(Drafter):
@@ -505,6 +519,9 @@ class MergedDrafter(Drafter):
     def finish(self):
         for d in self.drafters:
             d.finish()
+
+    def upkeep_seconds(self):
+        return sum(upkeep_seconds(d) for d in self.drafters)
 
     def observe(self, hidden_states, accepted_nodes=None, num_accepted=None):
         for d in self.drafters:

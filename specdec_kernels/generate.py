@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from . import config
-from .drafters import Drafter, Sampling
+from .drafters import Drafter, Sampling, upkeep_seconds
 from .logits_processing import TreeLogitsProcessor, sampling_settings
 from .philox import row_seeds
 from .small_linear import small_linears
@@ -213,20 +213,23 @@ def _draft(drafter: Drafter, planner: Optional[Planner], rows: _Rows, sampling, 
 
 class _Trace:
     """Per-step records for stats.trace; each step's wall time (but the first's, which also
-    holds the drafter's catch-up over the prompt) refreshes the planner's cost model. Counts
-    stay tensors until the end (no host sync per step)."""
+    holds the drafter's catch-up over the prompt) refreshes the planner's cost model, less
+    the drafter's upkeep in that step (`Drafter.upkeep_seconds`: an online head's updates are
+    no cost of the tree the step verified). Counts stay tensors until the end (no host sync
+    per step)."""
 
-    def __init__(self, planner: Optional[Planner]):
-        self.planner, self.records, self.start = planner, [], time.perf_counter()
+    def __init__(self, planner: Optional[Planner], drafter: Drafter):
+        self.planner, self.drafter, self.records = planner, drafter, []
+        self.start, self.upkeep = time.perf_counter(), upkeep_seconds(drafter)
 
     def next_step(self) -> None:
         """A step ends (and the next begins): time the one before."""
-        now = time.perf_counter()
+        now, upkeep = time.perf_counter(), upkeep_seconds(self.drafter)
         if self.records and "seconds" not in self.records[-1]:
             self.records[-1]["seconds"] = now - self.start
             if self.planner is not None and len(self.records) > 1:
-                self.planner.observe_time(self.records[-1]["seconds"])
-        self.start = now
+                self.planner.observe_time(now - self.start - (upkeep - self.upkeep))
+        self.start, self.upkeep = now, upkeep
 
     def record(self, tree, out, active: torch.Tensor) -> None:
         """The verified tree and its outcome; the planner learns the rows' acceptance."""
@@ -360,7 +363,7 @@ def generate(
             streamer.put(input_ids.cpu())
         t0 = clock(device)
         stats.time_prefill = t0 - t_start
-        trace = _Trace(planner)
+        trace = _Trace(planner, drafter)
         try:
             while not bool(rows.done.all()):
                 trace.next_step()  # (done.all() waited for the step before: its time is real)

@@ -179,6 +179,10 @@ class _HeadDrafter(Drafter):
             self.online.finishing()
         self.features = self.labels = None
 
+    def upkeep_seconds(self) -> float:
+        """The online head's update seconds so far (0 for a frozen head)."""
+        return 0.0 if self.online is None else float(self.online.stats.update_seconds)
+
     def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
         """Draft a tree per row (`_propose`, see the class docstring); online, the learner
         first labels the last step's outcome and, every `interval` steps, updates the head."""
