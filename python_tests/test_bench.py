@@ -92,6 +92,22 @@ def test_e2e_every_method_batch_and_sampling(tiny_models, tmp_path, monkeypatch)
     check_rows(rows)
 
 
+def test_e2e_head_methods_without_a_head(tiny_models, tmp_path, monkeypatch):
+    """A target without a trained head: the head-only methods are skipped with the reason,
+    ours_default runs (n-gram alone)."""
+    model, _ = tiny_models
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))  # no user heads here
+    requests = {"code_edit": short_requests()["code_edit"]}
+    methods = ("hf", "ours_eagle", "ours_eagle_fixed", "ours_default_fixed", "ours_default")
+    rows = e2e.run(model, WordTokenizer(VOCAB), requests, methods=methods, batch_sizes=(1,), temperatures=(0.0,),
+                   max_new_tokens=4, prompts_per_workload=1, profile_kernels=False, progress=False)
+    by_method = {r["config"]["method"]: r for r in rows}
+    for method in ("ours_eagle", "ours_eagle_fixed", "ours_default_fixed"):
+        assert by_method[method]["skipped"] == "no trained EAGLE head for this target"
+    assert "skipped" not in by_method["ours_default"] and by_method["ours_default"]["greedy_identical"]
+    assert not {"ours_eagle_fixed", "ours_default_fixed"} & set(e2e.DEFAULT_METHODS)
+
+
 def test_e2e_repeats_report_medians_of_paired_ratios(tiny_models):
     model, _ = tiny_models
     requests = {"code_edit": short_requests()["code_edit"]}

@@ -26,7 +26,12 @@ Methods:
   ours_draft        DraftModelDrafter(draft, num_tokens=4), a chain (with --draft-model)
   ours_draft_tree   DraftModelDrafter(draft, tree_widths=(2, 2, 1)) (with --draft-model)
   ours_eagle        EagleDrafter with the target's trained EAGLE head (skipped for a target without one)
-  ours_default      default_drafter(target): that head merged with n-gram drafts (skipped likewise)
+  ours_default      default_drafter(target): that head merged with n-gram drafts (n-gram alone without a head)
+  ours_eagle_fixed  ours_eagle with the head's tree fixed at EagleDrafter's GPU shape (24 nodes, depth 6, top-k 6)
+                    and adaptive=False: acceptance at the tree a GPU verifies at batch 1 (not in the default set:
+                    on a CPU every node costs target compute)
+  ours_default_fixed  ours_default's composition (that tree merged with n-gram drafts of up to 16), adaptive=False
+                    (not in the default set)
 
 No hf_assisted row for the default model: HF assisted generation needs a smaller model with
 the same tokenizer, and SmolLM2-135M is the smallest SmolLM2 (none smaller is installed here;

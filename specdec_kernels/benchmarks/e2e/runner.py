@@ -12,8 +12,12 @@ from ...cli import first_difference, make_drafter, stop_ids
 from ...generate import _sync, eos_ids as target_eos_ids
 
 METHODS = ("hf", "hf_prompt_lookup", "hf_assisted", "ours_plain", "ours_ngram", "ours_ngram_fixed", "ours_ngram_tree",
-           "ours_draft", "ours_draft_tree", "ours_ngram_paged", "ours_eagle", "ours_default")
-DEFAULT_METHODS = tuple(m for m in METHODS if m not in ("ours_plain", "ours_ngram_paged"))
+           "ours_draft", "ours_draft_tree", "ours_ngram_paged", "ours_eagle", "ours_default", "ours_eagle_fixed",
+           "ours_default_fixed")
+# Not by default: ours_plain (no drafts), the paged cache, and the GPU-sized fixed head trees
+# (on a CPU a 24-node verify costs ~4x a one-token step: they measure acceptance, not speed).
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in ("ours_plain", "ours_ngram_paged", "ours_eagle_fixed",
+                                                        "ours_default_fixed"))
 PAGED = {"ours_ngram_paged": 16}  # method -> kv_page_size (generate on a paged KV cache)
 NEEDS_DRAFT = frozenset({"hf_assisted", "ours_draft", "ours_draft_tree"})
 BATCH1_ONLY = frozenset({"hf_prompt_lookup", "hf_assisted"})  # transformers' assisted decoding: batch size 1
@@ -37,10 +41,13 @@ OURS = {
     "ours_draft": ("draft", dict(num_tokens=DRAFT_TOKENS)),
     "ours_draft_tree": ("draft-tree", dict(draft_tree_widths=DRAFT_TREE_WIDTHS)),
 }
-# Learned-head methods, both adaptive: the target's trained EAGLE head alone (skipped for a
-# target without one), and `default_drafter(target)` (that head merged with n-gram drafts;
-# n-gram alone for a target without a head).
-HEAD_METHODS = frozenset({"ours_eagle", "ours_default"})
+# Learned-head methods: the target's trained EAGLE head alone (skipped for a target without
+# one), and `default_drafter(target)` (that head merged with n-gram drafts; n-gram alone for a
+# target without a head), both adaptive; and the same two with the head's tree fixed at
+# EagleDrafter's GPU shape (adaptive=False: every node verified, as a GPU's planner would at
+# batch 1 where a wide verify costs about one token's forward), for their acceptance.
+HEAD_METHODS = frozenset({"ours_eagle", "ours_default", "ours_eagle_fixed", "ours_default_fixed"})
+HEAD_FIXED_TREE = dict(max_nodes=24, depth=6, top_k=6, min_score=0.0)  # EagleDrafter's GPU defaults
 _HEAD_DRAFTERS = {}  # (method, id(target), head folder) -> drafter: loaded once, never inside a timed call
 
 
@@ -78,18 +85,26 @@ def new_token_counts(sequences, prompt_len, eos_ids, max_new_tokens):
 
 
 def head_drafter(method, model):
-    """The drafter of ours_eagle / ours_default for `model` (built once per head found), or
-    None for ours_eagle when the model has no trained EAGLE head."""
-    from ...heads import EagleDrafter, default_drafter
+    """The drafter of a learned-head method (HEAD_METHODS) for `model` (built once per head
+    found), or None (but for ours_default) when the model has no trained EAGLE head."""
+    from ...drafters import NgramDrafter
+    from ...heads import EagleDrafter, HeadNgramDrafter, default_drafter
     from ...heads.drafters import find_head
 
     folder = find_head(model, "eagle")
     key = (method, id(model), folder)
     if key not in _HEAD_DRAFTERS:
-        if method == "ours_eagle":
-            _HEAD_DRAFTERS[key] = None if folder is None else EagleDrafter(model, folder)
-        else:
+        if method == "ours_default":
             _HEAD_DRAFTERS[key] = default_drafter(model)
+        elif folder is None:
+            _HEAD_DRAFTERS[key] = None
+        elif method == "ours_eagle":
+            _HEAD_DRAFTERS[key] = EagleDrafter(model, folder)
+        else:
+            head = EagleDrafter(model, folder, **HEAD_FIXED_TREE)
+            # ours_default_fixed: default_drafter's composition (its n-gram: 16 tokens)
+            _HEAD_DRAFTERS[key] = head if method == "ours_eagle_fixed" else \
+                HeadNgramDrafter(head, NgramDrafter(num_tokens=NGRAM_TOKENS))
     return _HEAD_DRAFTERS[key]
 
 
