@@ -28,10 +28,10 @@ Methods:
   ours_eagle        EagleDrafter with the target's trained EAGLE head (skipped for a target without one)
   ours_default      default_drafter(target): that head merged with n-gram drafts (n-gram alone without a head)
   ours_eagle_fixed  ours_eagle with the head's tree fixed at EagleDrafter's GPU shape (24 nodes, depth 6, top-k 6)
-                    and adaptive=False: acceptance at the tree a GPU verifies at batch 1 (not in the default set:
-                    on a CPU every node costs target compute)
+                    and adaptive=False: acceptance at the tree a GPU verifies at batch 1 (in the default set on a
+                    GPU only: on a CPU every node costs target compute)
   ours_default_fixed  ours_default's composition (that tree merged with n-gram drafts of up to 16), adaptive=False
-                    (not in the default set)
+                    (in the default set on a GPU only)
 
 No hf_assisted row for the default model: HF assisted generation needs a smaller model with
 the same tokenizer, and SmolLM2-135M is the smallest SmolLM2 (none smaller is installed here;
@@ -57,12 +57,12 @@ from .. import common
 from .models import RANDOM_LLAMA, load_models, random_llama3_8b
 from .report import markdown, plot_acceptance, plot_speedup, table_rows, write_results
 from .runner import (BATCH1_ONLY, DEFAULT_METHODS, DRAFT_TOKENS, DRAFT_TREE_WIDTHS, HF_PROMPT_LOOKUP_TOKENS, METHODS,
-                     NEEDS_DRAFT, NGRAM_FIXED_TOKENS, NGRAM_TOKENS, NGRAM_TREE_WIDTH, SEED, TEMPERATURES, bench_row, kernel_share,
-                     make_batches, new_token_counts, run, run_method)
+                     NEEDS_DRAFT, NGRAM_FIXED_TOKENS, NGRAM_TOKENS, NGRAM_TREE_WIDTH, SEED, TEMPERATURES, bench_row,
+                     default_methods, kernel_share, make_batches, new_token_counts, run, run_method)
 
 __all__ = ["main", "run_args", "add_arguments", "run", "run_method", "bench_row", "kernel_share", "make_batches",
            "new_token_counts", "write_results", "table_rows", "markdown", "plot_speedup", "plot_acceptance",
-           "load_models", "random_llama3_8b", "METHODS", "DEFAULT_METHODS", "NEEDS_DRAFT", "BATCH1_ONLY",
+           "load_models", "random_llama3_8b", "METHODS", "DEFAULT_METHODS", "default_methods", "NEEDS_DRAFT", "BATCH1_ONLY",
            "TEMPERATURES", "SEED", "RANDOM_LLAMA"]
 
 SHORT = dict(prompts_per_workload=2, max_new_tokens=64, batch_sizes=(1, 8))
@@ -90,7 +90,8 @@ def add_arguments(parser):
     parser.add_argument("--workloads", type=_csv(str), default=None, help="comma-separated (default all four)")
     parser.add_argument("--batch-sizes", type=_csv(int), default=None, help="comma-separated (default 1,8)")
     parser.add_argument("--methods", type=_csv(str), default=None,
-                        help=f"comma-separated of {', '.join(METHODS)} (default all but ours_plain; hf always runs)")
+                        help=f"comma-separated of {', '.join(METHODS)} (default all but ours_plain and "
+                             "ours_ngram_paged, and on a CPU but the *_fixed head trees; hf always runs)")
     parser.add_argument("--temperatures", type=_csv(float), default=None, help="comma-separated (default 0,0.7)")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--prompts-per-workload", type=int, default=None)
@@ -133,7 +134,7 @@ def run_args(args) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     start = time.perf_counter()
     model, tokenizer, draft, label = load_models(args, device)
-    methods = args.methods or DEFAULT_METHODS
+    methods = args.methods or default_methods(device)
     if draft is None and any(m in NEEDS_DRAFT for m in methods) and args.methods:
         print(f"no --draft-model: leaving out {', '.join(m for m in methods if m in NEEDS_DRAFT)}", flush=True)
     try:

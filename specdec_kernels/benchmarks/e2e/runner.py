@@ -14,10 +14,15 @@ from ...generate import _sync, eos_ids as target_eos_ids
 METHODS = ("hf", "hf_prompt_lookup", "hf_assisted", "ours_plain", "ours_ngram", "ours_ngram_fixed", "ours_ngram_tree",
            "ours_draft", "ours_draft_tree", "ours_ngram_paged", "ours_eagle", "ours_default", "ours_eagle_fixed",
            "ours_default_fixed")
-# Not by default: ours_plain (no drafts), the paged cache, and the GPU-sized fixed head trees
-# (on a CPU a 24-node verify costs ~4x a one-token step: they measure acceptance, not speed).
-DEFAULT_METHODS = tuple(m for m in METHODS if m not in ("ours_plain", "ours_ngram_paged", "ours_eagle_fixed",
-                                                        "ours_default_fixed"))
+# Not by default: ours_plain (no drafts) and the paged cache; the GPU-sized fixed head trees
+# only on a GPU (on a CPU a 24-node verify costs ~4x a one-token step).
+GPU_ONLY_DEFAULTS = ("ours_eagle_fixed", "ours_default_fixed")
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in ("ours_plain", "ours_ngram_paged") + GPU_ONLY_DEFAULTS)
+
+
+def default_methods(device) -> tuple:
+    """The methods run when none are named: DEFAULT_METHODS, plus GPU_ONLY_DEFAULTS on a GPU."""
+    return DEFAULT_METHODS + (GPU_ONLY_DEFAULTS if torch.device(device).type == "cuda" else ())
 PAGED = {"ours_ngram_paged": 16}  # method -> kv_page_size (generate on a paged KV cache)
 NEEDS_DRAFT = frozenset({"hf_assisted", "ours_draft", "ours_draft_tree"})
 BATCH1_ONLY = frozenset({"hf_prompt_lookup", "hf_assisted"})  # transformers' assisted decoding: batch size 1
