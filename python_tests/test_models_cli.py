@@ -155,6 +155,7 @@ def test_cli_parser_knows_every_method():
 
     draft_model = object()  # the drafters only keep it (no forward pass here)
     expected = {  # method -> (type of the drafter, the attributes it must carry), or None
+        "default": None,  # needs the target: test_cli_default_method
         "none": None,
         "ngram": (specdec_kernels.NgramDrafter, dict(num_tokens=7, tree_width=1)),
         "ngram-tree": (specdec_kernels.NgramDrafter, dict(num_tokens=7, tree_width=5)),
@@ -167,6 +168,8 @@ def test_cli_parser_knows_every_method():
         args = cli.build_parser().parse_args(["generate", "--method", method, "--num-tokens", "7", "--ngram-tree-width",
                                               "5", "--draft-tree-widths", "3,1", "--prompt", "x"])
         assert (args.method, args.num_tokens, args.ngram_tree_width, args.draft_tree_widths) == (method, 7, 5, (3, 1))
+        if method == "default":
+            continue
         drafter = cli.make_drafter(method, draft_model=draft_model, num_tokens=args.num_tokens,
                                    ngram_tree_width=args.ngram_tree_width, draft_tree_widths=args.draft_tree_widths)
         if expected[method] is None:
@@ -183,12 +186,40 @@ def test_cli_parser_knows_every_method():
             with pytest.raises(ValueError, match="draft_model"):
                 cli.make_drafter(method)
     defaults = cli.build_parser().parse_args(["generate", "--prompt", "x"])
-    assert (defaults.method, defaults.ngram_tree_width, defaults.draft_tree_widths) == ("ngram", 3, (2, 2, 1))
+    assert (defaults.method, defaults.ngram_tree_width, defaults.draft_tree_widths) == ("default", 3, (2, 2, 1))
+    assert defaults.head is None and cli.build_parser().parse_args(["demo"]).method == "default"
     for bad in (["--draft-tree-widths", "2,0"], ["--draft-tree-widths", "2,x"], ["--method", "beam"]):
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(["generate", "--prompt", "x", *bad])
     with pytest.raises(ValueError, match="method"):
         cli.make_drafter("beam")
+
+
+def test_cli_default_method(tmp_path, monkeypatch):
+    """--method default builds default_drafter: the target's head merged with n-gram drafts,
+    n-gram alone without one; --head names a head; a head for another target, a folder that
+    is no head, or a head with another method is a clear error."""
+    from specdec_kernels import cli
+    from specdec_kernels.heads import HeadNgramDrafter, train_draft_head
+    from test_generate import tiny_model
+
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))  # no user heads
+    target, other = tiny_model(0), tiny_model(1, hidden=48)
+    alone = cli.make_drafter("default", target=target)
+    assert type(alone) is specdec_kernels.NgramDrafter and cli.describe_drafter(alone) == "NgramDrafter"
+    head = train_draft_head(target, [[5, 6, 7, 8, 9]], kind="eagle", out_dir=tmp_path / "head", steps=1,
+                            max_new_tokens=4, batch_tokens=64, eval_fraction=0.0, draft_vocab_size=64, progress=False)
+    merged = cli.make_drafter("default", target=target, head=head)
+    assert isinstance(merged, HeadNgramDrafter) and cli.describe_drafter(merged) == "EagleDrafter + NgramDrafter"
+    assert cli.describe_drafter(None) == "no drafts"
+    with pytest.raises(ValueError, match="target"):
+        cli.make_drafter("default")
+    with pytest.raises(ValueError, match="another|target"):
+        cli.make_drafter("default", target=other, head=head)
+    with pytest.raises(ValueError, match="not a head directory"):
+        cli.make_drafter("default", target=target, head=tmp_path)
+    with pytest.raises(ValueError, match="only method 'default'"):
+        cli.make_drafter("ngram", head=head)
 
 
 def test_cut_mark_only_when_the_token_cap_cut_the_text():

@@ -1,7 +1,7 @@
 """`specdec` command line: `demo`, `generate`, `info`, `bench` (also `python -m specdec_kernels`).
 
-    specdec demo                      plain HF greedy decoding vs ours with n-gram drafts, same prompt
-    specdec generate --prompt "..."   one generation with a chosen drafter, stats at the end
+    specdec demo                      plain HF greedy decoding vs ours (default_drafter), same prompt
+    specdec generate --prompt "..."   one generation (default_drafter, or --method), stats at the end
     specdec info                      versions, compiled extension, backends per op, device
     specdec bench kernels|e2e|online|linear|all   the benchmark suite (specdec_kernels.benchmarks), results in bench/results
 """
@@ -18,7 +18,10 @@ import torch
 
 from ._platform import cpu_name
 
-METHODS = ("none", "ngram", "ngram-tree", "draft", "draft-tree", "merged")  # `specdec generate --method`
+# `specdec generate --method`; "default": `heads.default_drafter` (the target's trained head
+# merged with n-gram drafts, or n-gram alone for a target without one)
+METHODS = ("default", "none", "ngram", "ngram-tree", "draft", "draft-tree", "merged")
+DEMO_METHODS = ("default", "ngram")  # `specdec demo --method`
 NEEDS_DRAFT_MODEL = frozenset({"draft", "draft-tree", "merged"})
 NGRAM_TREE_WIDTH = 3  # default --ngram-tree-width: continuations of an n-gram tree
 DRAFT_TREE_WIDTHS = (2, 2, 1)  # default --draft-tree-widths: a draft-model tree's children per depth
@@ -206,8 +209,16 @@ def _demo_prompt(args):
     return f"code edit {request.id}, {source}", request.text, True
 
 
+def describe_drafter(drafter) -> str:
+    """A drafter in a few words for the CLI's output: its class, or its parts' for a merged one."""
+    if drafter is None:
+        return "no drafts"
+    parts = getattr(drafter, "drafters", None)
+    return " + ".join(type(d).__name__ for d in parts) if parts else type(drafter).__name__
+
+
 def cmd_demo(args) -> int:
-    """Plain HF greedy decoding vs specdec with n-gram drafts on one code-edit prompt."""
+    """Plain HF greedy decoding vs specdec (default_drafter, or n-gram drafts) on one code-edit prompt."""
     sk = _generate_api()
     model, tokenizer = _load(args.model)
     label, text, chat = _demo_prompt(args)
@@ -218,7 +229,8 @@ def cmd_demo(args) -> int:
           f"CPU threads: {torch.get_num_threads()}", flush=True)
     first_line = text.strip().splitlines()[0] if text.strip() else ""
     print(f"  user: {first_line[:100]}{' ...' if len(text.strip()) > len(first_line) else ''}\n", flush=True)
-    drafter = sk.NgramDrafter(num_tokens=args.num_tokens)
+    drafter = make_drafter(args.method, num_tokens=args.num_tokens if args.method == "ngram" else None, target=model)
+    name = f"{args.method} ({describe_drafter(drafter)})"
 
     # Warm up both paths (first calls allocate and fill caches) so neither pays it in the timing.
     _hf_generate(model, input_ids, 2, eos, pad)
@@ -237,8 +249,8 @@ def cmd_demo(args) -> int:
                                     prompt_lookup_num_tokens=args.hf_prompt_lookup)
         pl_new = pl_out.shape[1] - input_ids.shape[1]
         rows.append((f"HF prompt lookup (k={args.hf_prompt_lookup})", pl_new, pl_s, None, None))
-    print(f"[2] specdec_kernels.generate with NgramDrafter(num_tokens={args.num_tokens}) ...", flush=True)
-    progress = _ProgressStreamer(n, "specdec n-gram") if _streamer_kwargs(sk.generate, None) else None
+    print(f"[2] specdec_kernels.generate with drafter {name} ...", flush=True)
+    progress = _ProgressStreamer(n, f"specdec {args.method}") if _streamer_kwargs(sk.generate, None) else None
     if progress is None:
         print("    (no progress bar: specdec_kernels.generate has no streaming hook)", flush=True)
     start = time.perf_counter()
@@ -249,7 +261,8 @@ def cmd_demo(args) -> int:
         progress.end()
     ours_seq = ours.sequences[0]
     ours_new = ours_seq.numel() - input_ids.shape[1]
-    rows.append((f"specdec + n-gram (k={args.num_tokens})", ours_new, ours_s, ours.stats.steps, ours.stats.tokens_per_step))
+    label = f"specdec + n-gram (k={args.num_tokens})" if args.method == "ngram" else "specdec + default_drafter"
+    rows.append((label, ours_new, ours_s, ours.stats.steps, ours.stats.tokens_per_step))
 
     print("\n--- generated text (specdec) " + "-" * 40)
     new_ids = ours_seq[input_ids.shape[1]:]
@@ -289,14 +302,15 @@ def _parse_widths(text: str) -> tuple:
 
 
 def make_drafter(method: str, *, draft_model=None, num_tokens=None, ngram_tree_width: int = NGRAM_TREE_WIDTH,
-                 draft_tree_widths=DRAFT_TREE_WIDTHS):
+                 draft_tree_widths=DRAFT_TREE_WIDTHS, target=None, head=None):
     """The drafter of one of METHODS (None for "none"): the `specdec generate --method` choices,
     also built by the e2e benchmark for its ours_* methods.
 
     num_tokens: draft length of n-gram drafts (chains and trees) and of draft-model chains (None:
     the drafter's default); ngram_tree_width: continuations of an n-gram tree (ngram-tree,
     merged); draft_tree_widths: children per depth of a draft-model tree (draft-tree, merged).
-    draft_model is needed by draft, draft-tree and merged.
+    draft_model is needed by draft, draft-tree and merged; target (and optionally head, a
+    head directory to use instead of the target's own) by default.
     """
     import specdec_kernels as sk
 
@@ -304,6 +318,14 @@ def make_drafter(method: str, *, draft_model=None, num_tokens=None, ngram_tree_w
         raise ValueError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
     if method in NEEDS_DRAFT_MODEL and draft_model is None:
         raise ValueError(f"draft_model: method {method!r} needs a draft model")
+    if method == "default":
+        if target is None:
+            raise ValueError("target: method 'default' needs the target (its trained head is looked up)")
+        from .heads import default_drafter
+
+        return default_drafter(target, head=head)
+    if head is not None:
+        raise ValueError(f"head: only method 'default' uses a head, not {method!r}")
     k = {"num_tokens": num_tokens} if num_tokens is not None else {}
     if method == "none":
         return None
@@ -336,12 +358,18 @@ def cmd_generate(args) -> int:
         draft_model, draft_tokenizer = _load(None if args.draft_model == "default" else args.draft_model, "draft")
         if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
             raise _fail("the draft model's tokenizer differs from the target's; drafts must use the same vocabulary")
-    drafter = make_drafter(args.method, draft_model=draft_model, num_tokens=args.num_tokens,
-                           ngram_tree_width=args.ngram_tree_width, draft_tree_widths=args.draft_tree_widths)
+    if args.head is not None and args.method != "default":
+        raise _fail(f"--head: only --method default uses a head, not {args.method}")
+    try:
+        drafter = make_drafter(args.method, draft_model=draft_model, num_tokens=args.num_tokens,
+                               ngram_tree_width=args.ngram_tree_width, draft_tree_widths=args.draft_tree_widths,
+                               target=model, head=args.head)
+    except ValueError as error:  # a head for another target, a folder without a head
+        raise _fail(str(error)) from None
     if args.chat and getattr(tokenizer, "chat_template", None) is None:
         raise _fail("--chat: this model's tokenizer has no chat template")
     input_ids = _encode(tokenizer, text, args.chat)
-    print(f"prompt: {input_ids.shape[1]} tokens; method {args.method}; "
+    print(f"prompt: {input_ids.shape[1]} tokens; method {args.method} ({describe_drafter(drafter)}); "
           f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}\n", flush=True)
 
     streamer = _TextStreamer(tokenizer)
@@ -490,15 +518,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{demo,generate,info,bench,train-draft}")
     sub.required = True
 
-    demo = sub.add_parser("demo", help="HF greedy decoding vs ours with n-gram drafts: speed and identical output",
-                          description="Runs HF generate(do_sample=False) and specdec_kernels.generate with n-gram drafts "
-                                      "on a code-edit prompt and checks that the outputs are identical.")
+    demo = sub.add_parser("demo", help="HF greedy decoding vs ours: speed and identical output",
+                          description="Runs HF generate(do_sample=False) and specdec_kernels.generate with "
+                                      "default_drafter (the model's trained draft head merged with n-gram drafts; "
+                                      "n-gram alone for a model without a head) or n-gram drafts (--method ngram) on "
+                                      "a code-edit prompt and checks that the outputs are identical.")
     demo.add_argument("--model", default=None, help="HF model directory or cached hub name (default: SmolLM2-135M-Instruct)")
     demo.add_argument("--max-new-tokens", type=int, default=DEMO_MAX_NEW_TOKENS, help=f"default {DEMO_MAX_NEW_TOKENS}")
     demo.add_argument("--prompt-file", default=None, help="file with the user request (chat template applied); "
                                                           "default: a code-edit request")
     demo.add_argument("--prompt-index", type=int, default=0, help="which shared code-edit prompt (default 0)")
-    demo.add_argument("--num-tokens", type=int, default=10, help="n-gram draft length (default 10, the k HF prompt lookup is compared at)")
+    demo.add_argument("--method", choices=DEMO_METHODS, default="default",
+                      help="our drafter: default (default_drafter, the default) or ngram (n-gram drafts alone)")
+    demo.add_argument("--num-tokens", type=int, default=10,
+                      help="--method ngram: draft length (default 10, the k HF prompt lookup is compared at)")
     demo.add_argument("--hf-prompt-lookup", type=int, nargs="?", const=10, default=0, metavar="K",
                       help="also time HF's own prompt lookup decoding (prompt_lookup_num_tokens=K, default 10)")
     demo.set_defaults(func=cmd_demo)
@@ -506,7 +539,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate from a prompt with a chosen drafter, print stats")
     gen.add_argument("--model", default=None, help="target: HF model directory or cached hub name (default: SmolLM2-135M-Instruct)")
     gen.add_argument("--draft-model", default=None, help="draft model for draft/draft-tree/merged ('default': the default model)")
-    gen.add_argument("--method", choices=METHODS, default="ngram", help="drafter (default ngram)")
+    gen.add_argument("--method", choices=METHODS, default="default",
+                     help="drafter (default: default, the model's trained draft head merged with n-gram drafts, "
+                          "or n-gram drafts alone for a model without a head)")
+    gen.add_argument("--head", default=None, metavar="DIR",
+                     help="--method default: this trained head (specdec train-draft --out DIR) instead of the model's own")
     gen.add_argument("--num-tokens", type=int, default=None,
                      help="draft length of n-gram drafts and draft-model chains (default: the drafter's)")
     gen.add_argument("--ngram-tree-width", type=int, default=NGRAM_TREE_WIDTH,
