@@ -64,16 +64,20 @@ def stream(drafter, target, prompts, new_tokens=32):
     return out
 
 
-def test_random_head_learns_a_repetitive_stream():
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
+def test_random_head_learns_a_repetitive_stream(mixed):
     """A random EAGLE head (a chain of 4, every node verified) serving a repetitive stream
     (three prompts, three times): online, its tokens per step in the last round clearly beat
-    its first round and the same head frozen (which stays near 1). With a learning rate too
-    small to teach anything (1e-6) both assertions fail: online equals frozen then."""
+    its first round and the same head frozen (which stays near 1), with fp32 updates and with
+    bf16 ones (bf16 label logits too). With a learning rate too small to teach anything (1e-6)
+    both assertions fail: online equals frozen then."""
     target = tiny_model(3, logit_scale=6.0)  # peaked distributions: something to learn
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(1, VOCAB, (12,), generator=g).tolist() for _ in range(3)] * 3
-    settings = dict(interval=1, lr=3e-3, batch=64, window=32, min_positions=8, prompt_weight=1.0)
-    online = stream(eagle(target, settings), target, prompts)
+    settings = dict(interval=1, lr=3e-3, batch=64, window=32, min_positions=8, prompt_weight=1.0, mixed_precision=mixed)
+    learner = eagle(target, settings)
+    assert learner.online.w_label_low.dtype == (torch.bfloat16 if mixed else torch.float32)
+    online = stream(learner, target, prompts)
     frozen = stream(eagle(target, False), target, prompts)
     first, last, last_frozen = sum(online[:3]) / 3, sum(online[-3:]) / 3, sum(frozen[-3:]) / 3
     assert last > 1.5 * last_frozen, (online, frozen)
