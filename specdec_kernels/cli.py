@@ -351,6 +351,8 @@ def cmd_generate(args) -> int:
                     "or 'default' for the default model)")
     if args.prompt is None and args.prompt_file is None:
         raise _fail("give the prompt with --prompt TEXT or --prompt-file FILE ('-' for standard input)")
+    if args.head is not None and args.method != "default":
+        raise _fail(f"--head: only --method default uses a head, not {args.method}")
     text = args.prompt if args.prompt is not None else _read_prompt_file(args.prompt_file)
     model, tokenizer = _load(args.model, "target")
     draft_model = None
@@ -358,8 +360,6 @@ def cmd_generate(args) -> int:
         draft_model, draft_tokenizer = _load(None if args.draft_model == "default" else args.draft_model, "draft")
         if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
             raise _fail("the draft model's tokenizer differs from the target's; drafts must use the same vocabulary")
-    if args.head is not None and args.method != "default":
-        raise _fail(f"--head: only --method default uses a head, not {args.method}")
     try:
         drafter = make_drafter(args.method, draft_model=draft_model, num_tokens=args.num_tokens,
                                ngram_tree_width=args.ngram_tree_width, draft_tree_widths=args.draft_tree_widths,
