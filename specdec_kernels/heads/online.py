@@ -37,8 +37,9 @@ step. It has its own random generator: generation's sampling stream is never tou
 The updates run in the decoding loop, at the start of a step's `propose`, and their time is
 counted in `stats.update_seconds`. No background thread: an update of 128 positions takes
 ~28 ms for the default model on the 2-core AVX512-BF16 development machine (about one decoding
-step; every 10 steps it is ~10 % of the decoding time), and on a 2-core CPU a thread would take
-the cores the target forward runs on (an estimate: no threaded version was built).
+step; every 10 steps, 6-7 % of the decoding time in `specdec bench online`), and on a 2-core
+CPU a thread would take the cores the target forward runs on (an estimate: no threaded
+version was built).
 """
 
 import math
