@@ -187,13 +187,12 @@ class _Trainer:
         return (g.to(self.w_low.dtype) @ self.w_low.T).float()
 
     @staticmethod
-    def _soft_ce(logits, p, logp):
+    def _soft_ce(logits, p, neg_entropy):
         """(-sum p log q, sum p (log p - log q), argmax q) per position, q = softmax(logits);
-        one fused cross-entropy pass (p sums to the target's mass on the draft vocabulary)."""
+        one fused cross-entropy pass (p sums to the target's mass on the draft vocabulary).
+        neg_entropy: sum p log p per position (the same for every pass over one batch)."""
         shape = logits.shape[:-1]
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), p.reshape(-1, p.shape[-1]), reduction="none").view(shape)
-        with torch.no_grad():
-            neg_entropy = torch.xlogy(p, p).sum(-1) if logp is None else (p * logp).sum(-1)
         return ce, ce.detach() + neg_entropy, logits.detach().argmax(-1)
 
     def _autocast(self, fn, *args):
@@ -238,12 +237,13 @@ class _Trainer:
             with torch.no_grad():
                 logp = self._target_logprobs(tgt, lse)
                 p = logp.exp()
+                neg_entropy = (p * logp).sum(-1)
             loss, metrics = 0.0, {}
             for d, g in enumerate(outs):
                 # Pass d's output at position i drafts the token at depth d + 1; positions
                 # i < d have no chain of d predictions to feed.
                 ok = valid & (torch.arange(width, device=self.device) >= d)[None, :]
-                ce, kl, top = self._soft_ce(self._draft_logits(g), p, logp)
+                ce, kl, top = self._soft_ce(self._draft_logits(g), p, neg_entropy)
                 reg = F.smooth_l1_loss(g, tgt, reduction="none").mean(-1)
                 w = ok * weight
                 total = w.sum().clamp(min=1e-6)
@@ -268,7 +268,8 @@ class _Trainer:
             with torch.no_grad():
                 logp = self._target_logprobs(feats[:, k : k + width], lse[:, k : k + width])
                 p = logp.exp()
-            ce, kl, top = self._soft_ce(self._draft_logits(outs[:, :, k - 1]), p, logp)
+                neg_entropy = (p * logp).sum(-1)
+            ce, kl, top = self._soft_ce(self._draft_logits(outs[:, :, k - 1]), p, neg_entropy)
             hit = self.vocab[top] == argmax[:, k : k + width]
             cnt = ok.sum().clamp(min=1)
             loss = loss + (0.8 ** (k - 1)) * (ce * ok).sum() / cnt
