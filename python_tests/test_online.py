@@ -388,7 +388,7 @@ def test_bench_online_summary_settings_and_cli(tmp_path):
     assert args.func.__name__ == "cmd_bench_online"
 
 
-def test_bench_online_drafters(small_target_heads, tmp_path):
+def test_bench_online_drafters(small_target_heads, tmp_path, monkeypatch):
     """`--drafter default` serves default_drafter (head + n-gram), `--drafter head` the head
     alone; both carry the online settings; an unknown kind or a folder without a head is a
     clear error."""
@@ -405,6 +405,9 @@ def test_bench_online_drafters(small_target_heads, tmp_path):
         bench.make_drafter(target, "medusa", head=heads["eagle"])
     with pytest.raises(ValueError, match="not a head directory"):
         bench.make_drafter(target, "head", head=tmp_path)
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))  # no saved heads: none for this target
+    with pytest.raises(ValueError, match="no trained head"):
+        bench.make_drafter(target, "head")
     args = build_parser().parse_args(["bench", "online", "--drafter", "head"])
     assert args.drafter == "head"
     assert build_parser().parse_args(["bench", "online"]).drafter == "default"

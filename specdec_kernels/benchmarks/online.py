@@ -127,23 +127,16 @@ def _result(out, seconds) -> dict:
 
 def make_drafter(target, kind: str, *, online=False, head=None):
     """The drafter an arm serves with: `default_drafter(target, online=, head=)` for kind
-    "default"; for "head" the head alone (`EagleDrafter` or `MedusaDrafter` of `head`, or of
-    the target's shipped or saved head), adaptive planner on in both."""
-    from ..heads import EagleDrafter, MedusaDrafter, default_drafter, find_head
+    "default"; for "head" the head alone (`heads.head_drafter`: the `EagleDrafter` or
+    `MedusaDrafter` of `head`, or of the target's shipped or saved head), adaptive planner on
+    in both."""
+    from ..heads import default_drafter, head_drafter
 
     if kind == "default":
         return default_drafter(target, online=online, head=head)
     if kind != "head":
         raise ValueError(f"drafter: expected one of {DRAFTERS}, got {kind!r}")
-    folder = find_head(target) if head is None else Path(head)
-    if folder is None:
-        raise ValueError("model: no trained head for this target: nothing to adapt online")
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"head: {folder} is not a head directory (no config.json)")
-    import json
-
-    kind_of_head = json.loads((folder / "config.json").read_text())["kind"]
-    return (EagleDrafter if kind_of_head == "eagle" else MedusaDrafter)(target, folder, online=online)
+    return head_drafter(target, head, online=online)
 
 
 def run_stream(target, tokenizer, workload, requests, *, max_new_tokens, online_settings, head=None, drafter="default",

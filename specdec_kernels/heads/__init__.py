@@ -4,13 +4,14 @@
     MedusaDrafter(target, heads)    K residual heads on the last hidden state
     train_draft_head(target, prompts, *, kind, out_dir, ...)   self-distillation training
     default_drafter(target)         the shipped/saved head for `target` merged with n-gram drafts
+    head_drafter(target[, head])    that head alone (its EagleDrafter or MedusaDrafter)
     default_drafter(target, online=True), EagleDrafter(..., online=True)
                                     the head keeps learning while it serves (`heads.online`)
 """
 
-from .drafters import EagleDrafter, HeadNgramDrafter, MedusaDrafter, default_drafter, find_head
+from .drafters import EagleDrafter, HeadNgramDrafter, MedusaDrafter, default_drafter, find_head, head_drafter
 from .online import OnlineLearner, OnlineOptions
 from .train import train_draft_head
 
 __all__ = ["EagleDrafter", "HeadNgramDrafter", "MedusaDrafter", "OnlineLearner", "OnlineOptions", "default_drafter",
-           "find_head", "train_draft_head"]
+           "find_head", "head_drafter", "train_draft_head"]

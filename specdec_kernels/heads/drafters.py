@@ -615,14 +615,23 @@ def default_drafter(target, *, online=False, head=None) -> Drafter:
     `<cache_dir>/heads/`). Output stays exactly the target's either way. Without a head for
     `target` there is nothing to adapt: n-gram drafts alone, whatever `online` says."""
     options = OnlineOptions.coerce(online)  # bad settings fail here, head or not
-    ngram = NgramDrafter(num_tokens=16)  # what n-gram drafting alone uses
-    folder = find_head(target) if head is None else Path(head)
-    if head is not None and not (folder / "config.json").is_file():
-        raise ValueError(f"head: {folder} is not a head directory (no config.json)")
+    ngram = NgramDrafter(num_tokens=16)  # the planner verifies what pays of up to 16 (a long copy pays)
+    folder = find_head(target) if head is None else head
     if folder is None:
-        return NgramDrafter(num_tokens=16)  # the planner verifies what pays of up to 16 (a long copy pays)
+        return ngram
+    return HeadNgramDrafter(head_drafter(target, folder, online=options or False), ngram)
+
+
+def head_drafter(target, head=None, *, online=False) -> Drafter:
+    """The `EagleDrafter` or `MedusaDrafter` (by the head's config) of `head`, a head
+    directory, or of the target's own head (`find_head`), with `online` as those drafters
+    take it; ValueError if there is none or `head` is no head directory."""
+    folder = find_head(target) if head is None else Path(head)
+    if folder is None:
+        raise ValueError("model: no trained head for this target (train one: specdec train-draft)")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"head: {folder} is not a head directory (no config.json)")
     import json
 
     kind = json.loads((folder / "config.json").read_text())["kind"]
-    head = (EagleDrafter if kind == "eagle" else MedusaDrafter)(target, folder, online=options or False)
-    return HeadNgramDrafter(head, ngram)
+    return (EagleDrafter if kind == "eagle" else MedusaDrafter)(target, folder, online=online)
