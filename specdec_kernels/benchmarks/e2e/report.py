@@ -95,7 +95,8 @@ def plot_acceptance(rows, path, title):
         ax.set_ylim(0, 1)
         ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel("steps accepting >= d drafts")
-    axes[0][-1].legend(fontsize=6)
+    if axes[0][-1].get_legend_handles_labels()[0]:  # (a run without any of our rows plots nothing)
+        axes[0][-1].legend(fontsize=6)
     fig.suptitle(title, fontsize=9)
     return common.save_figure(plt, fig, path)
 
