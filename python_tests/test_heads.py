@@ -104,6 +104,31 @@ def test_collect_cache_reuses_responses(target, tmp_path):
     assert len(list(tmp_path.glob("layers-1_*.pt"))) >= 1 and len(list(tmp_path.glob("layers-0-2_*.pt"))) >= 1
 
 
+def test_collect_features_from_a_bf16_forward(target, tmp_path):
+    """feature_dtype=bfloat16: the features come from a bf16 copy of the target (close to the
+    target's own), the labels from the target's own LM head on those features, cached in their
+    own shards beside the target's; train_draft_head records it and collects it anew."""
+    from specdec_kernels.heads.common import lm_head_weight
+    from specdec_kernels.heads.data import collect, load_examples
+
+    prompts = random_prompts(3, VOCAB, seed=5)
+    own = collect(target, prompts, max_new_tokens=5, batch_size=2, work_dir=tmp_path, progress=False)
+    low = collect(target, prompts, max_new_tokens=5, batch_size=2, work_dir=tmp_path, progress=False,
+                  feature_dtype=torch.bfloat16)
+    assert len(list(tmp_path.glob("features_*.pt"))) >= 1 and len(list(tmp_path.glob("features-bfloat16_*.pt"))) >= 1
+    weight = lm_head_weight(target)
+    for x, y in zip(own, low):
+        assert torch.equal(x["tokens"], y["tokens"]) and not torch.equal(x["features"], y["features"])
+        torch.testing.assert_close(y["features"].float(), x["features"].float(), rtol=0.05, atol=0.05)
+        logits = y["features"].float() @ weight.T
+        torch.testing.assert_close(y["lse"], logits.logsumexp(-1), rtol=1e-4, atol=1e-4)
+        assert torch.equal(y["argmax"].long(), logits.argmax(-1))
+    out = train(target, tmp_path, "eagle", VOCAB, steps=1, feature_dtype=torch.bfloat16, work_dir=tmp_path / "w")
+    meta = load_examples(tmp_path / "w" / "data.pt")["meta"]
+    assert meta["feature_dtype"] == "bfloat16" and json.loads((out / "config.json").read_text())["training"]["data"][
+        "feature_dtype"] == "bfloat16"
+
+
 def test_self_written_prompts_resume_extend_and_train(target, tmp_path):
     """Self-written user turns are distinct; self-written articles become summarisation
     requests in the workload's exact wording; the cache resumes them and a larger count
@@ -483,3 +508,15 @@ def test_shipped_heads_load_for_the_default_model():
     ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356]])  # a short chat-like prefix
     out = sk.generate(model, ids, drafter=drafter, max_new_tokens=8)
     assert torch.equal(out.sequences, hf_greedy(model, ids, torch.ones_like(ids), 8))
+
+
+def test_train_draft_cli_dtype_options():
+    """`specdec train-draft` parses --generation-dtype and --feature-dtype (model: the model itself)."""
+    from specdec_kernels.cli import build_parser
+
+    args = build_parser().parse_args(["train-draft", "--out", "x"])
+    assert (args.generation_dtype, args.feature_dtype) == ("bfloat16", "model")
+    args = build_parser().parse_args(["train-draft", "--out", "x", "--feature-dtype", "bfloat16"])
+    assert args.feature_dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train-draft", "--out", "x", "--feature-dtype", "float8"])

@@ -54,6 +54,9 @@ def add_parser(sub) -> None:
     p.add_argument("--generation-dtype", choices=("bfloat16", "float16", "float32", "model"), default="bfloat16",
                    help="dtype of the copy of the model that writes the responses (default bfloat16; "
                         "'model': the model itself); features and labels always come from the model")
+    p.add_argument("--feature-dtype", choices=("model", "bfloat16"), default="model",
+                   help="dtype of the forward that computes the features (default model: the model itself; "
+                        "bfloat16: a bf16 copy, ~2x faster on CPUs with bf16 units; labels always from the model's LM head)")
     p.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head can propose (default 8192)")
     p.add_argument("--num-heads", type=int, default=4, help="Medusa heads (default 4)")
     p.add_argument("--steps", type=int, default=1000)
@@ -115,6 +118,7 @@ def run(args) -> int:
                            self_article_count=args.self_articles,
                            collect_batch_size=args.collect_batch_size,
                            generation_dtype=None if args.generation_dtype == "model" else getattr(torch, args.generation_dtype),
+                           feature_dtype=None if args.feature_dtype == "model" else getattr(torch, args.feature_dtype),
                            draft_vocab_size=args.draft_vocab, num_heads=args.num_heads, steps=args.steps,
                            batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed, unroll=args.unroll,
                            prompt_weight=args.prompt_weight, feature_layers=layers, notes=notes)

@@ -254,7 +254,7 @@ def _next_shard(folder: Path, prefix: str) -> Path:
 def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_size: int = 32,
             temperature: float = 0.0, top_p: Optional[float] = None, seed: int = 0, eos_token_id=None,
             generation_dtype=torch.bfloat16, feature_batch_tokens: int = 8192, work_dir=None,
-            feature_layers: Sequence[int] = (), progress: bool = True) -> list:
+            feature_layers: Sequence[int] = (), feature_dtype=None, progress: bool = True) -> list:
     """Self-distillation examples (see the module docstring) for each prompt: the target's
     response (greedy when temperature is 0, else sampled with temperature / top_p) and the
     target's features and labels at every position.
@@ -268,7 +268,12 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
         (same settings) computes only the new ones. None keeps everything in memory.
     feature_layers: also record these hidden states of the target (transformers' numbering:
         0 the embeddings, i the output of decoder layer i) as each example's "inputs"
-        (cached in their own shards, so one work folder serves heads of several layer sets)."""
+        (cached in their own shards, so one work folder serves heads of several layer sets).
+    feature_dtype: dtype of the forward that computes the features (None: the target itself;
+        torch.bfloat16: a bf16 copy, ~2x faster on CPUs with bf16 units: 1050 against ~500
+        positions/s for the default model on the 2-core development machine). The labels are
+        the target's own LM head applied to those features either way. Cached in their own
+        shards, so a work folder keeps both."""
     from tqdm import tqdm
 
     from ..hf.attention import _decoder
@@ -313,8 +318,12 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
     sequences = [list(prompt_ids[i]) + list(known[keys[i]]) for i in range(len(prompt_ids))]
     seq_keys = [_key(s) for s in sequences]
     layers = [int(i) for i in feature_layers]
-    layer_prefix = "layers-" + "-".join(map(str, layers))
-    done = _load_shards(folder, "features")
+    forward_model = _writer(target, feature_dtype)
+    # Shards of another forward dtype are other data ("features" alone: the target's own dtype).
+    suffix = "" if forward_model is target else "-" + str(feature_dtype).replace("torch.", "")
+    feature_prefix = "features" + suffix
+    layer_prefix = "layers-" + "-".join(map(str, layers)) + suffix
+    done = _load_shards(folder, feature_prefix)
     done_layers = _load_shards(folder, layer_prefix) if layers else {}
     todo = sorted({k: i for i, k in enumerate(seq_keys) if k not in done or (layers and k not in done_layers)}.values(),
                   key=lambda i: (len(sequences[i]), i))
@@ -328,7 +337,7 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
         groups.append(current)
     weight = lm_head_weight(target)
     device = weight.device
-    decoder = _decoder(target)
+    decoder = _decoder(forward_model)
     bar = tqdm(total=sum(len(sequences[i]) for i in todo), desc="features", unit="tok", disable=not progress)
     for idx in groups:
         width = max(len(sequences[i]) for i in idx)
@@ -363,7 +372,7 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
                                            else torch.zeros(0, dtype=torch.int32))}
         done.update(new)
         if folder is not None and new:
-            _save_atomic(new, _next_shard(folder, "features"))
+            _save_atomic(new, _next_shard(folder, feature_prefix))
         bar.update(sum(len(sequences[i]) for i in idx))
     bar.close()
     if not layers:
