@@ -22,6 +22,9 @@
 # gpu_prepare.sh prints what each call's carry weighs; keep `du -sm .gpu_build` below ~12.
 #
 #  0. `status`: can_start_another must be true; budget_left_s ~1800. Run tools/gpu_prepare.sh.
+#     Three calls of 10 min plus the machine's start exceed the 30 min: give each call
+#     `DEADLINE_S=<s> tools/gpu_session.sh ...` with s = min(550, budget_left_s - 90), the
+#     budget_left_s of the last reply's lease, so the script stops starting stages in time.
 #  1. run  command: tools/gpu_session.sh all
 #          carry:   [".whl", ".data", ".model_a"]   (+ ".gpu_build" if it holds a build of this commit)
 #          timeout_s: 600
