@@ -318,9 +318,9 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
     sequences = [list(prompt_ids[i]) + list(known[keys[i]]) for i in range(len(prompt_ids))]
     seq_keys = [_key(s) for s in sequences]
     layers = [int(i) for i in feature_layers]
-    forward_model = _writer(target, feature_dtype)
+    own_dtype = feature_dtype is None or feature_dtype == next(target.parameters()).dtype
     # Shards of another forward dtype are other data ("features" alone: the target's own dtype).
-    suffix = "" if forward_model is target else "-" + str(feature_dtype).replace("torch.", "")
+    suffix = "" if own_dtype else "-" + str(feature_dtype).replace("torch.", "")
     feature_prefix = "features" + suffix
     layer_prefix = "layers-" + "-".join(map(str, layers)) + suffix
     done = _load_shards(folder, feature_prefix)
@@ -337,7 +337,8 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
         groups.append(current)
     weight = lm_head_weight(target)
     device = weight.device
-    decoder = _decoder(forward_model)
+    # (a copy in feature_dtype only when something is left to compute: a resumed run needs none)
+    decoder = _decoder(_writer(target, feature_dtype)) if todo else None
     bar = tqdm(total=sum(len(sequences[i]) for i in todo), desc="features", unit="tok", disable=not progress)
     for idx in groups:
         width = max(len(sequences[i]) for i in idx)
