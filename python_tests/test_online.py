@@ -194,10 +194,13 @@ def assert_restored(drafter, good):
 def test_unrolled_update_loss_adds_the_deeper_depths(target, heads):
     """With unroll=D the online loss is the depth-1 loss plus one term per unrolled depth (the
     training passes of `train_draft_head`, positions i >= d): on one batch it equals the
-    depth-1 loss plus the unrolled passes' own losses computed separately."""
+    depth-1 loss plus the unrolled passes' own losses computed separately (fp32 updates, as
+    the separate computation: on a CPU with bf16 units the default would run the head and the
+    label logits in bf16, and the comparison would measure rounding, not the decomposition)."""
     from specdec_kernels.heads.train import eagle_passes
 
-    drafter = EagleDrafter(target, heads["eagle"], online=dict(min_positions=4, batch=32, window=8, unroll=2, noise=0.0))
+    drafter = EagleDrafter(target, heads["eagle"], online=dict(min_positions=4, batch=32, window=8, unroll=2, noise=0.0,
+                                                               mixed_precision=False))
     sk.generate(target, repetitive_prompts(1, seed=3)[0][None], drafter=drafter, max_new_tokens=12)
     learner = drafter.online
     batch = learner._batch()
