@@ -222,3 +222,25 @@ def test_strided_inputs(gen):
     compare(out, ref, temperature == 0, tokens, parents, 300, "strided")
     same = verify(logits.contiguous(), tokens, parents, draft_probs=q, temperature=temperature, seed=9, backend="cpu")
     assert torch.equal(out.output_tokens, same.output_tokens)
+
+
+def test_top_p_kept_sets_of_every_size(gen):
+    """The kernel sorts only the largest probabilities, growing that prefix (256, 2048, 16384,
+    all) until it passes the top-p boundary. Kept sets from a handful of tokens to most of a
+    49152-token vocabulary, with ties at the top, must sample exactly as the reference's full sort."""
+    from specdec_kernels.sampling import target_probs
+
+    batch, vocab = 64, 49152
+    scale = torch.logspace(0.7, -1.3, batch)  # peaked rows (few tokens kept) to flat rows (most kept)
+    logits = torch.randn(batch, 1, vocab, generator=gen) * scale[:, None, None]
+    logits[::8, 0, :300] = logits[::8, 0].max(-1, keepdim=True).values  # 300 tied top tokens
+    top_p = torch.tensor([0.5, 0.9, 0.95, 0.99] * (batch // 4))
+    temperature = torch.ones(batch)
+    tokens = randint(gen, 0, vocab, (batch, 1))
+    parents = torch.full((batch, 1), -1, dtype=torch.int64)
+    kept = (target_probs(logits[:, 0], temperature, torch.zeros(batch, dtype=torch.int64), top_p) > 0).sum(-1)
+    assert int(kept.min()) < 256 and int(kept.max()) > 16384  # every prefix size is exercised
+    assert int(((kept > 256) & (kept <= 2048)).sum()) > 0 and int(((kept > 2048) & (kept <= 16384)).sum()) > 0
+    for seed in range(4):
+        out, ref = run_both(logits, tokens, parents, temperature=temperature, top_p=top_p, seed=seed)
+        compare(out, ref, torch.zeros(batch, dtype=torch.bool), tokens, parents, vocab, f"top-p seed {seed}")

@@ -9,7 +9,7 @@
 // Per row the walk visits only the accepted path's nodes (and the node where the correction
 // or bonus token is drawn). Per visited node: one pass for the sanitized logits' max/argmax;
 // sampled rows then build the warped target p in a scratch fp32 row (top-k by nth_element
-// on a copy, top-p by sorting the nonzero probabilities only when top_p < 1), and sample by
+// on a copy, top-p by sorting the largest nonzero probabilities only when top_p < 1), and sample by
 // the exponential race (Philox drawn in vectorised blocks of 256 ids, skipping blocks whose
 // largest weight cannot win). With draft probabilities, each rejected child costs one pass for the
 // residual normalise(max(r - q, 0)), materialised like the reference does.
@@ -155,21 +155,41 @@ inline void target_probs(float* x, float row_max, int64_t vocab, float temperatu
   for (int64_t v = 0; v < vocab; ++v) probs[v] *= inv_sum;
 
   if (top_p < 1.0f) {
-    // Keep v iff the mass of strictly more likely tokens is < top_p (boundary ties kept): sort
-    // descending, mass_before_i = cumsum_i - p_i with the cumsum in fp64 rounded to fp32 (as
-    // torch's CPU cumsum). Zeros sort last; only the nonzero ones need sorting.
+    // Keep v iff the mass of strictly more likely tokens is < top_p (boundary ties kept): in
+    // descending order, mass_before_i = cumsum_i - p_i with the cumsum in fp64 rounded to fp32
+    // (as torch's CPU cumsum). Zeros come last; only the nonzero ones are ordered. The kept set
+    // is usually a few hundred tokens of a vocabulary of ~10^5, so only the largest `prefix`
+    // are sorted (nth_element, then sort: O(V + k log k) against a full sort's O(V log V)):
+    // once element i fails the test every later one fails too (cumsum only grows, p only
+    // shrinks, and fp32 rounding is monotone), so counting stops there, with the same count a
+    // full sort would give. The prefix grows 8x until it holds a failing element.
     work.clear();
     for (int64_t v = 0; v < vocab; ++v)
       if (probs[v] > 0.0f) work.push_back(probs[v]);
-    std::sort(work.begin(), work.end(), std::greater<float>());
+    const int64_t num_nonzero = static_cast<int64_t>(work.size());
     double cumsum = 0.0;
     int64_t num_kept = 0;
-    for (const float p : work) {
-      cumsum += p;
-      if (static_cast<float>(cumsum) - p < top_p) ++num_kept;
+    bool done = false;
+    for (int64_t sorted = 0, prefix = std::min<int64_t>(256, num_nonzero); !done;
+         prefix = std::min<int64_t>(prefix * 8, num_nonzero)) {
+      if (prefix < num_nonzero)
+        std::nth_element(work.begin() + sorted, work.begin() + (prefix - 1), work.end(), std::greater<float>());
+      std::sort(work.begin() + sorted, work.begin() + prefix, std::greater<float>());
+      for (; sorted < prefix; ++sorted) {
+        const float p = work[sorted];
+        cumsum += p;
+        if (static_cast<float>(cumsum) - p < top_p) {
+          ++num_kept;
+        } else {
+          done = true;
+          break;
+        }
+      }
+      done = done || sorted == num_nonzero;
     }
-    const int64_t num_zeros = vocab - static_cast<int64_t>(work.size());
-    if (num_zeros > 0 && static_cast<float>(cumsum) < top_p) num_kept += num_zeros;  // (rounding corner)
+    const int64_t num_zeros = vocab - num_nonzero;
+    if (num_kept == num_nonzero && num_zeros > 0 && static_cast<float>(cumsum) < top_p)
+      num_kept += num_zeros;  // (rounding corner)
     num_kept = std::max<int64_t>(num_kept, 1);
     const float smallest_kept = num_kept <= static_cast<int64_t>(work.size()) ? work[num_kept - 1] : 0.0f;
     double kept = 0.0;
