@@ -3,8 +3,9 @@
 Two passes, both batched and both resumable from shards in a work folder:
 1. responses: the target answers the training prompts itself. A copy of the target in
    `generation_dtype` (bfloat16 by default: on CPUs with bf16 matrix units a batch of 48
-   rows decodes ~2x faster than fp32) runs HF `generate` on batches of prompts of similar
-   length (left padded). The text is the model's own (greedy, or sampled at `temperature`).
+   rows decodes ~2x faster than fp32) answers batches of prompts of similar length (left
+   padded) with this package's own decoding loop (`generate`, no drafts; 1.2-3x HF
+   `generate`'s speed here, see `_write`). The text is the model's own (greedy, or sampled at `temperature`).
 2. features: one teacher-forced forward of the target itself (its own dtype, e.g. fp32) over
    each prompt + response records its features (the LM head's input) at every position, and
    the log-sum-exp and argmax of its full logits there, so training can turn
@@ -100,11 +101,23 @@ def _writer(target, dtype):
     return copy.deepcopy(target).to(dtype).eval()
 
 
+# Which decoding loop wrote a cache's texts (kept in the cache settings: another writer would
+# continue a cache with other samples, so such a cache is refused or restarted).
+WRITER = "specdec_kernels.generate"
+
+
 @torch.no_grad()
-def _hf_generate(model, rows: List[List[int]], *, max_new_tokens: int, temperature: float, top_p: Optional[float],
-                 seed: int, eos: List[int]) -> List[List[int]]:
-    """HF `generate` on `rows` (left padded); each row's new tokens up to and including its
-    first eos."""
+def _write(model, rows: List[List[int]], *, max_new_tokens: int, temperature: float, top_p: Optional[float],
+           seed: int, eos: List[int]) -> List[List[int]]:
+    """The model's continuations of `rows` (left padded into one batch) by this package's own
+    decoding loop without drafts: `generate` with a static KV cache, finished rows leaving the
+    batch. Against HF `generate`, the default model in bf16, 48 rows, 2-core development machine:
+    news articles (320 tokens, temperature 0.8, top-p 0.95) 487 against 162 tokens/s; greedy
+    answers to summarisation requests (~600-token prompts, 128 tokens) 114 against 93 tokens/s
+    (the prompts' prefill dominates).
+    Returns each row's new tokens up to and including its first eos."""
+    from ..generate import generate
+
     device = next(model.parameters()).device
     pad = eos[0] if eos else 0
     width = max(len(r) for r in rows)
@@ -113,14 +126,13 @@ def _hf_generate(model, rows: List[List[int]], *, max_new_tokens: int, temperatu
     for i, r in enumerate(rows):
         ids[i, width - len(r):] = torch.tensor(r)
         mask[i, width - len(r):] = 1
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0, pad_token_id=pad,
-                  eos_token_id=eos or None)
-    if temperature > 0:
-        kwargs.update(temperature=float(temperature), top_k=0, top_p=1.0 if top_p is None else float(top_p))
-    torch.manual_seed(seed)  # sampled responses: the same seed gives the same text
-    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)[:, width:].cpu().tolist()
+    out = generate(model, ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                   temperature=float(temperature), top_k=0, top_p=top_p if temperature > 0 else None,
+                   seed=seed, eos_token_id=eos)  # seed: each row its own stream, the same text every time
+    sequences = out.sequences[:, width:].cpu().tolist()
     responses = []
-    for new in out:
+    for new, count in zip(sequences, out.stats.new_tokens):
+        new = new[:count]
         cut = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
         responses.append(new[:cut])
     return responses
@@ -135,10 +147,11 @@ def _self_written(target, tokenizer, prefix: List[int], count: int, *, seed: int
     from tqdm import tqdm
 
     cache = Path(cache) if cache is not None else None
-    state = {"seed": seed, "max_tokens": max_tokens, "batch_size": batch_size, "turns": [], "attempts": 0}
+    state = {"seed": seed, "max_tokens": max_tokens, "batch_size": batch_size, "writer": WRITER, "turns": [],
+             "attempts": 0}
     if cache is not None and cache.is_file():
         stored = json.loads(cache.read_text())
-        if all(stored.get(k) == state[k] for k in ("seed", "max_tokens", "batch_size")):
+        if all(stored.get(k) == state[k] for k in ("seed", "max_tokens", "batch_size", "writer")):
             state = stored
     texts = state["turns"]
     writer = None
@@ -146,7 +159,7 @@ def _self_written(target, tokenizer, prefix: List[int], count: int, *, seed: int
     bar = tqdm(total=count, initial=min(len(texts), count), desc=desc, unit="text", disable=not progress)
     while len(texts) < count and state["attempts"] < 4 * count // batch_size + 4:
         writer = writer or _writer(target, generation_dtype)
-        new = _hf_generate(writer, [prefix] * batch_size, max_new_tokens=max_tokens, temperature=temperature,
+        new = _write(writer, [prefix] * batch_size, max_new_tokens=max_tokens, temperature=temperature,
                            top_p=0.95, seed=seed * 1000003 + state["attempts"], eos=eos)
         state["attempts"] += 1
         before = len(texts)
@@ -290,7 +303,7 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
 
         _settings_check(folder, {"target": target_identity(target), "max_new_tokens": max_new_tokens,
                                  "temperature": temperature, "top_p": top_p, "seed": seed, "eos": eos,
-                                 "generation_dtype": str(generation_dtype)})
+                                 "generation_dtype": str(generation_dtype), "writer": WRITER})
 
     # 1) responses, batch by batch (similar prompt lengths together: little padding).
     known = _load_shards(folder, "responses")
@@ -303,7 +316,7 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
         idx = todo[start : start + batch_size]
         writer = writer or _writer(target, generation_dtype)
         t0 = time.perf_counter()
-        got = _hf_generate(writer, [prompt_ids[i] for i in idx], max_new_tokens=max_new_tokens,
+        got = _write(writer, [prompt_ids[i] for i in idx], max_new_tokens=max_new_tokens,
                            temperature=temperature, top_p=top_p, seed=seed * 7919 + k, eos=eos)
         new = {keys[i]: r for i, r in zip(idx, got)}
         known.update(new)
