@@ -3,11 +3,13 @@
 Prompts come from JSON-lines files (`--prompts`, repeatable: objects with "prompt", a user
 turn, or "text", raw text to continue) and/or the shared dev workloads (`--workloads`, with
 the first `--holdout` requests of each left out so benchmarks measure unseen requests), plus
-user turns the model writes itself (`--self-prompts N`).
+user turns the model writes itself (`--self-prompts N`) and requests to summarise news
+articles it writes itself (`--self-articles N`).
 
-Example (the shipped head for the default model):
+Example (a small head in minutes; the shipped head's full command, and what it took, are in
+specdec_kernels/heads/trained/<name>/README.md):
     specdec train-draft --kind eagle --workloads code_completion:16,code_edit:16,summarization:16 \\
-        --holdout 10 --self-prompts 48 --out specdec_kernels/heads/trained/<name>
+        --holdout 10 --self-prompts 48 --steps 200 --out my_head
 """
 
 import argparse
