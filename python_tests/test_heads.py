@@ -104,6 +104,25 @@ def test_collect_cache_reuses_responses(target, tmp_path):
     assert len(list(tmp_path.glob("layers-1_*.pt"))) >= 1 and len(list(tmp_path.glob("layers-0-2_*.pt"))) >= 1
 
 
+def test_collect_responses_are_the_targets_greedy_answers(target):
+    """Responses are written in left-padded batches by our own loop; each is the target's
+    greedy continuation of its prompt alone (HF `generate`), cut after its first eos."""
+    from specdec_kernels.heads.data import collect
+
+    prompts = random_prompts(5, VOCAB, seed=7, length=(3, 15))
+    eos = int(hf_greedy(target, torch.tensor([prompts[0]]), None, 3)[0, -1])  # an eos some row reaches
+    examples = collect(target, prompts, max_new_tokens=7, batch_size=3, generation_dtype=None, eos_token_id=eos,
+                       progress=False)
+    cut = 0
+    for prompt, example in zip(prompts, examples):
+        want = hf_greedy(target, torch.tensor([prompt]), None, 7, eos_token_id=eos)[0].tolist()
+        if eos in want[len(prompt):]:
+            want = want[: len(prompt) + want[len(prompt):].index(eos) + 1]
+            cut += 1
+        assert example["tokens"].tolist() == want
+    assert cut >= 1
+
+
 def test_collect_features_from_a_bf16_forward(target, tmp_path):
     """feature_dtype=bfloat16: the features come from a bf16 copy of the target (close to the
     target's own), the labels from the target's own LM head on those features, cached in their
