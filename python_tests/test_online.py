@@ -84,6 +84,55 @@ def test_random_head_learns_a_repetitive_stream(mixed):
     assert last > first + 0.5, online
 
 
+def test_prompt_steps_learn_from_the_prompt():
+    """`prompt_steps`: optimiser steps on each call's prompt positions before its first
+    draft, and only there. A random EAGLE head reads prompt A followed by the target's own
+    greedy continuation C of A (as a prompt, nothing trained on generated positions: the
+    regular updates never run); asked afterwards to continue A, it drafts C far better than
+    the same head without prompt steps (which stays near 1 token per step)."""
+    target = tiny_model(3, logit_scale=6.0)
+    g = torch.Generator().manual_seed(5)
+    a = torch.randint(1, VOCAB, (1, 12), generator=g)
+    continued = sk.generate(target, a, max_new_tokens=24).sequences  # A + C
+    results = {}
+    for steps in (0, 40):
+        settings = dict(interval=10**6, prompt_steps=steps, prompt_lr=3e-3, batch=64, window=32, min_positions=8)
+        learner = eagle(target, settings)
+        sk.generate(target, continued, drafter=learner, max_new_tokens=4, adaptive=False)
+        assert learner.online.stats.updates == steps  # the prompt steps alone
+        live = learner.online
+        out = sk.generate(target, a, drafter=learner, max_new_tokens=24, adaptive=False)
+        assert torch.equal(out.sequences, continued)
+        results[steps] = out.stats.tokens_per_step
+        assert live.stats.updates == 2 * steps
+    assert results[40] > 1.5 * results[0], results
+
+
+def test_prompt_steps_draw_only_prompt_positions(target, heads):
+    """The batches of the prompt steps come from prompt positions only: weight 1 there, 0 on
+    generated positions (sample j predicts the target's distribution at j + 1)."""
+    drafter = EagleDrafter(target, heads["eagle"], max_nodes=4, top_k=1, depth=4, min_score=0.0,
+                           online=dict(interval=10**6, prompt_steps=1, min_positions=2, batch=8, window=4))
+    learner = drafter.online
+    seen = {}
+    original = learner._step
+
+    def spy(sources=None):
+        if sources is not None:
+            seen["weights"] = [s.weights.clone() for s in sources]
+            seen["lengths"] = learner._lengths.clone()
+        return original(sources)
+
+    learner._step = spy
+    ids, mask = left_pad(repetitive_prompts(2, seed=3))
+    sk.generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=6)
+    lengths = mask.sum(1)
+    assert len(seen["weights"]) == 2
+    for weights, length in zip(seen["weights"], lengths.tolist()):
+        j = torch.arange(weights.numel())
+        assert torch.equal(weights, (j < length - 2).float())
+
+
 # ----------------------------------------------------------------------------- exactness
 
 
@@ -97,8 +146,9 @@ def online_drafters(target, heads):
         "eagle+ngram_jsd": HeadNgramDrafter(EagleDrafter(target, heads["eagle"], max_nodes=6, top_k=2, depth=3, min_score=0.0,
                                                          online=dict(every_step, loss="jsd")),
                                             sk.NgramDrafter(num_tokens=3)),
-        "eagle_reverse_kl": EagleDrafter(target, heads["eagle"], max_nodes=4, top_k=1, depth=4, min_score=0.0,
-                                         online=dict(every_step, loss="reverse_kl", refresh_cache=True)),
+        "eagle_reverse_kl_prompt_steps": EagleDrafter(target, heads["eagle"], max_nodes=4, top_k=1, depth=4, min_score=0.0,
+                                                      online=dict(every_step, loss="reverse_kl", refresh_cache=True,
+                                                                  prompt_steps=2, prompt_lr=3e-2)),
         "eagle3_tree_unrolled": EagleDrafter(target, heads["eagle3"], max_nodes=8, top_k=3, depth=3, min_score=0.0,
                                              online=dict(every_step, unroll=1)),
     }
@@ -336,7 +386,8 @@ def test_default_drafter_online(target, tmp_path, monkeypatch):
 def test_bad_settings(target, heads):
     for bad, match in ((dict(loss="mse"), "loss"), (dict(interval=0), "interval"), (dict(capacity=0), "capacity"),
                        (dict(lr=0.0), "lr"), (dict(explode_factor=1.5), "explode_factor"), (dict(bogus=1), "bogus"),
-                       (dict(unroll=-1), "unroll")):
+                       (dict(unroll=-1), "unroll"), (dict(prompt_steps=-1), "prompt_steps"),
+                       (dict(prompt_lr=0.0), "prompt_lr")):
         with pytest.raises(ValueError, match=match):
             EagleDrafter(target, heads["eagle"], online=bad)
     with pytest.raises(ValueError, match="online"):

@@ -95,6 +95,11 @@ class OnlineOptions:
         elsewhere bf16 is emulated: on an AVX2 AMD EPYC updates took 57-61% of generation
         time with it and 7-10% without (8.8% over prompts 3-9; summarisation stream, 128 tokens
         per prompt).
+    prompt_steps: optimiser steps on each call's prompts before its first draft, on batches
+        drawn from the prompt positions alone (test-time training on the context: prefill
+        already gave the target's features there). 0 (default): off. Counted in
+        `stats.update_seconds`; each costs about one update (~27 ms on the development CPU).
+    prompt_lr: the learning rate of those steps (None: `lr`).
     unroll: EAGLE: drafted depths also trained on the head's own predicted features
         (training-time test, as `train_draft_head(unroll=)`). Each adds about one update's
         compute; 0 (default) keeps the update cost of depth 1 alone.
@@ -122,6 +127,8 @@ class OnlineOptions:
     grad_clip: float = 1.0
     refresh_cache: bool = False
     mixed_precision: Optional[bool] = None
+    prompt_steps: int = 0
+    prompt_lr: Optional[float] = None
     unroll: int = 0
     seed: int = 0
 
@@ -135,8 +142,11 @@ class OnlineOptions:
         for name in ("rejected_weight", "prompt_weight", "reg_weight", "noise"):
             if not float(getattr(self, name)) >= 0:
                 raise ValueError(f"online: {name} must be >= 0, got {getattr(self, name)}")
-        if int(self.unroll) < 0:
-            raise ValueError(f"online: unroll must be >= 0, got {self.unroll}")
+        for name in ("unroll", "prompt_steps"):
+            if int(getattr(self, name)) < 0:
+                raise ValueError(f"online: {name} must be >= 0, got {getattr(self, name)}")
+        if self.prompt_lr is not None and not float(self.prompt_lr) > 0:
+            raise ValueError(f"online: prompt_lr must be > 0, got {self.prompt_lr}")
         if not float(self.explode_factor) > 2:
             raise ValueError(f"online: explode_factor must be > 2, got {self.explode_factor}")
         if self.loss not in LOSSES:
@@ -275,6 +285,8 @@ class OnlineLearner:
         self._lengths = None
         self._trees = None
         self.row_weights = None
+        self._prompt_weights = None
+        self._prompt_pending = False
 
     # -- hooks (called by the drafter) ---------------------------------------------------
     def started(self, history, lengths, capacity):
@@ -285,7 +297,9 @@ class OnlineLearner:
         # from j = L0 - 2 on.
         prompt = j[None, :] < (lengths - 2)[:, None]
         self.row_weights = torch.where(prompt, float(self.options.prompt_weight), 1.0)
+        self._prompt_weights = prompt.float()  # only the prompt positions: for prompt_steps
         self._history, self._lengths, self._trees = history, lengths.clone(), None
+        self._prompt_pending = int(self.options.prompt_steps) > 0
 
     def before_propose(self, history, lengths):
         """Each step, before drafting: label the last step's outcome, then maybe update."""
@@ -293,6 +307,9 @@ class OnlineLearner:
         if self._trees is not None:
             self._label(history, lengths)
         self._history, self._lengths = history, lengths.clone()
+        if self._prompt_pending:  # the first step of a call: the features of its prompts are in
+            self._prompt_pending = False
+            self.adapt_to_prompts()
         self.stats.steps += 1
         self._since += 1
         if self._since >= self.options.interval:
@@ -315,6 +332,7 @@ class OnlineLearner:
         rows_dev = rows.to(self._lengths.device)
         self._history, self._lengths = self._history[rows_dev], self._lengths[rows_dev]
         self.row_weights = self.row_weights[rows_dev]
+        self._prompt_weights = self._prompt_weights[rows_dev]
         if self._trees is not None:
             keep = rows.tolist()
             self._trees = tuple([part[i] for i in keep] for part in self._trees)
@@ -324,7 +342,7 @@ class OnlineLearner:
         if self._lengths is not None and self.drafter.features is not None:
             for b in range(self._lengths.shape[0]):
                 self._archive(b)
-        self._history = self._lengths = self._trees = self.row_weights = None
+        self._history = self._lengths = self._trees = self.row_weights = self._prompt_weights = None
 
     # -- data ----------------------------------------------------------------------------
     def _label(self, history, lengths):
@@ -359,14 +377,16 @@ class OnlineLearner:
                 if 0 <= i < self.row_weights.shape[1]:
                     self.row_weights[b, i] = float(self.options.rejected_weight)
 
-    def _live(self, b) -> Optional[_Segment]:
-        """Row b of the running call as a segment (views; positions 0 .. L - 2 known)."""
+    def _live(self, b, prompt_only: bool = False) -> Optional[_Segment]:
+        """Row b of the running call as a segment (views; positions 0 .. L - 2 known), its
+        samples weighted as for updates, or 1 on prompt positions and 0 elsewhere."""
         m = int(self._lengths[b]) - 1
         if m < 2:
             return None
         feats = self.drafter.features[b, :m]
         labels = feats if self.drafter.labels is None else self.drafter.labels[b, :m]
-        return _Segment(feats, self._history[b, 1 : m + 1], self.row_weights[b, :m], 0, labels)
+        weights = (self._prompt_weights if prompt_only else self.row_weights)[b, :m]
+        return _Segment(feats, self._history[b, 1 : m + 1], weights, 0, labels)
 
     def _archive(self, b):
         """Copy row b of the running call into the buffer (oldest positions dropped beyond capacity)."""
@@ -430,9 +450,9 @@ class OnlineLearner:
             return torch.autocast(device, dtype=torch.bfloat16)
         return torch.autocast(device, enabled=False)
 
-    def _batch(self):
-        """The next training batch from the buffer and the running rows, or None."""
-        sources = self._sources()
+    def _batch(self, sources=None):
+        """The next training batch from `sources` (default: the buffer and the running rows), or None."""
+        sources = self._sources() if sources is None else sources
         if sum(max(s.size - 1, 0) for s in sources) < self.options.min_positions:
             return None
         device = self.w_label.device
@@ -564,8 +584,29 @@ class OnlineLearner:
             self.stats.update_seconds += time.perf_counter() - start
         return took
 
-    def _step(self) -> bool:
-        batch = self._batch()
+    def adapt_to_prompts(self) -> bool:
+        """`prompt_steps` optimiser steps on the running rows' prompt positions (at
+        `prompt_lr`); returns whether any step was taken."""
+        if self._lengths is None or self.drafter.features is None:
+            return False
+        sources = [s for s in (self._live(b, prompt_only=True) for b in range(self._lengths.shape[0])) if s is not None]
+        start = time.perf_counter()
+        took = False
+        lr = self.options.lr if self.options.prompt_lr is None else self.options.prompt_lr
+        try:
+            with torch.inference_mode(False), torch.enable_grad():
+                for group in self.optim.param_groups:
+                    group["lr"] = float(lr)
+                for _ in range(int(self.options.prompt_steps)):
+                    took = self._step(sources) or took
+        finally:
+            for group in self.optim.param_groups:
+                group["lr"] = float(self.options.lr)
+            self.stats.update_seconds += time.perf_counter() - start
+        return took
+
+    def _step(self, sources=None) -> bool:
+        batch = self._batch(sources)
         if batch is None:
             self.stats.skipped += 1
             return False
