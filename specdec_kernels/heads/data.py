@@ -5,7 +5,8 @@ Two passes, both batched and both resumable from shards in a work folder:
    `generation_dtype` (bfloat16 by default: on CPUs with bf16 matrix units a batch of 48
    rows decodes ~2x faster than fp32) answers batches of prompts of similar length (left
    padded) with this package's own decoding loop (`generate`, no drafts; 1.2-3x HF
-   `generate`'s speed here, see `_write`). The text is the model's own (greedy, or sampled at `temperature`).
+   `generate`'s speed here, see `_write`). The text is the model's own (greedy, or sampled
+   at `temperature`).
 2. features: one teacher-forced forward of the target itself (its own dtype, e.g. fp32) over
    each prompt + response records its features (the LM head's input) at every position, and
    the log-sum-exp and argmax of its full logits there, so training can turn
@@ -160,7 +161,7 @@ def _self_written(target, tokenizer, prefix: List[int], count: int, *, seed: int
     while len(texts) < count and state["attempts"] < 4 * count // batch_size + 4:
         writer = writer or _writer(target, generation_dtype)
         new = _write(writer, [prefix] * batch_size, max_new_tokens=max_tokens, temperature=temperature,
-                           top_p=0.95, seed=seed * 1000003 + state["attempts"], eos=eos)
+                     top_p=0.95, seed=seed * 1000003 + state["attempts"], eos=eos)
         state["attempts"] += 1
         before = len(texts)
         for row in new:
@@ -317,7 +318,7 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
         writer = writer or _writer(target, generation_dtype)
         t0 = time.perf_counter()
         got = _write(writer, [prompt_ids[i] for i in idx], max_new_tokens=max_new_tokens,
-                           temperature=temperature, top_p=top_p, seed=seed * 7919 + k, eos=eos)
+                     temperature=temperature, top_p=top_p, seed=seed * 7919 + k, eos=eos)
         new = {keys[i]: r for i, r in zip(idx, got)}
         known.update(new)
         if folder is not None:
