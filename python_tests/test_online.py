@@ -514,3 +514,31 @@ def test_online_head_reports_its_updates_as_upkeep(target):
     assert drafter.online.stats.updates > 0
     assert drafter.upkeep_seconds() == pytest.approx(drafter.online.stats.update_seconds) and drafter.upkeep_seconds() > 0
     assert eagle(target, False).upkeep_seconds() == 0.0
+
+
+def test_planner_starts_an_online_head_from_the_neutral_prior(target):
+    """Between calls the planner carries what rows accepted per kind of drafter (the prior
+    of the next call's rows). An online head (`learning`; also a merged drafter with one)
+    starts every call from the neutral prior instead, and does not set the others' prior."""
+    from specdec_kernels.drafters import MergedDrafter
+    from specdec_kernels.planner import _LEARNED, Planner
+
+    head = random_head(target, "eagle")
+    frozen, online = eagle(target, False, head), eagle(target, True, head)
+    assert online.learning and not frozen.learning
+    assert MergedDrafter([online, sk.NgramDrafter()]).learning
+    assert not MergedDrafter([frozen, sk.NgramDrafter()]).learning
+    before = dict(_LEARNED)
+    try:
+        for drafter in (frozen, online):
+            planner = Planner(verbose=False)
+            planner.start(target, 1, drafter.max_nodes, torch.device("cpu"), drafter)
+            planner.acceptance.rejected += 50.0  # this call's row rejected everything
+            planner.finish()
+        for drafter, prior in ((frozen, 0.05), (online, Planner().prior)):
+            planner = Planner(verbose=False)
+            planner.start(target, 1, drafter.max_nodes, torch.device("cpu"), drafter)
+            assert float(planner.acceptance.alpha()[0]) == pytest.approx(prior), drafter.learning
+    finally:
+        _LEARNED.clear()
+        _LEARNED.update(before)

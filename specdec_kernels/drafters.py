@@ -150,6 +150,9 @@ class Drafter:
         drafts_for_free: drafting its full size costs next to nothing (n-gram lookup), so the
             adaptive planner asks for the full draft and prunes it by the drafter's scores,
             instead of capping it beforehand from the rows' history alone.
+        learning: its proposals change with what it serves (an online head): the adaptive
+            planner then starts every call from its neutral acceptance prior instead of what
+            earlier calls of drafters of its kind accepted (and does not record this one's).
     """
 
     max_nodes: int = 0
@@ -157,6 +160,7 @@ class Drafter:
     needs_hidden_states: bool = False
     hidden_layers: Optional[tuple] = None
     drafts_for_free: bool = False
+    learning: bool = False
 
     def start(self, history: torch.Tensor, lengths: torch.Tensor, capacity: int) -> None:
         """Called once after the target's prefill: `history [B, capacity]`, prompt lengths [B]."""
@@ -507,6 +511,7 @@ class MergedDrafter(Drafter):
         if len(layers) > 1:
             raise ValueError(f"MergedDrafter: its drafters read different hidden layers of the target: {sorted(map(str, layers))}")
         self.hidden_layers = layers.pop() if layers else None
+        self.learning = any(getattr(d, "learning", False) for d in self.drafters)
 
     def start(self, history, lengths, capacity):
         for d in self.drafters:

@@ -292,8 +292,15 @@ class Planner:
         # model is another drafter, even with the same shapes).
         kind = [type(drafter).__name__, max_nodes, [id(m) for m in getattr(drafter, "models", ())]]
         self._learned_key = json.dumps([self.cost_model.key, kind], sort_keys=True, default=str)
+        # An online head is not the drafter it was in an earlier call, nor like a frozen copy
+        # of its kind: each call starts it from the neutral prior, so rows try it again (a
+        # remembered low acceptance kept a learning head from ever drafting, and so from
+        # showing what it learnt), and its calls do not set the prior of others.
+        if getattr(drafter, "learning", False):
+            self._learned_key = None
         self._reproducible = reproducible
-        prior = self.prior if reproducible else _LEARNED.get(self._learned_key, self.prior)
+        remembered = None if reproducible or self._learned_key is None else _LEARNED.get(self._learned_key)
+        prior = self.prior if remembered is None else remembered
         self.acceptance = AcceptanceModel(rows, max_nodes, device, decay=self.decay, prior=prior)
         self._alpha_sum, self._alpha_rows = 0.0, 0
         self._plan, self._seconds = None, None
@@ -380,7 +387,7 @@ class Planner:
         """The call ended: its rows' mean per-token acceptance becomes the next call's prior
         (kept inside [0.05, 0.95], so a later call still explores)."""
         self._remember(torch.ones_like(self.acceptance.accepted, dtype=torch.bool))
-        if self._alpha_rows:
+        if self._alpha_rows and self._learned_key is not None:
             _LEARNED[self._learned_key] = min(max(self._alpha_sum / self._alpha_rows, 0.05), 0.95)
 
     def _remember(self, which: torch.Tensor) -> None:

@@ -179,6 +179,11 @@ class _HeadDrafter(Drafter):
             self.online.finishing()
         self.features = self.labels = None
 
+    @property
+    def learning(self) -> bool:
+        """True when the head adapts online (see `Drafter.learning`)."""
+        return self.online is not None
+
     def upkeep_seconds(self) -> float:
         """The online head's update seconds so far (0 for a frozen head)."""
         return 0.0 if self.online is None else float(self.online.stats.update_seconds)
