@@ -288,7 +288,7 @@ class OnlineLearner:
         self._lengths = None
         self._trees = None
         self.row_weights = None
-        self._prompt_weights = None
+        self._prompt_lengths = None
         self._prompt_pending = False
 
     # -- hooks (called by the drafter) ---------------------------------------------------
@@ -300,7 +300,7 @@ class OnlineLearner:
         # from j = L0 - 2 on.
         prompt = j[None, :] < (lengths - 2)[:, None]
         self.row_weights = torch.where(prompt, float(self.options.prompt_weight), 1.0)
-        self._prompt_weights = prompt.float()  # only the prompt positions: for prompt_steps
+        self._prompt_lengths = lengths.clone()  # (prompt_steps train on positions j < L0 - 2)
         self._history, self._lengths, self._trees = history, lengths.clone(), None
         self._prompt_pending = int(self.options.prompt_steps) > 0
 
@@ -335,7 +335,7 @@ class OnlineLearner:
         rows_dev = rows.to(self._lengths.device)
         self._history, self._lengths = self._history[rows_dev], self._lengths[rows_dev]
         self.row_weights = self.row_weights[rows_dev]
-        self._prompt_weights = self._prompt_weights[rows_dev]
+        self._prompt_lengths = self._prompt_lengths[rows_dev]
         if self._trees is not None:
             keep = rows.tolist()
             self._trees = tuple([part[i] for i in keep] for part in self._trees)
@@ -345,7 +345,7 @@ class OnlineLearner:
         if self._lengths is not None and self.drafter.features is not None:
             for b in range(self._lengths.shape[0]):
                 self._archive(b)
-        self._history = self._lengths = self._trees = self.row_weights = self._prompt_weights = None
+        self._history = self._lengths = self._trees = self.row_weights = self._prompt_lengths = None
 
     # -- data ----------------------------------------------------------------------------
     def _label(self, history, lengths):
@@ -388,7 +388,10 @@ class OnlineLearner:
             return None
         feats = self.drafter.features[b, :m]
         labels = feats if self.drafter.labels is None else self.drafter.labels[b, :m]
-        weights = (self._prompt_weights if prompt_only else self.row_weights)[b, :m]
+        if prompt_only:  # the samples that predict prompt tokens, as `started` weights them
+            weights = (torch.arange(m, device=feats.device) < self._prompt_lengths[b] - 2).float()
+        else:
+            weights = self.row_weights[b, :m]
         return _Segment(feats, self._history[b, 1 : m + 1], weights, 0, labels)
 
     def _archive(self, b):
@@ -577,15 +580,7 @@ class OnlineLearner:
     def update(self) -> bool:
         """Take `steps_per_update` optimiser steps now (the drafter calls this every
         `interval` steps); returns whether any step was taken."""
-        start = time.perf_counter()
-        took = False
-        try:
-            with torch.inference_mode(False), torch.enable_grad():
-                for _ in range(int(self.options.steps_per_update)):
-                    took = self._step() or took
-        finally:
-            self.stats.update_seconds += time.perf_counter() - start
-        return took
+        return self._steps(int(self.options.steps_per_update))
 
     def adapt_to_prompts(self) -> bool:
         """`prompt_steps` optimiser steps on the running rows' prompt positions (at
@@ -593,14 +588,20 @@ class OnlineLearner:
         if self._lengths is None or self.drafter.features is None:
             return False
         sources = [s for s in (self._live(b, prompt_only=True) for b in range(self._lengths.shape[0])) if s is not None]
+        lr = self.options.lr if self.options.prompt_lr is None else self.options.prompt_lr
+        return self._steps(int(self.options.prompt_steps), sources, lr)
+
+    def _steps(self, count: int, sources=None, lr: Optional[float] = None) -> bool:
+        """`count` optimiser steps on batches from `sources` (default: the buffer and the
+        running rows) at `lr` (default: the options' lr), timed into stats.update_seconds."""
         start = time.perf_counter()
         took = False
-        lr = self.options.lr if self.options.prompt_lr is None else self.options.prompt_lr
         try:
             with torch.inference_mode(False), torch.enable_grad():
-                for group in self.optim.param_groups:
-                    group["lr"] = float(lr)
-                for _ in range(int(self.options.prompt_steps)):
+                if lr is not None:
+                    for group in self.optim.param_groups:
+                        group["lr"] = float(lr)
+                for _ in range(count):
                     took = self._step(sources) or took
         finally:
             for group in self.optim.param_groups:
