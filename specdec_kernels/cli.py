@@ -261,8 +261,8 @@ def cmd_demo(args) -> int:
         progress.end()
     ours_seq = ours.sequences[0]
     ours_new = ours_seq.numel() - input_ids.shape[1]
-    label = f"specdec + n-gram (k={args.num_tokens})" if args.method == "ngram" else "specdec + default_drafter"
-    rows.append((label, ours_new, ours_s, ours.stats.steps, ours.stats.tokens_per_step))
+    ours_label = f"specdec + n-gram (k={args.num_tokens})" if args.method == "ngram" else "specdec + default_drafter"
+    rows.append((ours_label, ours_new, ours_s, ours.stats.steps, ours.stats.tokens_per_step))
 
     print("\n--- generated text (specdec) " + "-" * 40)
     new_ids = ours_seq[input_ids.shape[1]:]

@@ -290,17 +290,16 @@ class Planner:
         self.max_nodes = max_nodes
         # The drafter's kind: its class, size and the model objects it runs (another draft
         # model is another drafter, even with the same shapes).
+        # An online head (`learning`) is not the drafter it was in an earlier call, nor like a
+        # frozen copy of its kind: no key, so each call starts it from the neutral prior and
+        # rows try it again (a remembered low acceptance kept a learning head from ever
+        # drafting, and so from showing what it learnt), and its calls set no one's prior.
         kind = [type(drafter).__name__, max_nodes, [id(m) for m in getattr(drafter, "models", ())]]
-        self._learned_key = json.dumps([self.cost_model.key, kind], sort_keys=True, default=str)
-        # An online head is not the drafter it was in an earlier call, nor like a frozen copy
-        # of its kind: each call starts it from the neutral prior, so rows try it again (a
-        # remembered low acceptance kept a learning head from ever drafting, and so from
-        # showing what it learnt), and its calls do not set the prior of others.
-        if getattr(drafter, "learning", False):
-            self._learned_key = None
+        learning = getattr(drafter, "learning", False)
+        self._learned_key = None if learning else json.dumps([self.cost_model.key, kind], sort_keys=True, default=str)
         self._reproducible = reproducible
-        remembered = None if reproducible or self._learned_key is None else _LEARNED.get(self._learned_key)
-        prior = self.prior if remembered is None else remembered
+        use_learned = not reproducible and self._learned_key is not None
+        prior = _LEARNED.get(self._learned_key, self.prior) if use_learned else self.prior
         self.acceptance = AcceptanceModel(rows, max_nodes, device, decay=self.decay, prior=prior)
         self._alpha_sum, self._alpha_rows = 0.0, 0
         self._plan, self._seconds = None, None

@@ -130,13 +130,8 @@ def _write(model, rows: List[List[int]], *, max_new_tokens: int, temperature: fl
     out = generate(model, ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
                    temperature=float(temperature), top_k=0, top_p=top_p if temperature > 0 else None,
                    seed=seed, eos_token_id=eos)  # seed: each row its own stream, the same text every time
-    sequences = out.sequences[:, width:].cpu().tolist()
-    responses = []
-    for new, count in zip(sequences, out.stats.new_tokens):
-        new = new[:count]
-        cut = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
-        responses.append(new[:cut])
-    return responses
+    # generate stops a row right after its first eos, so its new tokens end there
+    return [row[:count] for row, count in zip(out.sequences[:, width:].cpu().tolist(), out.stats.new_tokens)]
 
 
 def _self_written(target, tokenizer, prefix: List[int], count: int, *, seed: int, max_tokens: int, batch_size: int,
