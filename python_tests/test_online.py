@@ -84,6 +84,39 @@ def test_random_head_learns_a_repetitive_stream(mixed):
     assert last > first + 0.5, online
 
 
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_backoff_spaces_out_updates_that_do_not_pay(kind):
+    """`backoff`: a random head serving a repetitive stream with a learning rate that teaches
+    it (3e-3) measures a clear gain over its starting weights and keeps updating every step;
+    the same stream with a learning rate too small to teach anything (1e-7) measures no gain
+    and backs off to backoff x interval, taking far fewer updates. With backoff=1 the
+    interval never moves and no gain is measured."""
+    target = tiny_model(3, logit_scale=6.0)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, VOCAB, (12,), generator=g).tolist() for _ in range(3)] * 2
+    base = dict(interval=1, batch=64, window=32, min_positions=8, prompt_weight=1.0, mixed_precision=False)
+
+    def drafter(settings):
+        if kind == "eagle":
+            return eagle(target, settings)
+        return MedusaDrafter(target, random_head(target, "medusa"), max_nodes=4, top_k=1, dtype=torch.float32,
+                             online=settings)
+
+    learning = drafter(dict(base, lr=3e-3, backoff=8))
+    stream(learning, target, prompts)
+    learned = learning.online.stats
+    assert learned.gain > 0.1 and learned.interval == 1 and learned.updates > 0.4 * learned.steps, learned
+    idle = drafter(dict(base, lr=1e-7, backoff=8))
+    stream(idle, target, prompts)
+    stats = idle.online.stats
+    assert abs(stats.gain) < 0.02 and stats.interval == 8, stats
+    assert stats.updates < 0.3 * stats.steps and stats.updates < learned.updates / 2, (stats, learned)
+    fixed = drafter(dict(base, lr=1e-7, backoff=1))
+    stream(fixed, target, prompts)
+    stats = fixed.online.stats
+    assert fixed.online.initial is None and stats.interval == 1 and stats.gain != stats.gain, stats  # nan
+
+
 def test_prompt_steps_learn_from_the_prompt():
     """`prompt_steps`: optimiser steps on each call's prompt positions before its first
     draft, and only there. A random EAGLE head reads prompt A followed by the target's own
@@ -387,7 +420,8 @@ def test_bad_settings(target, heads):
     for bad, match in ((dict(loss="mse"), "loss"), (dict(interval=0), "interval"), (dict(capacity=0), "capacity"),
                        (dict(lr=0.0), "lr"), (dict(explode_factor=1.5), "explode_factor"), (dict(bogus=1), "bogus"),
                        (dict(unroll=-1), "unroll"), (dict(prompt_steps=-1), "prompt_steps"),
-                       (dict(prompt_lr=0.0), "prompt_lr")):
+                       (dict(prompt_lr=0.0), "prompt_lr"), (dict(backoff=0), "backoff"),
+                       (dict(min_gain=1.0), "min_gain")):
         with pytest.raises(ValueError, match=match):
             EagleDrafter(target, heads["eagle"], online=bad)
     with pytest.raises(ValueError, match="online"):
