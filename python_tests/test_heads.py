@@ -125,8 +125,10 @@ def test_collect_responses_are_the_targets_greedy_answers(target):
 
 def test_collect_features_from_a_bf16_forward(target, tmp_path):
     """feature_dtype=bfloat16: the features come from a bf16 copy of the target (close to the
-    target's own), the labels from the target's own LM head on those features, cached in their
-    own shards beside the target's; train_draft_head records it and collects it anew."""
+    target's own): recorded by the bf16 writer as it writes, or, under an fp32 writer, by a
+    bf16 forward afterwards; the labels from the target's own LM head on those features, each
+    source cached in its own shards beside the target's; train_draft_head records it and
+    collects it anew."""
     from specdec_kernels.heads.common import lm_head_weight
     from specdec_kernels.heads.data import collect, load_examples
 
@@ -134,18 +136,49 @@ def test_collect_features_from_a_bf16_forward(target, tmp_path):
     own = collect(target, prompts, max_new_tokens=5, batch_size=2, work_dir=tmp_path, progress=False)
     low = collect(target, prompts, max_new_tokens=5, batch_size=2, work_dir=tmp_path, progress=False,
                   feature_dtype=torch.bfloat16)
-    assert len(list(tmp_path.glob("features_*.pt"))) >= 1 and len(list(tmp_path.glob("features-bfloat16_*.pt"))) >= 1
+    assert len(list(tmp_path.glob("features_*.pt"))) >= 1
+    assert len(list(tmp_path.glob("features-writer-bfloat16_*.pt"))) >= 1
+    # An fp32 writer (its own answers) and a bf16 forward over them.
+    passed = collect(target, prompts, max_new_tokens=5, batch_size=2, work_dir=tmp_path / "f32", progress=False,
+                     generation_dtype=None, feature_dtype=torch.bfloat16)
+    assert len(list((tmp_path / "f32").glob("features-bfloat16_*.pt"))) >= 1
     weight = lm_head_weight(target)
-    for x, y in zip(own, low):
+    for x, y, z in zip(own, low, passed):
         assert torch.equal(x["tokens"], y["tokens"]) and not torch.equal(x["features"], y["features"])
         torch.testing.assert_close(y["features"].float(), x["features"].float(), rtol=0.05, atol=0.05)
-        logits = y["features"].float() @ weight.T
-        torch.testing.assert_close(y["lse"], logits.logsumexp(-1), rtol=1e-4, atol=1e-4)
-        assert torch.equal(y["argmax"].long(), logits.argmax(-1))
+        if torch.equal(z["tokens"], x["tokens"]):
+            torch.testing.assert_close(z["features"].float(), x["features"].float(), rtol=0.05, atol=0.05)
+        for ex in (y, z):
+            logits = ex["features"].float() @ weight.T
+            torch.testing.assert_close(ex["lse"], logits.logsumexp(-1), rtol=1e-4, atol=1e-4)
+            assert torch.equal(ex["argmax"].long(), logits.argmax(-1))
     out = train(target, tmp_path, "eagle", VOCAB, steps=1, feature_dtype=torch.bfloat16, work_dir=tmp_path / "w")
     meta = load_examples(tmp_path / "w" / "data.pt")["meta"]
-    assert meta["feature_dtype"] == "bfloat16" and json.loads((out / "config.json").read_text())["training"]["data"][
-        "feature_dtype"] == "bfloat16"
+    assert meta["feature_dtype"] == "bfloat16" and meta["features_from"] == "writer"
+    assert json.loads((out / "config.json").read_text())["training"]["data"]["feature_dtype"] == "bfloat16"
+
+
+def test_collect_features_recorded_by_the_writer(target, tmp_path):
+    """Writer and features in one dtype (here the fp32 target itself): the features are the
+    writer's own LM head inputs, recorded while it writes left-padded batches whose rows stop
+    at an eos at different steps. They equal a teacher-forced forward of the target over each
+    prompt + response, one per position but the last, in their own shards."""
+    from specdec_kernels.heads.data import collect
+
+    prompts = random_prompts(5, VOCAB, seed=7, length=(3, 15))
+    eos = int(hf_greedy(target, torch.tensor([prompts[0]]), None, 3)[0, -1])
+    examples = collect(target, prompts, max_new_tokens=7, batch_size=3, generation_dtype=None, eos_token_id=eos,
+                       work_dir=tmp_path, progress=False)
+    assert len(list(tmp_path.glob("features-writer_*.pt"))) == 2 and not list(tmp_path.glob("features_*.pt"))
+    lengths = set()
+    for prompt, example in zip(prompts, examples):
+        tokens = example["tokens"].long()
+        lengths.add(tokens.numel() - len(prompt))
+        with torch.no_grad():
+            hidden = target.model(tokens[None, :-1]).last_hidden_state[0]
+        assert example["features"].shape == hidden.shape
+        torch.testing.assert_close(example["features"].float(), hidden, rtol=2e-3, atol=2e-3)
+    assert len(lengths) > 1  # rows left the batch at different steps
 
 
 def test_self_written_prompts_resume_extend_and_train(target, tmp_path):

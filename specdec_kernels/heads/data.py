@@ -7,11 +7,14 @@ Two passes, both batched and both resumable from shards in a work folder:
    padded) with this package's own decoding loop (`generate`, no drafts; 1.2-3x HF
    `generate`'s speed here, see `_write`). The text is the model's own (greedy, or sampled
    at `temperature`).
-2. features: one teacher-forced forward of the target itself (its own dtype, e.g. fp32) over
-   each prompt + response records its features (the LM head's input) at every position, and
-   the log-sum-exp and argmax of its full logits there, so training can turn
-   restricted-vocabulary logits into the target's exact probabilities. A forward over whole
-   sequences runs as matrix-matrix products: far cheaper than recording during decoding.
+2. features: the target's features (the LM head's input) at every position of each prompt +
+   response, and the log-sum-exp and argmax of its full logits there (from the target's own
+   LM head), so training can turn restricted-vocabulary logits into the target's exact
+   probabilities. When the features are asked for in the writer's dtype (`feature_dtype`
+   equal to `generation_dtype`: the recipe's bf16), the writer records them as it writes:
+   its prefill and decoding forwards compute them anyway (`features_from_writer`). Otherwise
+   (another dtype, or extra layers for EAGLE-3) one teacher-forced forward over the whole
+   sequences computes them afterwards.
 
 One example: `tokens int32 [n]`, `features fp16 [n - 1, H]` (feature i predicts token i + 1),
 `lse fp32 [n - 1]`, `argmax int32 [n - 1]` (both from the fp16-rounded features, the same
@@ -26,6 +29,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ..drafters import Drafter
 from .common import lm_head_weight
 
 _MARK = "\u2063SPECDEC_USER\u2063"  # stands for the user turn when cutting the chat template
@@ -107,16 +111,60 @@ def _writer(target, dtype):
 WRITER = "specdec_kernels.generate"
 
 
+class _FeatureRecorder(Drafter):
+    """A drafter that drafts nothing and keeps the writer's features: the LM head's input at
+    every position its `generate` call fed (the prompt at prefill, then each emitted token
+    but the last), per row of the call, in fp16 (as the collected examples store them)."""
+
+    needs_hidden_states = True
+
+    def __init__(self, model):
+        self.model = model
+
+    def start(self, history, lengths, capacity):
+        hidden = lm_head_weight(self.model).shape[1]
+        self.features = torch.zeros(history.shape[0], capacity, hidden, device=history.device, dtype=torch.float16)
+        self.known = lengths.long() - 1  # after the prefill: positions 0 .. L - 2
+        self.rows = list(range(history.shape[0]))  # the call's row index of each row still running
+        self.done = {}
+
+    def observe(self, hidden_states, accepted_nodes=None, num_accepted=None):
+        if accepted_nodes is None:
+            self.features[:, : hidden_states.shape[1]] = hidden_states.to(torch.float16)
+            return
+        # No drafts: each row's tree is its root, the last emitted token, at position known.
+        rows = torch.arange(hidden_states.shape[0], device=hidden_states.device)
+        self.features[rows, self.known] = hidden_states[:, 0].to(torch.float16)
+        self.known = self.known + 1
+
+    def _archive(self, b):
+        self.done[self.rows[b]] = self.features[b, : int(self.known[b])].cpu()
+
+    def keep_rows(self, rows):
+        kept = rows.tolist()
+        for b in sorted(set(range(len(self.rows))) - set(kept)):
+            self._archive(b)
+        self.rows = [self.rows[b] for b in kept]
+        self.features, self.known = self.features[rows], self.known[rows]
+
+    def finish(self):
+        for b in range(len(self.rows)):
+            self._archive(b)
+        self.features = None
+
+
 @torch.no_grad()
 def _write(model, rows: List[List[int]], *, max_new_tokens: int, temperature: float, top_p: Optional[float],
-           seed: int, eos: List[int]) -> List[List[int]]:
+           seed: int, eos: List[int], features: bool = False):
     """The model's continuations of `rows` (left padded into one batch) by this package's own
     decoding loop without drafts: `generate` with a static KV cache, finished rows leaving the
     batch. Against HF `generate`, the default model in bf16, 48 rows, 2-core development machine:
     news articles (320 tokens, temperature 0.8, top-p 0.95) 487 against 162 tokens/s; greedy
     answers to summarisation requests (~600-token prompts, 128 tokens) 114 against 93 tokens/s
     (the prompts' prefill dominates).
-    Returns each row's new tokens up to and including its first eos."""
+    Returns each row's new tokens up to and including its first eos; with `features`, also
+    each row's features (fp16 [n - 1, H] for its n prompt + new tokens: the writer's own LM
+    head inputs, recorded while it wrote, so no second forward is needed)."""
     from ..generate import generate
 
     device = next(model.parameters()).device
@@ -127,11 +175,16 @@ def _write(model, rows: List[List[int]], *, max_new_tokens: int, temperature: fl
     for i, r in enumerate(rows):
         ids[i, width - len(r):] = torch.tensor(r)
         mask[i, width - len(r):] = 1
+    recorder = _FeatureRecorder(model) if features else None
     out = generate(model, ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
                    temperature=float(temperature), top_k=0, top_p=top_p if temperature > 0 else None,
-                   seed=seed, eos_token_id=eos)  # seed: each row its own stream, the same text every time
+                   seed=seed, eos_token_id=eos, drafter=recorder, adaptive=False)  # seed: each row its own stream
     # generate stops a row right after its first eos, so its new tokens end there
-    return [row[:count] for row, count in zip(out.sequences[:, width:].cpu().tolist(), out.stats.new_tokens)]
+    new = [row[:count] for row, count in zip(out.sequences[:, width:].cpu().tolist(), out.stats.new_tokens)]
+    if recorder is None:
+        return new
+    # (copies: the recorder's rows are views of its buffer, made under generate's inference mode)
+    return new, [recorder.done[i].clone() for i in range(len(rows))]
 
 
 def _self_written(target, tokenizer, prefix: List[int], count: int, *, seed: int, max_tokens: int, batch_size: int,
@@ -259,6 +312,27 @@ def _next_shard(folder: Path, prefix: str) -> Path:
     return folder / f"{prefix}_{max(taken, default=-1) + 1:05d}.pt"
 
 
+def _example(tokens: List[int], feats: torch.Tensor, weight: torch.Tensor) -> dict:
+    """One example from a sequence and its fp16 features [n - 1, H]: the log-sum-exp and
+    argmax of the full logits `weight` (the target's LM head) gives at each position."""
+    lse, top = [], []
+    for c in range(0, feats.shape[0], 1024):  # full-vocabulary logits in chunks (memory)
+        logits = feats[c : c + 1024].to(device=weight.device, dtype=weight.dtype) @ weight.T
+        lse.append(logits.float().logsumexp(-1))
+        top.append(logits.argmax(-1))
+    return {"tokens": torch.tensor(tokens, dtype=torch.int32), "features": feats.cpu(),
+            "lse": torch.cat(lse).cpu() if lse else torch.zeros(0),
+            "argmax": torch.cat(top).to(torch.int32).cpu() if top else torch.zeros(0, dtype=torch.int32)}
+
+
+def features_from_writer(target, generation_dtype, feature_dtype, feature_layers=()) -> bool:
+    """Whether `collect` records the features while the responses are written: when the
+    writer runs in the features' dtype, its own forwards give them (no second pass over the
+    sequences); not with extra layers (EAGLE-3), which take the pass."""
+    model_dtype = next(target.parameters()).dtype
+    return not feature_layers and (generation_dtype or model_dtype) == (feature_dtype or model_dtype)
+
+
 @torch.no_grad()
 def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_size: int = 32,
             temperature: float = 0.0, top_p: Optional[float] = None, seed: int = 0, eos_token_id=None,
@@ -280,9 +354,11 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
         (cached in their own shards, so one work folder serves heads of several layer sets).
     feature_dtype: dtype of the forward that computes the features (None: the target itself;
         torch.bfloat16: a bf16 copy, ~2x faster on CPUs with bf16 units: 1050 against ~500
-        positions/s for the default model on the 2-core development machine). The labels are
-        the target's own LM head applied to those features either way. Cached in their own
-        shards, so a work folder keeps both."""
+        positions/s for the default model on the 2-core development machine). Equal to the
+        writer's dtype (and no feature_layers), the writer records them while it writes
+        (`features_from_writer`): no pass at all. The labels are the target's own LM head
+        applied to those features either way. Cached in their own shards per dtype and
+        source, so a work folder keeps each."""
     from tqdm import tqdm
 
     from ..hf.attention import _decoder
@@ -301,7 +377,19 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
                                  "temperature": temperature, "top_p": top_p, "seed": seed, "eos": eos,
                                  "generation_dtype": str(generation_dtype), "writer": WRITER})
 
-    # 1) responses, batch by batch (similar prompt lengths together: little padding).
+    layers = [int(i) for i in feature_layers]
+    own_dtype = feature_dtype is None or feature_dtype == next(target.parameters()).dtype
+    from_writer = features_from_writer(target, generation_dtype, feature_dtype, layers)
+    # Shards of another forward dtype or source are other data ("features" alone: a pass of
+    # the target in its own dtype).
+    suffix = "" if own_dtype else "-" + str(feature_dtype).replace("torch.", "")
+    feature_prefix = "features" + ("-writer" if from_writer else "") + suffix
+    layer_prefix = "layers-" + "-".join(map(str, layers)) + suffix
+    done = _load_shards(folder, feature_prefix)
+    weight = lm_head_weight(target)
+
+    # 1) responses, batch by batch (similar prompt lengths together: little padding), and
+    # with from_writer their features.
     known = _load_shards(folder, "responses")
     keys = [_key(p) for p in prompt_ids]
     todo = sorted({k: i for i, k in enumerate(keys) if k not in known}.values(), key=lambda i: (len(prompt_ids[i]), i))
@@ -313,7 +401,14 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
         writer = writer or _writer(target, generation_dtype)
         t0 = time.perf_counter()
         got = _write(writer, [prompt_ids[i] for i in idx], max_new_tokens=max_new_tokens,
-                     temperature=temperature, top_p=top_p, seed=seed * 7919 + k, eos=eos)
+                     temperature=temperature, top_p=top_p, seed=seed * 7919 + k, eos=eos, features=from_writer)
+        if from_writer:
+            got, feats = got
+            sequences = [list(prompt_ids[i]) + r for i, r in zip(idx, got)]
+            new_features = {_key(q): _example(q, f, weight) for q, f in zip(sequences, feats)}
+            done.update(new_features)
+            if folder is not None:  # (before the responses: a response on disk has its features)
+                _save_atomic(new_features, _next_shard(folder, feature_prefix))
         new = {keys[i]: r for i, r in zip(idx, got)}
         known.update(new)
         if folder is not None:
@@ -326,13 +421,6 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
     # 2) features and labels: one forward of the target per group of similar-length sequences.
     sequences = [list(prompt_ids[i]) + list(known[keys[i]]) for i in range(len(prompt_ids))]
     seq_keys = [_key(s) for s in sequences]
-    layers = [int(i) for i in feature_layers]
-    own_dtype = feature_dtype is None or feature_dtype == next(target.parameters()).dtype
-    # Shards of another forward dtype are other data ("features" alone: the target's own dtype).
-    suffix = "" if own_dtype else "-" + str(feature_dtype).replace("torch.", "")
-    feature_prefix = "features" + suffix
-    layer_prefix = "layers-" + "-".join(map(str, layers)) + suffix
-    done = _load_shards(folder, feature_prefix)
     done_layers = _load_shards(folder, layer_prefix) if layers else {}
     todo = sorted({k: i for i, k in enumerate(seq_keys) if k not in done or (layers and k not in done_layers)}.values(),
                   key=lambda i: (len(sequences[i]), i))
@@ -344,7 +432,6 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
         current.append(i)
     if current:
         groups.append(current)
-    weight = lm_head_weight(target)
     device = weight.device
     # (a copy in feature_dtype only when something is left to compute: a resumed run needs none)
     decoder = _decoder(_writer(target, feature_dtype)) if todo else None
@@ -365,21 +452,8 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
             done_layers.update(new_layers)
             if folder is not None:
                 _save_atomic(new_layers, _next_shard(folder, layer_prefix))
-        new = {}
-        for r, i in enumerate(idx):
-            if seq_keys[i] in done:
-                continue
-            n = len(sequences[i])
-            feats = hidden[r, : n - 1].to(torch.float16)
-            lse, top = [], []
-            for c in range(0, n - 1, 1024):  # full-vocabulary logits in chunks (memory)
-                logits = feats[c : c + 1024].to(weight.dtype) @ weight.T
-                lse.append(logits.float().logsumexp(-1))
-                top.append(logits.argmax(-1))
-            new[seq_keys[i]] = {"tokens": torch.tensor(sequences[i], dtype=torch.int32), "features": feats.cpu(),
-                                "lse": torch.cat(lse).cpu() if lse else torch.zeros(0),
-                                "argmax": (torch.cat(top).to(torch.int32).cpu() if top
-                                           else torch.zeros(0, dtype=torch.int32))}
+        new = {seq_keys[i]: _example(sequences[i], hidden[r, : len(sequences[i]) - 1].to(torch.float16), weight)
+               for r, i in enumerate(idx) if seq_keys[i] not in done}
         done.update(new)
         if folder is not None and new:
             _save_atomic(new, _next_shard(folder, feature_prefix))

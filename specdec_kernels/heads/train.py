@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import KINDS, input_embedding, lm_head_weight, rope_theta, target_identity, text_config, write_head
-from .data import collect, draft_vocabulary, load_examples, render_prompts, save_examples, self_articles, self_prompts
+from .data import collect, draft_vocabulary, features_from_writer, load_examples, render_prompts, save_examples, self_articles, self_prompts
 from .modules import EagleHead, MedusaHeads, causal_attention
 
 
@@ -280,7 +280,7 @@ class _Trainer:
 
 
 def _data_request(prompts, self_prompt_count, seed, max_new_tokens, generation_dtype, self_article_count=0,
-                  feature_layers=(), feature_dtype=None) -> str:
+                  feature_layers=(), feature_dtype=None, features_from_writer=False) -> str:
     """sha256 of what the data stage was asked for (prompts and collection settings): data
     collected for another request is collected again (from the response cache)."""
     import hashlib
@@ -301,6 +301,8 @@ def _data_request(prompts, self_prompt_count, seed, max_new_tokens, generation_d
         request.append({"feature_layers": [int(i) for i in feature_layers]})
     if feature_dtype is not None:
         request.append({"feature_dtype": str(feature_dtype)})
+    if features_from_writer:
+        request.append({"features_from": "writer"})
     text = json.dumps(request, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -410,7 +412,8 @@ def train_draft_head(
             default model's data a head trained 400 steps on bf16-pass features agreed with
             the target as often, on features of the fp32 target, as one trained on fp32-pass
             features (0.413 / 0.382 / 0.378 at depths 1 / 2 / 3 against 0.413 / 0.383 / 0.376;
-            its KL 1.99 against 1.98).
+            its KL 1.99 against 1.98). Equal to generation_dtype (without feature_layers):
+            the writer records the features as it writes, no pass (`data.features_from_writer`).
         threads: torch.set_num_threads for the whole run (None: leave as is).
         mixed_precision: run the head and its logits in bfloat16 autocast (the target's
             labels stay fp32); ~1.5x faster on CPUs with bf16 units, slightly different numbers.
@@ -451,8 +454,9 @@ def train_draft_head(
     # 1) data (collected again, from the cache in work/collect, when the request changed)
     if feature_dtype == next(target.parameters()).dtype:
         feature_dtype = None  # the target itself: the same data
+    from_writer = features_from_writer(target, generation_dtype, feature_dtype, layers)
     request = _data_request(prompts, self_prompt_count, seed, max_new_tokens, generation_dtype, self_article_count, layers,
-                            feature_dtype)
+                            feature_dtype, from_writer)
     stored = load_examples(work / "data.pt")
     if stored is not None and stored["meta"].get("target") != identity:
         raise ValueError(f"work_dir {work} holds data collected from another target; use a fresh work_dir")
@@ -477,6 +481,7 @@ def train_draft_head(
                 "self_articles": len(articles), "max_new_tokens": max_new_tokens,
                 "generation_dtype": str(generation_dtype).replace("torch.", ""),
                 "feature_dtype": "model" if feature_dtype is None else str(feature_dtype).replace("torch.", ""),
+                "features_from": "writer" if from_writer else "forward",
                 "positions": int(sum(ex["features"].shape[0] for ex in examples)),
                 "response_tokens": int(sum(ex["tokens"].numel() - len(p) for ex, p in zip(examples, ids))),
                 "collect_s": round(time.perf_counter() - t0, 1)}
