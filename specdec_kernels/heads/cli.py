@@ -55,10 +55,11 @@ def add_parser(sub) -> None:
     p.add_argument("--collect-batch-size", type=int, default=32, help="prompts answered together (default 32)")
     p.add_argument("--generation-dtype", choices=("bfloat16", "float16", "float32", "model"), default="bfloat16",
                    help="dtype of the copy of the model that writes the responses (default bfloat16; "
-                        "'model': the model itself); features and labels always come from the model")
+                        "'model': the model itself); labels always come from the model's LM head")
     p.add_argument("--feature-dtype", choices=("model", "bfloat16"), default="model",
                    help="dtype of the forward that computes the features (default model: the model itself; "
-                        "bfloat16: a bf16 copy, ~2x faster on CPUs with bf16 units; labels always from the model's LM head)")
+                        "bfloat16: a bf16 copy, ~2x faster on CPUs with bf16 units; labels always from the model's LM head). "
+                        "The same dtype as --generation-dtype: the writer records them as it writes, no extra forward")
     p.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head can propose (default 8192)")
     p.add_argument("--num-heads", type=int, default=4, help="Medusa heads (default 4)")
     p.add_argument("--steps", type=int, default=1000)
