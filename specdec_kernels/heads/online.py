@@ -451,11 +451,14 @@ class OnlineLearner:
                 total -= extra
         self.stats.buffered = total
 
+    def _running(self, **mode) -> List[_Segment]:
+        """The running call's rows as segments (`_live` with `mode`); [] outside a call."""
+        if self._lengths is None or self.drafter.features is None:
+            return []
+        return [s for s in (self._live(b, **mode) for b in range(self._lengths.shape[0])) if s is not None]
+
     def _sources(self) -> List[_Segment]:
-        live = []
-        if self._lengths is not None and self.drafter.features is not None:
-            live = [s for s in (self._live(b) for b in range(self._lengths.shape[0])) if s is not None]
-        return self.segments + live
+        return self.segments + self._running()
 
     def trainable_positions(self) -> int:
         """Positions an update could train on now (buffer and running rows)."""
@@ -563,7 +566,7 @@ class OnlineLearner:
             with torch.no_grad():
                 labels = batch["tgt"][sel].to(self.w_label_low.dtype) @ self.w_label_low.T
                 batch["logp"] = torch.log_softmax(labels.float(), -1)
-        logp, w_sel = batch["logp"], w[sel]
+        logp, w_sel, tgt_sel = batch["logp"], w[sel], batch["tgt"][sel]
         if self.kind == "eagle":
             inp = batch["inp"]
             with torch.no_grad():
@@ -576,7 +579,7 @@ class OnlineLearner:
             for d, g in enumerate(outs):  # pass d drafts depth d + 1 (positions i >= d only)
                 pass_loss = self._divergence(logits[d], logp)
                 if regression and self.options.reg_weight > 0:
-                    reg = F.smooth_l1_loss(g[sel].float(), batch["tgt"][sel], reduction="none").mean(-1)
+                    reg = F.smooth_l1_loss(g[sel].float(), tgt_sel, reduction="none").mean(-1)
                     pass_loss = pass_loss + float(self.options.reg_weight) * reg
                 total = total + (pass_loss * w_sel * (depth_of >= d)).sum()
         else:
@@ -638,9 +641,8 @@ class OnlineLearner:
         (up to backoff x interval) or halves (down to interval)."""
         if self._lengths is None or self.drafter.features is None:
             return
-        rows = range(self._lengths.shape[0])
-        sources = [s for s in (self._live(b, fresh_only=True) for b in rows) if s is not None]
-        sources = [s for s in sources if float(s.weights[: s.size - 1].sum()) > 0]
+        counted = [(s, int(s.weights[: s.size - 1].sum())) for s in self._running(fresh_only=True)]
+        sources = [s for s, fresh in counted if fresh > 0]
         self._fresh_from = torch.maximum(self._fresh_from, self._lengths - 2)
         if not sources:
             return
@@ -649,8 +651,7 @@ class OnlineLearner:
             picks = [(k, s.size - 2) for k, s in enumerate(sources)]
             # The fresh samples and 16 before them as context (not a whole window: a probe
             # should cost a fraction of an update).
-            fresh = max(int(s.weights[: s.size - 1].sum()) for s in sources)
-            width = min(int(self.options.window), fresh + 16)
+            width = min(int(self.options.window), max(fresh for _, fresh in counted) + 16)
         else:
             last = max(1, int(self.options.batch) // int(self.master.weight.shape[0]))  # as many as an update
             picks = [(k, j) for k, s in enumerate(sources) for j in range(max(0, s.size - 1 - last), s.size - 1)]
@@ -678,7 +679,7 @@ class OnlineLearner:
         `prompt_lr`); returns whether any step was taken."""
         if self._lengths is None or self.drafter.features is None:
             return False
-        sources = [s for s in (self._live(b, prompt_only=True) for b in range(self._lengths.shape[0])) if s is not None]
+        sources = self._running(prompt_only=True)
         lr = self.options.lr if self.options.prompt_lr is None else self.options.prompt_lr
         return self._steps(int(self.options.prompt_steps), sources, lr)
 
