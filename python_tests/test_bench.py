@@ -92,6 +92,41 @@ def test_e2e_every_method_batch_and_sampling(tiny_models, tmp_path, monkeypatch)
     check_rows(rows)
 
 
+def test_e2e_fixed_head_tree_shapes(tiny_models, tmp_path, monkeypatch):
+    """The fixed-tree head methods take a tree shape after the name (a sweep in one run): each
+    row verifies that many nodes per step, keeps the greedy output, and bad shapes are refused."""
+    from specdec_kernels.heads import train_draft_head
+
+    model, _ = tiny_models
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(1, vocab, (10,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]
+    train_draft_head(model, prompts, kind="eagle", out_dir=tmp_path / "heads" / "tiny", steps=2, max_new_tokens=4,
+                     batch_tokens=128, eval_fraction=0.0, draft_vocab_size=vocab, progress=False)
+    requests = {"code_edit": short_requests()["code_edit"]}
+    methods = ("hf", "ours_eagle_fixed", "ours_eagle_fixed:6/3/2", "ours_default_fixed:6/3/2")
+    rows = e2e.run(model, WordTokenizer(VOCAB), requests, methods=methods, batch_sizes=(1,), temperatures=(0.0,),
+                   max_new_tokens=8, prompts_per_workload=1, profile_kernels=False, progress=False)
+    check_rows(rows)
+    by_method = {r["config"]["method"]: r for r in rows}
+    assert set(by_method) == set(methods)
+    assert by_method["ours_eagle_fixed"]["nodes_per_step"] == 24  # HEAD_FIXED_TREE
+    assert by_method["ours_eagle_fixed:6/3/2"]["nodes_per_step"] == 6
+    assert by_method["ours_default_fixed:6/3/2"]["nodes_per_step"] >= 6  # the head's 6 plus n-gram drafts
+    for method in methods[1:]:
+        assert by_method[method]["greedy_identical"]
+
+    assert e2e.split_method("ours_eagle") == ("ours_eagle", None)
+    assert e2e.split_method("ours_default_fixed:64/8/8") == (
+        "ours_default_fixed", dict(max_nodes=64, depth=8, top_k=8, min_score=0.0))
+    for bad in ("ours_eagle:64/8/8", "ours_eagle_fixed:64/8", "ours_eagle_fixed:a/8/8", "ours_eagle_fixed:0/8/8",
+                "ours_magic"):
+        with pytest.raises(ValueError):
+            e2e.split_method(bad)
+    with pytest.raises(SystemExit, match="tree shape"):
+        cli.main(["bench", "e2e", "--methods", "hf,ours_eagle_fixed:64/x/8"])
+
+
 def test_e2e_head_methods_without_a_head(tiny_models, tmp_path, monkeypatch):
     """A target without a trained head: the head-only methods are skipped with the reason,
     ours_default runs (n-gram alone)."""

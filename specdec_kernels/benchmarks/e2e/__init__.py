@@ -32,6 +32,8 @@ Methods:
                     GPU only: on a CPU every node costs target compute)
   ours_default_fixed  ours_default's composition (that tree merged with n-gram drafts of up to 16), adaptive=False
                     (in the default set on a GPU only)
+  ours_eagle_fixed:N/D/K, ours_default_fixed:N/D/K  the same with the head's tree fixed at N nodes, depth D, top-k K,
+                    to sweep tree sizes in one run (e.g. --methods hf,ours_eagle_fixed,ours_eagle_fixed:64/8/8)
 
 No hf_assisted row for the default model: HF assisted generation needs a smaller model with
 the same tokenizer, and SmolLM2-135M is the smallest SmolLM2 (none smaller is installed here;
@@ -58,12 +60,12 @@ from .models import RANDOM_LLAMA, load_models, random_llama3_8b
 from .report import markdown, plot_acceptance, plot_speedup, table_rows, write_results
 from .runner import (BATCH1_ONLY, DEFAULT_METHODS, DRAFT_TOKENS, DRAFT_TREE_WIDTHS, HF_PROMPT_LOOKUP_TOKENS, METHODS,
                      NEEDS_DRAFT, NGRAM_FIXED_TOKENS, NGRAM_TOKENS, NGRAM_TREE_WIDTH, SEED, TEMPERATURES, bench_row,
-                     default_methods, kernel_share, make_batches, new_token_counts, run, run_method)
+                     default_methods, kernel_share, make_batches, new_token_counts, run, run_method, split_method)
 
 __all__ = ["main", "run_args", "add_arguments", "run", "run_method", "bench_row", "kernel_share", "make_batches",
            "new_token_counts", "write_results", "table_rows", "markdown", "plot_speedup", "plot_acceptance",
            "load_models", "random_llama3_8b", "METHODS", "DEFAULT_METHODS", "default_methods", "NEEDS_DRAFT", "BATCH1_ONLY",
-           "TEMPERATURES", "SEED", "RANDOM_LLAMA"]
+           "TEMPERATURES", "SEED", "RANDOM_LLAMA", "split_method"]
 
 SHORT = dict(prompts_per_workload=2, max_new_tokens=64, batch_sizes=(1, 8))
 FULL = dict(prompts_per_workload=8, max_new_tokens=256, batch_sizes=(1, 8))
@@ -91,7 +93,8 @@ def add_arguments(parser):
     parser.add_argument("--batch-sizes", type=_csv(int), default=None, help="comma-separated (default 1,8)")
     parser.add_argument("--methods", type=_csv(str), default=None,
                         help=f"comma-separated of {', '.join(METHODS)} (default all but ours_plain and "
-                             "ours_ngram_paged, and on a CPU but the *_fixed head trees; hf always runs)")
+                             "ours_ngram_paged, and on a CPU but the *_fixed head trees; hf always runs); the *_fixed head "
+                             "methods take a tree shape, e.g. ours_eagle_fixed:64/8/8 (nodes/depth/top-k)")
     parser.add_argument("--temperatures", type=_csv(float), default=None, help="comma-separated (default 0,0.7)")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--prompts-per-workload", type=int, default=None)
@@ -121,10 +124,14 @@ def run_args(args) -> int:
 
     preset = FULL if args.full else SHORT
     workloads = args.workloads or WORKLOADS
-    for name, values, allowed in (("--workloads", workloads, WORKLOADS), ("--methods", args.methods or (), METHODS)):
-        bad = [v for v in values if v not in allowed]
-        if bad:
-            raise SystemExit(f"specdec bench e2e: {name}: unknown {bad}; choose from {', '.join(allowed)}")
+    bad = [v for v in workloads if v not in WORKLOADS]
+    if bad:
+        raise SystemExit(f"specdec bench e2e: --workloads: unknown {bad}; choose from {', '.join(WORKLOADS)}")
+    for method in args.methods or ():
+        try:
+            split_method(method)
+        except ValueError as error:
+            raise SystemExit(f"specdec bench e2e: --methods: {error}") from None
     batch_sizes = args.batch_sizes or preset["batch_sizes"]
     max_new_tokens = args.max_new_tokens or preset["max_new_tokens"]
     prompts = args.prompts_per_workload or preset["prompts_per_workload"]

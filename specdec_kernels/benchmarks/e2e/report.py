@@ -4,6 +4,7 @@ acceptance plots, the JSON record."""
 from pathlib import Path
 
 from .. import common
+from .runner import split_method
 
 
 def table_rows(rows):
@@ -106,7 +107,7 @@ def plot_planner(rows, path, title):
     the mean drafts the rows then accepted, for our adaptive rows (marker size: how many steps
     chose that size); the diagonal is "every verified node accepted"."""
     plt = common.pyplot()
-    ours = [r for r in rows if r.get("size_vs_acceptance") and not r["config"]["method"].endswith("_fixed")]
+    ours = [r for r in rows if r.get("size_vs_acceptance") and not split_method(r["config"]["method"])[0].endswith("_fixed")]
     if plt is None or not ours:
         return None
     workloads = list(dict.fromkeys(r["config"]["workload"] for r in ours))

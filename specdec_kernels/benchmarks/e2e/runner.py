@@ -14,9 +14,11 @@ from ...generate import _sync, eos_ids as target_eos_ids
 METHODS = ("hf", "hf_prompt_lookup", "hf_assisted", "ours_plain", "ours_ngram", "ours_ngram_fixed", "ours_ngram_tree",
            "ours_draft", "ours_draft_tree", "ours_ngram_paged", "ours_eagle", "ours_default", "ours_eagle_fixed",
            "ours_default_fixed")
+# The head methods with a fixed tree (HEAD_FIXED_TREE, or a shape named after the method: split_method).
+FIXED_TREE_HEAD_METHODS = ("ours_eagle_fixed", "ours_default_fixed")
 # Not by default: ours_plain (no drafts) and the paged cache; the GPU-sized fixed head trees
 # only on a GPU (on a CPU a 24-node verify costs ~4x a one-token step).
-GPU_ONLY_DEFAULTS = ("ours_eagle_fixed", "ours_default_fixed")
+GPU_ONLY_DEFAULTS = FIXED_TREE_HEAD_METHODS
 DEFAULT_METHODS = tuple(m for m in METHODS if m not in ("ours_plain", "ours_ngram_paged") + GPU_ONLY_DEFAULTS)
 
 
@@ -53,6 +55,29 @@ OURS = {
 # batch 1 where a wide verify costs about one token's forward), for their acceptance.
 HEAD_METHODS = frozenset({"ours_eagle", "ours_default", "ours_eagle_fixed", "ours_default_fixed"})
 HEAD_FIXED_TREE = dict(max_nodes=24, depth=6, top_k=6, min_score=0.0)  # EagleDrafter's GPU defaults
+
+
+def split_method(method: str):
+    """A method name -> (its base name, the head tree it fixes or None). The fixed-tree head
+    methods take another tree shape as a suffix, so one run can sweep tree sizes:
+    "ours_eagle_fixed:64/8/8" -> ("ours_eagle_fixed", {max_nodes: 64, depth: 8, top_k: 8,
+    min_score: 0}); without one they use HEAD_FIXED_TREE. Raises ValueError for an unknown
+    base name, a suffix on another method, or a malformed shape."""
+    base, sep, shape = method.partition(":")
+    if base not in METHODS:
+        raise ValueError(f"unknown method {base!r}; choose from {', '.join(METHODS)}")
+    if not sep:
+        return base, (dict(HEAD_FIXED_TREE) if base in FIXED_TREE_HEAD_METHODS else None)
+    if base not in FIXED_TREE_HEAD_METHODS:
+        raise ValueError(f"{method!r}: only {' and '.join(FIXED_TREE_HEAD_METHODS)} take a tree shape (':NODES/DEPTH/TOPK')")
+    try:
+        nodes, depth, top_k = (int(v) for v in shape.split("/"))
+    except ValueError:
+        raise ValueError(f"{method!r}: the tree shape must be NODES/DEPTH/TOPK, three integers, e.g. "
+                         f"{base}:64/8/8") from None
+    if min(nodes, depth, top_k) < 1:
+        raise ValueError(f"{method!r}: NODES, DEPTH and TOPK must be >= 1")
+    return base, dict(max_nodes=nodes, depth=depth, top_k=top_k, min_score=0.0)
 _HEAD_DRAFTERS = {}  # (method, id(target), head folder) -> drafter: loaded once, never inside a timed call
 
 
@@ -96,19 +121,20 @@ def head_drafter(method, model):
     from ...heads import EagleDrafter, HeadNgramDrafter, default_drafter
     from ...heads.drafters import find_head
 
+    base, tree = split_method(method)
     folder = find_head(model, "eagle")
     key = (method, id(model), folder)
     if key not in _HEAD_DRAFTERS:
-        if method == "ours_default":
+        if base == "ours_default":
             _HEAD_DRAFTERS[key] = default_drafter(model)
         elif folder is None:
             _HEAD_DRAFTERS[key] = None
-        elif method == "ours_eagle":
+        elif base == "ours_eagle":
             _HEAD_DRAFTERS[key] = EagleDrafter(model, folder)
         else:
-            head = EagleDrafter(model, folder, **HEAD_FIXED_TREE)
+            head = EagleDrafter(model, folder, **tree)
             # ours_default_fixed: default_drafter's composition (its n-gram: 16 tokens)
-            _HEAD_DRAFTERS[key] = head if method == "ours_eagle_fixed" else \
+            _HEAD_DRAFTERS[key] = head if base == "ours_eagle_fixed" else \
                 HeadNgramDrafter(head, NgramDrafter(num_tokens=NGRAM_TOKENS))
     return _HEAD_DRAFTERS[key]
 
@@ -116,7 +142,7 @@ def head_drafter(method, model):
 def drafter(method, draft, model=None):
     """The drafter of one of our methods (None for ours_plain); draft: the draft model or None;
     model: the target (for the learned-head methods)."""
-    if method in HEAD_METHODS:
+    if split_method(method)[0] in HEAD_METHODS:
         return head_drafter(method, model)
     cli_method, settings = OURS[method]
     return make_drafter(cli_method, draft_model=draft, **settings)
@@ -143,7 +169,7 @@ def run_method(method, model, draft, input_ids, mask, *, max_new_tokens, tempera
     else:
         out = sk.generate(model, input_ids, drafter=chosen, max_new_tokens=max_new_tokens,
                           temperature=temperature, seed=seed, eos_token_id=eos, attention_mask=mask,
-                          adaptive=not method.endswith("_fixed"), kv_page_size=PAGED.get(method))
+                          adaptive=not split_method(method)[0].endswith("_fixed"), kv_page_size=PAGED.get(method))
         sequences, stats = out.sequences, out.stats
     return sequences, _sync(input_ids.device) - start, stats
 
@@ -198,7 +224,7 @@ def bench_row(method, batches, model, draft, *, workload, batch_size, temperatur
     if method in BATCH1_ONLY and batch_size > 1:
         row["skipped"] = "transformers' assisted / prompt lookup decoding supports batch size 1 only"
         return row
-    if method in HEAD_METHODS and head_drafter(method, model) is None:
+    if split_method(method)[0] in HEAD_METHODS and head_drafter(method, model) is None:
         row["skipped"] = "no trained EAGLE head for this target"
         return row
     total_tokens, total_s, stats_list, mismatches, compared = 0, 0.0, [], [], 0
@@ -269,7 +295,8 @@ def warm_up(methods, batches_by_size, model, draft, temperatures, eos, pad):
         input_ids, mask = input_ids[:, -32:], mask[:, -32:].clone()
         mask[:, -1] = 1
         for method in methods:
-            if (method in BATCH1_ONLY and batch_size > 1) or (method in HEAD_METHODS and head_drafter(method, model) is None):
+            if (method in BATCH1_ONLY and batch_size > 1) or (split_method(method)[0] in HEAD_METHODS
+                                                                and head_drafter(method, model) is None):
                 continue
             for temperature in temperatures:
                 run_method(method, model, draft, input_ids, mask, max_new_tokens=4, temperature=temperature, eos=eos,
@@ -296,7 +323,7 @@ def run(model, tokenizer, requests_by_workload, *, draft=None, methods=DEFAULT_M
     from tqdm import tqdm
 
     device = next(model.parameters()).device
-    methods = [m for m in methods if m in METHODS and (draft is not None or m not in NEEDS_DRAFT)]
+    methods = [m for m in methods if split_method(m)[0] not in NEEDS_DRAFT or draft is not None]
     methods = ["hf"] + [m for m in methods if m != "hf"]
     if profile_kernels is None:
         profile_kernels = device.type == "cuda"
