@@ -53,6 +53,12 @@
 #     build is rebuilt). A cold e2e retry is three calls like 1-3, each AT ONCE after the last.
 #  Record: commit summary.txt and the bench JSON/PNG from results.tgz into bench/results/, and
 #  keep .gpu_build/gpu_build.tgz only while it matches the sources (the stamp inside says).
+#  Only when the kernels pass and device time is left (the default model's parts still warm):
+#  the head's tree sweep that issue 12 left open (the EAGLE head accepts 1.5 drafts per step on
+#  chat only at ~512-node trees, measured on a CPU; what such a verify costs on a GPU is unknown):
+#    E2E_ARGS="--workloads chat --batch-sizes 1 --prompts-per-workload 8 --temperatures 0
+#      --methods hf,ours_eagle_fixed,ours_eagle_fixed:128/8/10,ours_eagle_fixed:512/12/16"
+#    tools/gpu_session.sh e2e   (with that E2E_ARGS in the command)
 # ============================================================================
 #
 # Deadline: the script stops starting stages at DEADLINE_S seconds after it began (default
