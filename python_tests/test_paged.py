@@ -351,7 +351,8 @@ def test_compiled_kernels_check_page_ids_themselves(gen):
 
 
 @pytest.mark.parametrize("backend", COMPACT_BACKENDS)
-@pytest.mark.parametrize("case", ("page_too_big", "too_few_columns", "tree_slot_shared", "page_sizes_differ", "int64"))
+@pytest.mark.parametrize("case", ("page_too_big", "too_few_columns", "tree_slot_shared", "page_sizes_differ", "int64",
+                                  "path_not_from_root", "path_not_rising"))
 def test_bad_block_table_compaction(gen, case, backend):
     prefix = torch.tensor([6, 9])
     dense, prefix, accepted, num_accepted, pools, table = compaction_case(
@@ -371,6 +372,15 @@ def test_bad_block_table_compaction(gen, case, backend):
         match = r"caches\[1\]"
     elif case == "int64":
         table = table.long()
+    elif case in ("path_not_from_root", "path_not_rising"):
+        # The kernels move a path in chunks up the path: exact only from node 0, strictly
+        # rising (the CUDA one would silently differ from the reference), as for dense caches.
+        accepted, num_accepted = torch.tensor([[0, 3, 2, 4, 1], [1, 2, 3, 4, 0]]), torch.tensor([3, 2])
+        if case == "path_not_from_root":
+            accepted[0] = torch.tensor([0, 1, 2, 3, 4])
+        else:
+            accepted[1] = torch.tensor([0, 1, 2, 3, 4])
+        match = "accepted_nodes"
     before = [p.clone() for p in pools]
     with pytest.raises(ValueError, match=match):
         compact_kv_cache_(pools, prefix, accepted, num_accepted, block_table=table, backend=backend)

@@ -484,6 +484,23 @@ def compact_kv_cache_(caches, cache_seqlens, accepted_nodes, num_accepted):
             as_dtype(num_accepted, torch.int32))
 
 
+def accepted_path_order(accepted_nodes, num_accepted):
+    """Each row's path accepted_nodes[b, :num_accepted[b] + 1] (num_accepted already in range)
+    starts at node 0 and strictly increases: the compaction kernels move entries in chunks
+    up the path, exact only for such paths (dense and paged alike)."""
+    width = accepted_nodes.shape[1]
+    nodes = accepted_nodes.to(torch.int64)
+    on_path = torch.arange(width, device=nodes.device)[None, :] <= num_accepted[:, None]
+    if (nodes[:, 0] != 0).any():
+        b = int(torch.nonzero(nodes[:, 0] != 0)[0, 0])
+        fail("accepted_nodes", f"row {b}: the accepted path starts at the root, node 0; got {int(nodes[b, 0])}")
+    rising = nodes[:, 1:] > nodes[:, :-1]
+    if (on_path[:, 1:] & ~rising).any():
+        b, j = _first_index(on_path[:, 1:] & ~rising)
+        fail("accepted_nodes", f"row {b}: the accepted path must strictly increase (a path from the root in a "
+             f"topologically ordered tree), got {nodes[b, : int(num_accepted[b]) + 1].tolist()}")
+
+
 def _accepted_paths(caches, cache_seqlens, accepted_nodes, num_accepted):
     """Each row's path accepted_nodes[b, :num_accepted[b] + 1] starts at node 0, strictly
     increases (so every destination cache_seqlens[b] + j is at or before its source, and the
@@ -496,16 +513,8 @@ def _accepted_paths(caches, cache_seqlens, accepted_nodes, num_accepted):
              f"got {int(cache_seqlens[b])}")
     if ((num_accepted < 0) | (num_accepted >= width)).any():
         fail("num_accepted", f"expected values in [0, {width}) (the width of accepted_nodes), got {num_accepted.tolist()}")
+    accepted_path_order(accepted_nodes, num_accepted)
     nodes = accepted_nodes.to(torch.int64)
-    on_path = torch.arange(width, device=nodes.device)[None, :] <= num_accepted[:, None]
-    if (nodes[:, 0] != 0).any():
-        b = int(torch.nonzero(nodes[:, 0] != 0)[0, 0])
-        fail("accepted_nodes", f"row {b}: the accepted path starts at the root, node 0; got {int(nodes[b, 0])}")
-    rising = nodes[:, 1:] > nodes[:, :-1]
-    if (on_path[:, 1:] & ~rising).any():
-        b, j = _first_index(on_path[:, 1:] & ~rising)
-        fail("accepted_nodes", f"row {b}: the accepted path must strictly increase (a path from the root in a "
-             f"topologically ordered tree), got {nodes[b, : int(num_accepted[b]) + 1].tolist()}")
     last = nodes.gather(1, num_accepted.to(torch.int64)[:, None])[:, 0]  # the largest node on the path
     beyond = cache_seqlens.to(torch.int64) + last >= cache_len
     if beyond.any():

@@ -103,6 +103,7 @@ def compact_kv_cache_(caches, cache_seqlens, accepted_nodes, num_accepted, block
         on_path = torch.arange(num_nodes, device=accepted_nodes.device)[None, :] <= num_accepted[:, None]
         if (on_path & ((accepted_nodes < 0) | (accepted_nodes >= num_nodes))).any():
             _checks.fail("accepted_nodes", f"entries on the accepted path must be node ids in [0, {num_nodes})")
+        _checks.accepted_path_order(accepted_nodes, num_accepted)
         num_pages = min(cache.shape[0] for cache in caches)
         _checks.block_table_pages(block_table, cache_seqlens.to(torch.int64) + num_nodes, page_size, num_pages,
                                   what=f"cache_seqlens[b] + T (T={num_nodes})")
