@@ -178,6 +178,29 @@ def test_mask_without_some_columns_zeroes_unseen_tree_values(gen):
     check_vs_reference(q, k, v, mask, prefix)
 
 
+@pytest.mark.parametrize("head_dim", (128, 80), ids=("tensor-core", "fallback"))
+@pytest.mark.parametrize("num_nodes", (1, 9))
+def test_nan_in_nan_out_with_a_split_prefix(gen, num_nodes, head_dim):
+    """NaN in a query, NaN in a prefix key, and a query whose every score is -inf give NaN
+    exactly where the reference does, also when a 16k prefix is split over several CTAs and
+    merged (a split whose sum is NaN must not be dropped by the merge, and a row with no
+    weight anywhere is NaN, not 0); the other outputs match the reference."""
+    nan, inf = float("nan"), float("inf")
+    q, k, v, parents, prefix = gpu_case(gen, batch=3, num_nodes=num_nodes, q_heads=32, kv_heads=8, head_dim=head_dim,
+                                        dtype=torch.bfloat16, prefix=[16385, 700, 0])
+    mask = tree_mask(parents.cuda())
+    q[0, 0, 5, 3] = nan  # one query head of row 0 (its 16k prefix is split)
+    k[1, 100, 2, 7] = nan  # a prefix key: every query of KV head 2 in row 1
+    k[2, :num_nodes, 1, 0] = -inf  # row 2 has no prefix: KV head 1's queries see only -inf scores ...
+    q[2, :, 4:8, 0] = 1.0  # ... as their q[..., 0] > 0 (heads 4..7 share KV head 1)
+    out = tree_attention(q, k, v, mask, prefix, backend="cuda")
+    ref = tree_attention(q, k, v, mask, prefix, backend="reference")
+    want = ref.isnan()
+    assert want[0, 0, 5].all() and want[1, :, 8:12].all() and want[2, :, 4:8].all()  # the cases mean something
+    assert torch.equal(out.isnan(), want), f"NaN differs at {(out.isnan() != want).nonzero()[:8].tolist()}"
+    torch.testing.assert_close(out[~want], ref[~want], **TOL_VS_REFERENCE[torch.bfloat16])
+
+
 @pytest.mark.parametrize("scale", (0.05, 1.0, -0.3))
 def test_custom_scale(gen, scale):
     q, k, v, parents, prefix = gpu_case(gen, batch=2, num_nodes=11, q_heads=8, kv_heads=4, head_dim=64,

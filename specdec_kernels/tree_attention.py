@@ -46,12 +46,14 @@ def tree_attention(
     affected rows. NaN in q[b, i, h], or in a key that query (b, i, h) sees, makes
     out[b, i, h] NaN; NaN in a value it sees makes those dims of out[b, i, h] NaN. Other
     queries are unaffected: cache slots a query does not see (past the tree, or tree nodes
-    that are not its ancestors) may hold anything, NaN included; except on the CPU kernel,
-    where a NaN or inf *tree* value also makes NaN those dims of the outputs of its row's
-    queries of that KV head that do not see it (0 * NaN in the tree tile; a known gap).
-    +-inf in a value a query sees makes those dims NaN (reference, Triton) or +-inf (CPU
-    kernel, IEEE where its weight is > 0); +-inf in q or k gives what IEEE arithmetic gives
-    (a score of +inf or NaN makes the output NaN, -inf a zero weight).
+    that are not its ancestors) may hold anything, NaN included; except on the CPU and CUDA
+    kernels, where a NaN or inf *tree* value also makes NaN those dims of the outputs of
+    queries of that KV head that do not see it (CPU: its row's; CUDA: those in the same tile
+    of 64 or 128 (node, head) rows, when some query of the tile sees it; 0 * NaN in the tree
+    tile, a known gap). +-inf in a value a query sees makes those dims NaN (reference,
+    Triton) or +-inf (CPU and CUDA kernels, IEEE where its weight is > 0); +-inf in q or k
+    gives what IEEE arithmetic gives (a score of +inf or NaN makes the output NaN, -inf a
+    zero weight; a query whose every score is -inf gets NaN, a softmax over nothing).
     """
     if block_table is not None:
         from . import _paged

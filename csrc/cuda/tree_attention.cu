@@ -71,7 +71,7 @@ at::Tensor tree_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, c
 
   const c10::cuda::CUDAGuard guard(device);
   at::Tensor out = q.new_empty({batch, num_nodes, num_q_heads, head_dim});  // contiguous
-  if (batch == 0) return out;
+  if (out.numel() == 0) return out;  // B, T or Hq of 0: nothing to launch (a 0-block grid is an error)
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   // Packed ancestor words: as given, or packed on the device from the bool mask (once when

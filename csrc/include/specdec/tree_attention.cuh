@@ -75,10 +75,15 @@
 //
 // -inf handling: a masked score is set to -inf after scaling; a row whose running max is
 // still -inf uses 0 as the reference point, so exp2(-inf) = 0 and nothing becomes NaN. A split
-// in which a row saw nothing writes o = 0 and lse = -inf, which the combine weighs by 0; a row
-// that sees no key at all (only possible with a mask without its diagonal and L = 0) gets 0
-// where the reference gives NaN. Tree V rows no query of the CTA sees are zeroed in shared
-// memory, so NaN there cannot leak through 0 * NaN (keys are masked by select, not product).
+// in which a row saw nothing (sum exactly 0) writes o = 0 and lse = -inf, which the combine
+// weighs by 0. A row with no weight anywhere (every score -inf, or a mask without its diagonal
+// and L = 0) is written as 0 * (1 / 0) = NaN, the reference's softmax over nothing. A NaN
+// score (NaN in q or a visible key) makes the row's sum NaN: its split's lse stays NaN (not
+// -inf), so the combine passes NaN on instead of dropping that split. Tree V rows no query
+// of the CTA sees are zeroed in shared memory, so NaN there cannot leak through 0 * NaN (keys
+// are masked by select, not product); a non-finite tree V row that some query of the CTA
+// sees still reaches the CTA's other queries of that KV head through 0 * NaN in P V (a
+// documented gap, as on the CPU kernel).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -569,8 +574,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) tree_attention_mma_kernel(cons
     const int m = row0 + warp * 16 + g + 8 * half;
     const float sum = quad_sum(row_sum[half]);  // all lanes take part, before the row check
     if (m >= num_rows) continue;
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
     if (p.num_splits == 1) {
+      const float inv = 1.f / sum;  // unguarded: no weight at all gives 0 * inf = NaN (see the top)
       const int node = m / group;
       const int head = kv_head * group + m % group;
       Elem* out = static_cast<Elem*>(p.out) + b * p.out_stride_b + node * p.out_stride_t + head * p.out_stride_h;
@@ -580,6 +585,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) tree_attention_mma_kernel(cons
             Ops::pack2(o_acc[nb][2 * half] * inv, o_acc[nb][2 * half + 1] * inv);
       }
     } else {
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;  // an empty split's partials: 0, weighed 0
       const int64_t part = ((b * p.num_kv_heads + kv_head) * p.num_splits + split) * num_rows + m;
       float* po = p.part_o + part * kHeadDim;
 #pragma unroll
@@ -587,7 +593,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) tree_attention_mma_kernel(cons
         *reinterpret_cast<float2*>(po + nb * 8 + 2 * t) =
             make_float2(o_acc[nb][2 * half] * inv, o_acc[nb][2 * half + 1] * inv);
       }
-      if (t == 0) p.part_lse[part] = sum > 0.f ? row_max[half] + __log2f(sum) : -INFINITY;
+      // -inf only for an empty split: a NaN sum keeps a NaN lse, which the combine passes on.
+      if (t == 0) p.part_lse[part] = sum == 0.f ? -INFINITY : row_max[half] + __log2f(sum);
     }
   }
 #endif
@@ -595,7 +602,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) tree_attention_mma_kernel(cons
 
 // One warp per query row: merges the splits' partial outputs by their log2-sum-exp2.
 // grid = (ceil(rows / kTreeAttnCombineWarps), Hkv, B). Splits that saw nothing (lse = -inf)
-// get weight 0; a row with no mass anywhere gets 0.
+// get weight 0; a row with no mass anywhere gets NaN (0 * (1 / 0)), as the reference; a split
+// with a NaN lse gives NaN weights, so NaN reaches the output.
 template <typename Elem>
 __global__ void __launch_bounds__(kTreeAttnCombineWarps * 32) tree_attention_combine_kernel(const TreeAttentionParams p) {
   using Ops = ElemOps<Elem>;
@@ -618,7 +626,7 @@ __global__ void __launch_bounds__(kTreeAttnCombineWarps * 32) tree_attention_com
   for (int s = lane; s < splits; s += 32) total += exp2f(p.part_lse[first + s * static_cast<int64_t>(num_rows)] - ref);
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) total += __shfl_xor_sync(0xffffffffu, total, off);
-  const float inv = total > 0.f ? 1.f / total : 0.f;
+  const float inv = 1.f / total;  // total >= 1 unless every split is empty (then NaN, see above)
 
   const int node = m / p.group;
   const int head = kv_head * p.group + m % p.group;
@@ -707,7 +715,7 @@ __global__ void __launch_bounds__(kTreeAttnSimtWarps * 32) tree_attention_simt_k
       attend(prefix_len + j0 + j);
     }
   }
-  const float inv = row_sum > 0.f ? 1.f / row_sum : 0.f;
+  const float inv = 1.f / row_sum;  // no weight at all: 0 * inf = NaN, the reference's softmax over nothing
   Elem* out = static_cast<Elem*>(p.out) + b * p.out_stride_b + node * p.out_stride_t + head * p.out_stride_h;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
