@@ -34,7 +34,7 @@ std::tuple<at::Tensor, at::Tensor> ngram_propose_cuda(const at::Tensor& tokens, 
   constexpr const char* op = "ngram_propose";
   const bool latest = check_ngram_args_cuda(op, tokens, lengths, min_n, max_n, num_tokens, policy);
   TORCH_CHECK(tokens.size(1) < (int64_t{1} << cuda::kNgramPositionBits), op, ": L = ", tokens.size(1),
-              " is too long (at most 2^40 - 1)");
+              " is too long (at most 2^32 - 1)");
   const c10::cuda::CUDAGuard guard(tokens.device());
   const at::Tensor lens = lengths.contiguous();
   at::Tensor drafts = tokens.new_empty({tokens.size(0), num_tokens});

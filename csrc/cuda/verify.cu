@@ -26,8 +26,9 @@ void run(const cuda::VerifyArgs& args, const at::Tensor& like) {
   cuda::VerifyPlan plan;
   const cudaError_t planned =
       cuda::plan_verify<LogitT>(args.batch, args.num_nodes, args.vocab, args.draft_probs != nullptr, &plan);
-  TORCH_CHECK(planned != cudaErrorInvalidValue, kOp, ": T = ", args.num_nodes,
-              " tree nodes leave no shared memory for a vocabulary slice on this GPU");
+  TORCH_CHECK(planned != cudaErrorInvalidValue, kOp, ": T = ", args.num_nodes, " tree nodes over a vocabulary of ",
+              args.vocab, " do not fit this GPU: either the tree's per-node shared memory leaves no room for a "
+              "vocabulary slice, or one row's slices need more blocks than the GPU can hold at once");
   C10_CUDA_CHECK(planned);
   const at::Tensor workspace =
       at::empty({static_cast<int64_t>(plan.workspace_bytes)}, like.options().dtype(at::kByte));

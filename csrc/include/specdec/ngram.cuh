@@ -25,9 +25,11 @@ namespace cuda {
 
 constexpr int kNgramThreads = 256;
 constexpr int kNgramItems = 4;  // positions per thread per tile
-constexpr int kNgramPositionBits = 40;
+// Positions and match lengths are both < L < 2^32, so each gets 32 bits of the key (with 40
+// position bits a match of 2^24 tokens or more wrapped past the top of the key).
+constexpr int kNgramPositionBits = 32;
 
-// key = len << 40 | rank, rank = e ("latest") or (2^40 - 1 - e) ("earliest"); 0 = none.
+// key = len << 32 | rank, rank = e ("latest") or (2^32 - 1 - e) ("earliest"); 0 = none.
 __device__ __forceinline__ uint64_t ngram_key(int64_t len, int64_t e, bool latest) {
   const uint64_t rank = latest ? static_cast<uint64_t>(e)
                                : ((uint64_t{1} << kNgramPositionBits) - 1 - static_cast<uint64_t>(e));

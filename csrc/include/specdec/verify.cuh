@@ -529,7 +529,12 @@ __device__ uint32_t radix_select(const float* vals, int32_t n, KeyFn&& key_of, u
     unsigned long long total;
     if (kMass) {
       const unsigned long long incl = block_inclusive_scan(mass, sh.scan, total);
-      if (shift == 24) target = static_cast<double>(top_p) * static_cast<double>(total);
+      if (shift == 24) {
+        target = static_cast<double>(top_p) * static_cast<double>(total);
+        // top_p <= 0 (only reachable with value checks off) keeps the most likely token(s), as
+        // the reference and the CPU kernel do: the first nonempty bin reaches any positive target.
+        if (!(target > 0.0)) target = 1e-300;
+      }
       const unsigned long long before = mass_above + incl - mass;
       if (count > 0 && static_cast<double>(before) < target && static_cast<double>(mass_above + incl) >= target) {
         sh.selected_bin = bin;
