@@ -52,6 +52,12 @@ at::Tensor compact_kv_cache_paged_cpu(at::TensorList caches, const at::Tensor& c
     TORCH_CHECK(error == nullptr, op, ": batch row ", b, ": ", error, " (cache_seqlens = ", seqlens_data[b],
                 ", num_accepted = ", accepted_data[b], ", T = ", num_nodes, ", block_table capacity = ", capacity,
                 ")");
+    // Paged paths also stay inside the tree (node < T, as the Python checks and the CUDA
+    // kernel require): the page ids are checked below only for positions before
+    // cache_seqlens + T, so a node past the tree would read an unchecked page.
+    const int32_t last = nodes_data[b * num_nodes + accepted_data[b]];  // the path's largest node
+    TORCH_CHECK(last < num_nodes, op, ": batch row ", b, ": accepted_nodes has node ", last,
+                " outside the tree [0, T = ", num_nodes, ")");
   }
   if (!caches.empty()) {
     check_block_table_pages(op, table_data, num_cols, num_cols, seqlens_data, batch, num_nodes, page_size, num_pages);

@@ -350,6 +350,22 @@ def test_compiled_kernels_check_page_ids_themselves(gen):
     assert torch.equal(caches[0], before)  # checked before anything moved
 
 
+@requires_c
+def test_compiled_paged_compaction_keeps_paths_inside_the_tree(gen):
+    """torch.ops.specdec.compact_kv_cache_paged_ called directly (no Python checks): a path
+    node past the tree (node >= T) is refused before anything moves. Its slot lies past
+    cache_seqlens + T, where the page ids were not checked (the CUDA kernel skips such nodes)."""
+    dense, prefix, accepted, num_accepted, pools, table = compaction_case(
+        gen, batch=2, num_nodes=5, page_size=4, specs=SPECS[:1], prefix=torch.tensor([6, 9]))
+    table = table.to(torch.int32)
+    before = pools[0].clone()
+    bad = torch.tensor([[0, 1, 7, -1, -1], [0, 2, -1, -1, -1]], dtype=torch.int32)  # node 7 >= T = 5
+    with pytest.raises(RuntimeError, match="outside the tree"):
+        torch.ops.specdec.compact_kv_cache_paged_(pools, prefix.to(torch.int32), bad,
+                                                  torch.tensor([2, 1], dtype=torch.int32), table)
+    assert torch.equal(pools[0], before)
+
+
 @pytest.mark.parametrize("backend", COMPACT_BACKENDS)
 @pytest.mark.parametrize("case", ("page_too_big", "too_few_columns", "tree_slot_shared", "page_sizes_differ", "int64",
                                   "path_not_from_root", "path_not_rising"))
