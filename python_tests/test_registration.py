@@ -574,6 +574,21 @@ def test_dispatch_decision_is_cached_per_op_device_backend():
             sk.tree_mask(parents, backend="nope")
 
 
+def test_profiles_name_every_backend_alike():
+    """Under a profiler, an op run by the reference (what CUDA tensors get by default) or by a
+    compiled kernel appears as specdec::<op> (bench e2e's kernel share counts those events);
+    without a profiler nothing is added."""
+    from torch.profiler import profile
+
+    parents = torch.tensor([[-1, 0, 0, 1]])
+    backends = ["reference"] + (["cpu"] if HAS_C else [])
+    for backend in backends:
+        with profile() as prof:
+            sk.tree_mask(parents, backend=backend)
+        names = [e.name for e in prof.events()]
+        assert names.count("specdec::tree_mask") == 1, (backend, [n for n in names if "specdec" in n])
+
+
 # ----------------------------------------------------------------------------- CUDA tensors on the reference
 
 

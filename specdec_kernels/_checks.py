@@ -358,8 +358,11 @@ def per_row(name, value, batch, like: Tensor, dtype, *, default, integral=False)
         return as_dtype(value, dtype)
     if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
         fail(name, f"expected {kind} or a [B] tensor, got {value!r}")
-    if _is_compiling() or type(like) is not Tensor or torch._C._len_torch_dispatch_stack() > 0:
-        # Traced, fake or subclass tensors: a fresh tensor of their kind, never the cache.
+    if (_is_compiling() or type(like) is not Tensor or torch._C._len_torch_dispatch_stack() > 0
+            or (like.is_cuda and torch.cuda.is_current_stream_capturing())):
+        # Traced, fake or subclass tensors: a fresh tensor of their kind, never the cache. Under
+        # CUDA-graph capture the fill only runs at replay, in the graph's pool: a cached one
+        # would hand uninitialised memory to later eager calls.
         return torch.full((batch,), value, dtype=dtype, device=like.device)
     return _filled(value, batch, dtype, like.device)
 

@@ -222,4 +222,11 @@ def dispatch(op: str, backend, like: torch.Tensor, *args):
         kernel = _resolve(op, device_type, backend, like.device)
         if not (backend == "triton" and device_type == "cpu"):  # depends on TRITON_INTERPRET: re-check
             _KERNELS[key] = kernel
+    if (not isinstance(kernel, torch._ops.OpOverload) and not torch.compiler.is_compiling()
+            and torch._C._autograd._profiler_enabled()):
+        # The reference and Triton kernels are Python functions: while a profiler runs, give them
+        # the compiled ops' event name (specdec::<op>), so a profile (bench e2e's kernel share)
+        # sees our ops whichever backend ran them; CUDA tensors run these by default.
+        with torch.profiler.record_function(f"specdec::{op}"):
+            return kernel(*args)
     return kernel(*args)

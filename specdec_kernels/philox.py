@@ -78,7 +78,8 @@ def seeds_from_int(seed: int, batch_size: int, device) -> torch.Tensor:
     decorrelated and an int seed behaves like passing a tensor of unrelated per-row seeds.
     """
     seed = seed & 0xFFFFFFFFFFFFFFFF
-    seed = torch.tensor(seed - (1 << 64) if seed >= 1 << 63 else seed, dtype=torch.int64, device=device)
+    # torch.full, not torch.tensor: a fill kernel, which CUDA-graph capture records (a host copy it refuses)
+    seed = torch.full((), seed - (1 << 64) if seed >= 1 << 63 else seed, dtype=torch.int64, device=device)
     rows = torch.arange(batch_size, dtype=torch.int64, device=device)
     zero = torch.zeros_like(rows)
     w0, w1, _, _ = philox4x32_10(rows, zero, zero + 2, zero, (seed & MASK32).expand_as(rows), ((seed >> 32) & MASK32).expand_as(rows))

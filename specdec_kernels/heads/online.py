@@ -598,7 +598,9 @@ class OnlineLearner:
         """Materialise AdamW's state (zeros) so that snapshots have fixed tensors to copy into."""
         for p in self.params:
             state = self.optim.state[p]
-            state["step"] = torch.zeros((), dtype=torch.float32)
+            # On the parameter's device: the fused AdamW kernel reads the step there (a host
+            # scalar is what the unfused CPU path uses, a CUDA head's fused step would not find it).
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 

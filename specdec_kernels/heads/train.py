@@ -529,7 +529,9 @@ def train_draft_head(
     step, noise_gen = 0, torch.Generator().manual_seed(seed + 2)
     ckpt_path = work / "checkpoint.pt"
     if ckpt_path.is_file():
-        ckpt = torch.load(ckpt_path, weights_only=False)
+        # On the CPU: load_state_dict moves the weights and the optimiser state to the head's device, and
+        # the noise generator is a CPU one (a checkpoint written on a GPU resumes on a CPU too).
+        ckpt = torch.load(ckpt_path, weights_only=False, map_location="cpu")
         if ckpt.get("request") != request:
             raise ValueError(f"{ckpt_path} was trained on other data (other prompts or collection settings); "
                              "remove it to train on the new data")
