@@ -53,6 +53,10 @@
 #     build is rebuilt). A cold e2e retry is three calls like 1-3, each AT ONCE after the last.
 #  Record: commit summary.txt and the bench JSON/PNG from results.tgz into bench/results/, and
 #  keep .gpu_build/gpu_build.tgz only while it matches the sources (the stamp inside says).
+#  Reading e2e: it runs bf16 targets, where our T-token verify forward and HF's one-token decode
+#  round differently, so a greedy row may leave HF's tokens at a near-tie of the top two logits
+#  (the command then warns and exits 1). Check the logit gap at the first differing position
+#  before calling a mismatch a bug; fp32 targets must match exactly.
 #  Only when the kernels pass and device time is left (the default model's parts still warm):
 #  the head's tree sweep that issue 12 left open (the EAGLE head accepts 1.5 drafts per step on
 #  chat only at ~512-node trees, measured on a CPU; what such a verify costs on a GPU is unknown):
