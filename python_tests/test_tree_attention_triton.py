@@ -165,6 +165,22 @@ def test_nan_in_nan_out(interpreter, gen, num_splits):
         torch.testing.assert_close(out[unaffected], clean[unaffected], atol=0, rtol=0, msg=name)
 
 
+@pytest.mark.parametrize("num_splits", (1, 3))
+def test_query_with_every_score_minus_inf_is_nan(interpreter, gen, num_splits):
+    """A query whose every visible score is -inf gets NaN (the reference's softmax over
+    nothing), with one split as with several (one split used to write 0)."""
+    q, k, v, parents, prefix = make_case(gen, batch=2, num_nodes=5, q_heads=4, kv_heads=2, head_dim=16,
+                                         kind="random", ragged=False, prefix=torch.tensor([0, 7]))
+    mask = tree_mask(parents)
+    k[0, :5, 1, 0] = float("-inf")  # row 0 has no prefix: KV head 1's queries see only these keys ...
+    q[0, :, 2:4, 0] = 1.0  # ... with q[..., 0] > 0 (heads 2, 3 share KV head 1): every score -inf
+    out = interpreter.tree_attention(q, k, v, mask, prefix, 16**-0.5, num_splits=num_splits)
+    ref = sk.reference.tree_attention(q, k, v, mask, prefix, 16**-0.5)
+    assert ref[0, :, 2:4].isnan().all()
+    assert torch.equal(out.isnan(), ref.isnan())
+    torch.testing.assert_close(out[~ref.isnan()], ref[~ref.isnan()])
+
+
 def test_head_dim_too_large(interpreter):
     q = torch.randn(1, 2, 2, 320)
     k = torch.randn(1, 4, 1, 320)

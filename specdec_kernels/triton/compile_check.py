@@ -4,9 +4,8 @@
 
 The interpreter cannot catch GPU code-generation problems (types, layouts, shared memory),
 so this lowers every configuration the tree_attention and verify wrappers launch to a cubin
-and reports its shared memory against the per-block limit (and, for verify, the registers
-and spill bytes `ptxas -v` reports: reported, not failed on; at the shipped launch config only
-sm_80 with fp32/fp16 logits and no draft probabilities spills, 16 bytes). Run it in a process without
+and reports its shared memory against the per-block limit, and the registers and spill bytes
+`ptxas -v` reports (reported, not failed on: they depend on the Triton version). Run it in a process without
 TRITON_INTERPRET=1 (triton's own helpers are interpreted there and cannot be compiled).
 """
 
@@ -71,14 +70,15 @@ def check_split(arch, dtype, head_dim, rows, packed, num_splits, page_size=0):
     pointers = {"q_ptr": f"*{elt}", "k_ptr": f"*{elt}", "v_ptr": f"*{elt}", "mask_ptr": "*i64" if packed else "*u8",
                 "seqlens_ptr": "*i32", "out_ptr": f"*{elt}", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
                 "bt_ptr": "*i32"}
-    constexprs = dict(GROUP=4, NUM_SPLITS=num_splits, NUM_M_BLOCKS=-(-rows // block_m), BLOCK_M=block_m,
+    constexprs = dict(GROUP=4, BLOCK_M=block_m,  # (the split count is a runtime argument: one kernel for all)
                       BLOCK_N=block_n, BLOCK_D=block_d, PACKED=packed,
                       PRECISION="ieee" if dtype == torch.float32 else None,
                       PAGED=page_size > 0, PAGE_SIZE=max(1, page_size))
     compiled = _compile(ta._split_kernel, pointers, constexprs, arch, num_warps=num_warps, num_stages=num_stages)
+    n_regs, n_spills = _ptxas_usage(compiled, arch)
     return dict(kernel="split", arch=arch, dtype=ELEMENT[dtype], head_dim=head_dim, rows=rows, packed=packed,
                 splits=num_splits, page_size=page_size or None, block=[block_m, block_n, block_d], num_warps=num_warps, num_stages=num_stages,
-                shared=compiled.metadata.shared, shared_limit=SHARED_LIMIT[arch])
+                shared=compiled.metadata.shared, shared_limit=SHARED_LIMIT[arch], n_regs=n_regs, n_spills=n_spills)
 
 
 def check_combine(arch, dtype, head_dim, num_splits):
@@ -88,7 +88,7 @@ def check_combine(arch, dtype, head_dim, num_splits):
 
     block_d = max(16, triton.next_power_of_2(head_dim))
     pointers = {"out_ptr": f"*{ELEMENT[dtype]}", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"}
-    constexprs = dict(GROUP=4, NUM_SPLITS=num_splits, M_PAD=16, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)
+    constexprs = dict(GROUP=4, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)
     compiled = _compile(ta._combine_kernel, pointers, constexprs, arch, num_warps=4)
     return dict(kernel="combine", arch=arch, dtype=ELEMENT[dtype], head_dim=head_dim, splits=num_splits,
                 shared=compiled.metadata.shared, shared_limit=SHARED_LIMIT[arch])

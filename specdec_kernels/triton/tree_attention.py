@@ -25,6 +25,7 @@ sizes need not divide the tile and pages may come in any order. PAGE_SIZE is a c
 powers of two (16, 32, 64) compile to shifts and masks.
 """
 
+import contextlib
 import functools
 
 import torch
@@ -76,15 +77,15 @@ def _split_kernel(
     stride_mb, stride_mt, stride_mw,
     stride_ob, stride_ot, stride_oh,
     stride_btb,
-    num_nodes, head_dim, qk_scale,
-    GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_M_BLOCKS: tl.constexpr,
+    num_nodes, head_dim, qk_scale, num_splits, num_m_blocks,
+    GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PACKED: tl.constexpr, PRECISION: tl.constexpr,
     PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 1,
 ):
     pid0 = tl.program_id(0)
-    split = pid0 % NUM_SPLITS
-    m_block = pid0 // NUM_SPLITS
+    split = pid0 % num_splits
+    m_block = pid0 // num_splits
     kv_head = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
 
@@ -109,7 +110,7 @@ def _split_kernel(
     bt_row = bt_ptr + b * stride_btb
 
     prefix_len = tl.load(seqlens_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(prefix_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, prefix_len)
 
@@ -129,7 +130,7 @@ def _split_kernel(
         m_i, l_i, acc = _attend_tile(q, k, v, key_ok[None, :], m_i, l_i, acc, qk_scale, PRECISION)
 
     # Tree: keys L_b + j, j < T, visible per the ancestor mask; done by the last split.
-    if split == NUM_SPLITS - 1:
+    if split == num_splits - 1:
         for start in range(0, num_nodes, BLOCK_N):
             tree_cols = start + cols
             col_ok = tree_cols < num_nodes
@@ -156,24 +157,28 @@ def _split_kernel(
             v_bad = (v != v) | (tl.abs(v.to(tl.float32)) == float("inf"))
             v = tl.where(v_bad, 0.0, v).to(v.dtype)
             m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, PRECISION)
-            sees_bad = tl.dot(visible.to(tl.float32), v_bad.to(tl.float32), input_precision="ieee") > 0.0
+            # Counts of 0/1 products: exact in an fp16 tensor-core dot with fp32 sums (an fp32
+            # "ieee" dot here made the compiler spill the whole kernel's registers).
+            sees_bad = tl.dot(visible.to(tl.float16), v_bad.to(tl.float16)) > 0.0
             acc = tl.where(sees_bad, float("nan"), acc)
 
-    if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # padding rows of the tile see nothing
+    if num_splits == 1:
+        # Rows that saw no weight at all get 0 / 0 = NaN, the reference's softmax over nothing
+        # (as the merged path gives); padding rows of the tile are not stored.
+        out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + b * stride_ob + node[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :],
         )
     else:
-        # Partials: [B, Hkv, NUM_SPLITS, M_pad, BLOCK_D] fp32 outputs and [.., M_pad] log2-sum-exp2.
+        # Partials: [B, Hkv, num_splits, M_pad, BLOCK_D] fp32 outputs and [.., M_pad] log2-sum-exp2.
         # A NaN sum (NaN in q or a key) counts as mass: its NaN must reach the combined output.
         has_mass = (l_i > 0.0) | (l_i != l_i)
         out = acc / tl.where(has_mass, l_i, 1.0)[:, None]
         lse = tl.where(has_mass, m_i + tl.math.log2(tl.where(has_mass, l_i, 1.0)), float("-inf"))
         num_kv_heads = tl.num_programs(1)
-        m_pad = NUM_M_BLOCKS * BLOCK_M
-        part = ((b * num_kv_heads + kv_head) * NUM_SPLITS + split) * m_pad + rows
+        m_pad = num_m_blocks * BLOCK_M
+        part = ((b * num_kv_heads + kv_head) * num_splits + split) * m_pad + rows
         tl.store(part_lse_ptr + part, lse)
         tl.store(part_o_ptr + part[:, None] * BLOCK_D + dims[None, :], out)
 
@@ -182,8 +187,8 @@ def _split_kernel(
 def _combine_kernel(
     out_ptr, part_o_ptr, part_lse_ptr,
     stride_ob, stride_ot, stride_oh,
-    head_dim,
-    GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, M_PAD: tl.constexpr,
+    head_dim, num_splits, m_pad,
+    GROUP: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -191,9 +196,9 @@ def _combine_kernel(
     b = tl.program_id(2).to(tl.int64)
     num_kv_heads = tl.num_programs(1)
     splits = tl.arange(0, BLOCK_S)
-    split_ok = splits < NUM_SPLITS
+    split_ok = splits < num_splits
     dims = tl.arange(0, BLOCK_D)
-    part = ((b * num_kv_heads + kv_head) * NUM_SPLITS + splits) * M_PAD + row
+    part = ((b * num_kv_heads + kv_head) * num_splits + splits) * m_pad + row
     lse = tl.load(part_lse_ptr + part, mask=split_ok, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
@@ -206,6 +211,12 @@ def _combine_kernel(
         out_ptr + b * stride_ob + node * stride_ot + head * stride_oh + dims,
         out.to(out_ptr.dtype.element_ty), mask=dims < head_dim,
     )
+
+
+def _on_device(device: torch.device):
+    """The CUDA device context for a launch on `device` (Triton launches on the current
+    device); nothing for CPU tensors (the interpreter)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @functools.lru_cache(maxsize=None)
@@ -297,32 +308,33 @@ def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale: float, 
     if num_splits > 1:
         part_o = torch.empty((batch, num_kv_heads, num_splits, m_pad, block_d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, num_kv_heads, num_splits, m_pad), dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = out  # unused
+    else:  # unused; fp32 like the real ones, so one compiled kernel serves every split count
+        part_o = part_lse = torch.empty(1, dtype=torch.float32, device=q.device)
     qk_scale = float(scale) * 1.4426950408889634  # log2(e): the kernels use exp2
-    _split_kernel[(num_m_blocks * num_splits, num_kv_heads, batch)](
-        q, k_cache, v_cache, tree_mask, cache_seqlens, out, part_o, part_lse,
-        block_table if paged else cache_seqlens,  # unread when not paged
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        tree_mask.stride(0), tree_mask.stride(1), tree_mask.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        block_table.stride(0) if paged else 0,
-        num_nodes, head_dim, qk_scale,
-        GROUP=group, NUM_SPLITS=num_splits, NUM_M_BLOCKS=num_m_blocks,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        PACKED=packed, PRECISION=precision,
-        PAGED=paged, PAGE_SIZE=page_size if paged else 1,
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    if num_splits > 1:
-        _combine_kernel[(rows, num_kv_heads, batch)](
-            out, part_o, part_lse,
+    with _on_device(q.device):  # Triton launches on the current device, not the tensors'
+        _split_kernel[(num_m_blocks * num_splits, num_kv_heads, batch)](
+            q, k_cache, v_cache, tree_mask, cache_seqlens, out, part_o, part_lse,
+            block_table if paged else cache_seqlens,  # unread when not paged
+            q.stride(0), q.stride(1), q.stride(2),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            tree_mask.stride(0), tree_mask.stride(1), tree_mask.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
-            head_dim,
-            GROUP=group, NUM_SPLITS=num_splits, M_PAD=m_pad,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            num_warps=4,
+            block_table.stride(0) if paged else 0,
+            num_nodes, head_dim, qk_scale, num_splits, num_m_blocks,  # runtime: no recompile as the cache grows
+            GROUP=group,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+            PACKED=packed, PRECISION=precision,
+            PAGED=paged, PAGE_SIZE=page_size if paged else 1,
+            num_warps=num_warps, num_stages=num_stages,
         )
+        if num_splits > 1:
+            _combine_kernel[(rows, num_kv_heads, batch)](
+                out, part_o, part_lse,
+                out.stride(0), out.stride(1), out.stride(2),
+                head_dim, num_splits, m_pad,
+                GROUP=group,
+                BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+                num_warps=4,
+            )
     return out

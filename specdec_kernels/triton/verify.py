@@ -58,6 +58,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .tree_attention import _on_device
+
 try:  # accurate logf on the GPU (tl.log may lower to the approximate lg2)
     from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - very old triton
@@ -476,15 +478,16 @@ def verify(target_logits, tree_tokens, parents, draft_probs, temperature, top_k,
     num_accepted = torch.empty(batch, dtype=torch.int32, device=device)
     output_tokens = torch.full((batch, num_nodes), -1, dtype=torch.int64, device=device)
     block_v, num_warps = launch_config(vocab)
-    _verify_kernel[(batch,)](
-        target_logits, tree_tokens, parents, q,
-        temperature, top_k, top_p, seed,
-        accepted, num_accepted, output_tokens,
-        target_logits.stride(0), target_logits.stride(1), q.stride(0), q.stride(1),
-        tree_tokens.stride(0), tree_tokens.stride(1), parents.stride(0), parents.stride(1),
-        num_nodes, vocab,
-        HAS_Q=has_q, BLOCK_V=block_v, BLOCK_T=max(2, triton.next_power_of_2(num_nodes)),
-        ACCURATE_LOG=(not is_interpreted) and libdevice is not None,
-        num_warps=num_warps,
-    )
+    with _on_device(device):  # Triton launches on the current device, not the tensors'
+        _verify_kernel[(batch,)](
+            target_logits, tree_tokens, parents, q,
+            temperature, top_k, top_p, seed,
+            accepted, num_accepted, output_tokens,
+            target_logits.stride(0), target_logits.stride(1), q.stride(0), q.stride(1),
+            tree_tokens.stride(0), tree_tokens.stride(1), parents.stride(0), parents.stride(1),
+            num_nodes, vocab,
+            HAS_Q=has_q, BLOCK_V=block_v, BLOCK_T=max(2, triton.next_power_of_2(num_nodes)),
+            ACCURATE_LOG=(not is_interpreted) and libdevice is not None,
+            num_warps=num_warps,
+        )
     return accepted, num_accepted, output_tokens
