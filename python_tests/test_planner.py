@@ -288,6 +288,18 @@ def test_cost_model_interpolates_and_refreshes():
     assert float(fresh.step_seconds(1, torch.tensor([4]), prefix=cm.CAL_PREFIX)[0]) == pytest.approx(1.4)
 
 
+def test_cost_model_key_names_the_attention_backend(target, monkeypatch):
+    """A table measured with one tree-attention backend is not reused with another (on a GPU
+    the reference, Triton and CUDA kernels cost very differently)."""
+    from specdec_kernels import _extension
+
+    default = cm.identity(target)
+    assert default["attention"] == _extension.available_backends("tree_attention", "cpu")[0]
+    monkeypatch.setattr(_extension, "available_backends", lambda op, device_type: ["triton", "reference"])
+    other = cm.identity(target)
+    assert other["attention"] == "triton" and other != default
+
+
 def test_cost_model_cached_per_model_and_device(target, tmp_path, capsys):
     path = tmp_path / "cost.json"
     first = cm.CostModel.for_model(target, path=path, verbose=True)

@@ -82,10 +82,16 @@ def device_identity(device: torch.device) -> str:
 
 
 def identity(model) -> dict:
-    """The key a cost measurement is valid for (model, device, dtype, format)."""
+    """The key a cost measurement is valid for (model, device, dtype, format, and the backend
+    tree attention runs on that device: on a GPU the reference, Triton and CUDA kernels cost
+    very differently, so a table measured with one is not reused with another)."""
+    from . import _extension
+
     param = next(model.parameters())
+    device_type = "cpu" if param.is_cpu else param.device.type
+    backends = _extension.available_backends("tree_attention", device_type)
     return {**model_identity(model), "device": device_identity(param.device), "dtype": str(param.dtype).replace("torch.", ""),
-            "format": FORMAT}
+            "format": FORMAT, "attention": backends[0]}  # (the default backend: triton_by_default counts)
 
 
 class CostModel:
