@@ -259,6 +259,35 @@ def test_gpu_cuda_graph_capture(gen):
     assert torch.equal(captured.output_tokens, ref.output_tokens)
 
 
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_capture_first_with_scalar_settings(gen):
+    """Sampling settings as Python scalars and an int seed, captured into a CUDA graph before
+    any eager call at this batch size: the per-row defaults made during capture are not cached
+    (they are filled only at replay), so a later eager call reads real values, and the int
+    seed is made by a fill, which capture records."""
+    import specdec_kernels as sk
+
+    logits, tokens, parents, q = make_case(gen, 4, 9, 32000, kind="chain", with_probs=True, dtype=torch.bfloat16,
+                                           device="cuda")
+    other = make_case(gen, 2, 9, 32000, kind="chain", with_probs=True, dtype=torch.bfloat16, device="cuda")
+    kw = dict(temperature=0.7, top_k=50, top_p=0.9, seed=1234)
+    graph = torch.cuda.CUDAGraph()
+    old = sk.config.check_values
+    sk.config.check_values = False  # the value checks sync with the host
+    try:
+        verify(other[0], other[1], other[2], draft_probs=other[3], backend="triton", **kw)  # compile, another batch size
+        with torch.cuda.graph(graph):
+            captured = verify(logits, tokens, parents, draft_probs=q, backend="triton", **kw)
+    finally:
+        sk.config.check_values = old
+    graph.replay()
+    eager = verify(logits, tokens, parents, draft_probs=q, backend="triton", **kw)
+    ref = verify(logits, tokens, parents, draft_probs=q, backend="reference", **kw)
+    assert torch.equal(captured.output_tokens, ref.output_tokens)
+    assert torch.equal(eager.output_tokens, ref.output_tokens)
+
+
 @pytest.mark.skipif(INTERPRETED is not None or os.environ.get("SPECDEC_TRITON_CHILD") == "1",
                     reason="the interpreter tests ran in this process")
 def test_interpreter_tests_in_a_fresh_process():
