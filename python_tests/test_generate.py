@@ -18,6 +18,7 @@ scipy_stats = pytest.importorskip("scipy.stats")
 
 import specdec_kernels as sk  # noqa: E402
 from specdec_kernels import hf  # noqa: E402
+from conftest import requires_cuda  # noqa: E402
 
 VOCAB = 128
 
@@ -193,6 +194,35 @@ def test_ngram_drafter_index_matches_rescan():
             keep = torch.tensor([0, 2])
             indexed.keep_rows(keep)
             history, lengths = history[keep], lengths[keep]
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tree_width", [1, 3])
+def test_ngram_drafter_cuda_history_matches_cpu(tree_width):
+    """A history on the GPU gets the same drafts (tokens, parents, scores) as on the CPU, on
+    the GPU; without a compiled CUDA n-gram kernel, chains are matched by the host index
+    (not the per-row reference loop)."""
+    g = torch.Generator().manual_seed(12)
+    batch, capacity = 4, 300
+    history = torch.randint(1, 6, (batch, capacity), generator=g)
+    lengths = torch.tensor([5, 1, 30, 64])
+    on_cpu = sk.NgramDrafter(min_n=1, max_n=3, num_tokens=4, tree_width=tree_width)
+    on_gpu = sk.NgramDrafter(min_n=1, max_n=3, num_tokens=4, tree_width=tree_width)
+    on_cpu.start(history, lengths, capacity)
+    on_gpu.start(history.cuda(), lengths.cuda(), capacity)
+    if tree_width == 1 and "cuda" not in sk.available_backends("ngram_propose", "cuda"):
+        assert on_gpu.index is not None or not sk.NgramIndex.has_compiled_backend()
+    for step in range(12):
+        budget = None if step % 2 else torch.randint(0, 6, (history.shape[0],), generator=g)
+        want = on_cpu.propose(history, lengths, budget=budget)
+        got = on_gpu.propose(history.cuda(), lengths.cuda(), budget=None if budget is None else budget.cuda())
+        assert got.tree.tokens.device.type == "cuda" and got.tree.parents.device.type == "cuda"
+        assert torch.equal(got.tree.tokens.cpu(), want.tree.tokens) and torch.equal(got.tree.parents.cpu(), want.tree.parents)
+        assert (got.scores is None) == (want.scores is None)
+        if want.scores is not None:
+            assert got.scores.device.type == "cuda" and torch.equal(got.scores.cpu(), want.scores)
+        lengths = lengths + torch.randint(0, 5, lengths.shape, generator=g)
 
 
 @pytest.mark.parametrize("max_new_tokens", [0, 1, 2, 7])

@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ._extension import COMPILED
 from .ngram import ngram_propose, ngram_propose_tree
 from .ngram_index import NgramIndex
 from .tree import TokenTree, tree_mask
@@ -207,10 +208,12 @@ class Drafter:
 class NgramDrafter(Drafter):
     """Prompt-lookup drafts: the tokens that followed the latest n-gram earlier in the history.
 
-    Chains on CPU use the incremental `NgramIndex` (one slot per row, fed the tokens each
-    step appended: O(max_n) per token instead of rescanning the history); trees, and
-    histories on a GPU, call `ngram_propose_tree` / `ngram_propose` on the history. Both give
-    the same drafts.
+    Chains use the incremental `NgramIndex` (one slot per row, fed the tokens each step
+    appended: O(max_n) per token instead of rescanning the history); trees call
+    `ngram_propose_tree` on the history. Both give the same drafts. A history on a GPU is
+    matched there when the extension has a compiled kernel for that GPU, else on the host
+    (the index, or the tree op on a copy of the history) and the drafts are moved to the
+    GPU: the GPU's fallback, the plain-torch reference, is a Python loop with host syncs.
 
     Args:
         min_n, max_n: n-gram sizes tried, longest first.
@@ -229,9 +232,10 @@ class NgramDrafter(Drafter):
         self.index = None
 
     def start(self, history, lengths, capacity):
-        """Chains on CPU: index every row's prompt (slot b = row b)."""
+        """Chains matched on the host: index every row's prompt (slot b = row b)."""
         self.index = None
-        if self.tree_width == 1 and history.device.type == "cpu" and NgramIndex.has_compiled_backend():
+        on_host = history.is_cpu or _no_compiled_kernel(history.device, "ngram_propose")
+        if self.tree_width == 1 and on_host and NgramIndex.has_compiled_backend():
             self.index = NgramIndex(history.shape[0], max_n=self.max_n)
             for b, n in enumerate(lengths.tolist()):
                 self.index.reset(b, history[b, :n])
@@ -259,19 +263,25 @@ class NgramDrafter(Drafter):
         root = root_tokens(history, lengths)
         if self.tree_width > 1:
             tokens = history[:, : int(lengths.max())]
-            tree = ngram_propose_tree(tokens, lengths, num_tokens=self.num_tokens, tree_width=self.tree_width,
-                                      max_nodes=most, **args)
+            if _no_compiled_kernel(tokens.device, "ngram_propose_tree") and "CPU" in COMPILED["ngram_propose_tree"]:
+                tree = ngram_propose_tree(tokens.cpu(), lengths.cpu(), num_tokens=self.num_tokens,
+                                          tree_width=self.tree_width, max_nodes=most, **args).to(tokens.device)
+            else:
+                tree = ngram_propose_tree(tokens, lengths, num_tokens=self.num_tokens, tree_width=self.tree_width,
+                                          max_nodes=most, **args)
             tree.tokens[:, 0] = root
             draft = Draft(TokenTree(tree.tokens.long(), tree.parents))
             return first_nodes(draft, budget) if budget is not None else Draft(trimmed(draft.tree))
         if self.index is not None:
-            # Feed each row the tokens appended since the last step, then propose.
-            lengths = lengths.long()
-            new = lengths - self.indexed
+            # Feed each row the tokens appended since the last step, then propose (on the host:
+            # a GPU history sends only the appended tokens).
+            host_lengths = lengths.long().cpu()
+            new = host_lengths - self.indexed
             j = torch.arange(max(int(new.max()), 1))
-            appended = history.gather(1, (self.indexed[:, None] + j).clamp(max=history.shape[1] - 1))
+            gather_at = (self.indexed[:, None] + j).clamp(max=history.shape[1] - 1)
+            appended = history.gather(1, gather_at.to(history.device))
             drafts, draft_lens = self.index.append_and_propose(self.slots, appended, new, num_tokens=depth, **args)
-            self.indexed = lengths.clone()
+            self.indexed = host_lengths
 
             def found_with(min_n):  # which rows have a match of min_n tokens or more
                 return self.index.propose(self.slots, min_n=min_n, max_n=self.max_n, num_tokens=1)[1] > 0
@@ -295,10 +305,17 @@ class NgramDrafter(Drafter):
             history_rows = history[rows, : int(lengths[rows].max())]
             extended = suffix_match_lengths(history_rows, lengths[rows], drafts[rows, 0].to(history.device))
             matched[rows] = torch.maximum(matched[rows], extended.to(matched.device))
-        tree = TokenTree.chain(root, drafts.long(), draft_lens)
+        # Host-matched drafts join the history's device here, once.
+        tree = TokenTree.chain(root, drafts.long().to(root.device), draft_lens.to(root.device))
         width = int(tree.num_nodes.max())
-        scores = match_scores(matched, width - 1)
+        scores = match_scores(matched.to(root.device), width - 1)
         return Draft(TokenTree(tree.tokens[:, :width], tree.parents[:, :width]), scores=scores)
+
+
+def _no_compiled_kernel(device: torch.device, op: str) -> bool:
+    """Whether `op` on `device` tensors would run the plain-torch reference (no compiled
+    kernel for that device): on a GPU a per-row Python loop with a host sync per match."""
+    return device.type not in ("cpu", "meta") and device.type.upper() not in COMPILED[op]
 
 
 def suffix_match_lengths(history: torch.Tensor, lengths: torch.Tensor, first_tokens: torch.Tensor,
