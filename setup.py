@@ -25,12 +25,36 @@ runs the fallback paths (tree attention's SIMT kernel, verify's per-lane histogr
 import glob
 import os
 import shutil
+import subprocess
 import sys
 
 from setuptools import setup
 
+
+def set_cuda_home_from_nvcc():
+    """Point CUDA_HOME at the toolkit of the nvcc on PATH, as nvcc itself reports it (TOP in
+    its --dryrun output), when neither CUDA_HOME nor CUDA_PATH is set. torch takes nvcc's
+    grandparent directory instead, which is wrong for a wrapper script such as
+    /usr/local/bin/nvcc running /usr/local/cuda-13.0/bin/nvcc (this project's machines):
+    everything compiles, then the link looks for libcudart in /usr/local/lib and fails."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None or os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    try:
+        dryrun = subprocess.run([nvcc, "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+                                capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return  # torch's own guess stands
+    for line in (dryrun.stdout + dryrun.stderr).splitlines():
+        if line.startswith("#$ TOP="):
+            os.environ["CUDA_HOME"] = os.path.realpath(line[len("#$ TOP="):].strip())
+            return
+
+
 try:
     import torch
+
+    set_cuda_home_from_nvcc()  # before cpp_extension reads CUDA_HOME (at import)
     from torch.utils import cpp_extension
 except ImportError as error:
     sys.exit(
