@@ -14,7 +14,7 @@ pytest.importorskip("matplotlib")
 
 from specdec_kernels import cli, workloads  # noqa: E402
 from specdec_kernels.benchmarks import common, e2e, kernels  # noqa: E402
-from conftest import WordTokenizer  # noqa: E402
+from conftest import INTERPRETER_DEFECT, WordTokenizer  # noqa: E402
 
 VOCAB = 512
 HEADER_KEYS = {"benchmark", "device", "backend", "torch", "triton", "transformers", "commit", "date", "rows"}
@@ -273,6 +273,8 @@ def test_verify_smoke_writes_json_and_plot(monkeypatch, tmp_path):
 
     if not _extension.HAS_TRITON:
         pytest.skip("triton not installed")
+    if INTERPRETER_DEFECT is not None:
+        pytest.skip(INTERPRETER_DEFECT)
     kernel = sys.modules.get("specdec_kernels.triton.verify")
     if kernel is not None and not kernel.interpreted():
         pytest.skip("the Triton verify kernels were imported for the compiler earlier in this process")

@@ -46,7 +46,7 @@ def _hf_processors(config, prompt_len, pad_length):
     eos = torch.tensor(EOS)
     procs = []
     if config.get("repetition_penalty"):
-        procs.append(hf.RepetitionPenaltyLogitsProcessor(config["repetition_penalty"], prompt_ignore_length=torch.tensor([pad_length])))
+        procs.append(hf.RepetitionPenaltyLogitsProcessor(config["repetition_penalty"], prompt_ignore_length=int(pad_length)))
     if config.get("no_repeat_ngram_size"):
         procs.append(hf.NoRepeatNGramLogitsProcessor(config["no_repeat_ngram_size"]))
     if config.get("bad_words_ids"):

@@ -4,7 +4,6 @@ verifies the same trees (the adaptive planner must not plan from a rank's own ti
 whose forwards differ in shape break the collectives)."""
 
 import os
-import shutil
 import subprocess
 import sys
 
@@ -20,8 +19,6 @@ from tp_worker import CASES  # noqa: E402
 
 
 def test_tensor_parallel_matches_one_process(tmp_path):
-    if shutil.which("torchrun") is None:
-        pytest.skip("torchrun not on PATH")
     torch.manual_seed(0)
     # 8 query / 4 KV heads: each of the 2 ranks holds 2 KV heads, so the cache must be sized
     # from what the sharded model writes, not from the config.
@@ -35,7 +32,8 @@ def test_tensor_parallel_matches_one_process(tmp_path):
     # A clean environment: settings earlier tests left in os.environ must not reach the workers.
     env = {k: os.environ[k] for k in ("PATH", "HOME", "TMPDIR", "LANG") if k in os.environ}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p), HF_HUB_OFFLINE="1")
-    run = subprocess.run(["torchrun", "--standalone", "--nproc-per-node", "2", worker,
+    # torchrun as a module of this interpreter: a `torchrun` on PATH may be another Python's.
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", worker,
                           str(tmp_path / "model"), str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[:3000] + "\n...\n" + run.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
