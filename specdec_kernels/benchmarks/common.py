@@ -108,6 +108,17 @@ def metadata(benchmark: str, device, backend: Optional[str], **extra) -> dict:
     }
 
 
+def import_error(module: str) -> Optional[str]:
+    """None if `module` imports, else why not (a peer left out for it is named in the results,
+    never silently missing). Any exception counts: a broken install (missing CUDA library, ABI
+    mismatch) is as unusable as an absent one."""
+    try:
+        importlib.import_module(module)
+    except Exception as error:  # noqa: BLE001
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+    return None
+
+
 def write_json(result: dict, path) -> Path:
     """Write `result` (indented) to `path`, creating folders; returns the path."""
     path = Path(path)

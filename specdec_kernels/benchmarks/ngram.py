@@ -327,6 +327,17 @@ def main(argv=None) -> int:
                                                     "the plot goes beside it)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    threads = torch.get_num_threads()
+    try:
+        return sweep(args)
+    finally:
+        # `specdec bench kernels` runs the GPU benchmarks next in this process: their host-side
+        # work (inputs, checks, launches) gets the machine's threads back, not --threads.
+        torch.set_num_threads(threads)
+
+
+def sweep(args) -> int:
+    """The sweep of `main` with parsed arguments (torch's thread count set to --threads)."""
     torch.set_num_threads(args.threads)
     if HAS_NUMBA:
         numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))

@@ -19,7 +19,7 @@ Methods:
   flex        compiled FlexAttention (enable_gqa) with a BlockMask built from the same mask
               (block mask built outside the timing)
   flashinfer  BatchPrefillWithRaggedKVCacheWrapper with a custom mask (planned outside the
-              timing), when flashinfer imports
+              timing), when flashinfer imports (else the JSON's peers_skipped says why)
 Each method's output is checked against the reference before timing; a method that fails
 or runs out of memory is reported as such, not timed.
 
@@ -28,7 +28,7 @@ once + q + output, flops = 4 * B * Hq * T * (prefix + T) * D; BW is measured in 
 (a large device-to-device copy), peak from a large bf16 matmul in this run.
 Times: median of CUDA-event-timed calls after warm-up calls (benchmarks.common.time_kernel), L2
 flushed before each call (the caches are too large to rotate copies of; launch overhead of the
-Python wrappers included, as a user sees it).
+Python wrappers included, as a user sees it; input value checks off, as in `generate`).
 Writes bench/results/tree_attention_<device>.json and .png (not in --smoke mode).
 """
 
@@ -46,6 +46,7 @@ PREFIXES = (512, 2048, 8192, 32768)
 BATCHES = (1, 8, 32)
 
 ARGS = None  # the parsed command line (set by main)
+PEERS_SKIPPED = {}  # peer -> why it cannot run here (set by main; written to the results)
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 sk = _extension = pack_tree_mask = reference = tree_mask = None  # imported by main (after TRITON_INTERPRET is set)
 
@@ -91,9 +92,12 @@ def random_parents(batch, num_nodes, gen):
 
 def make_inputs(batch, num_nodes, prefix, q_heads, kv_heads, head_dim, dtype, gen):
     cache_len = prefix + num_nodes
-    k = torch.randn(batch, cache_len, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
-    v = torch.randn(batch, cache_len, kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
-    q = torch.randn(batch, num_nodes, q_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    # Drawn on the device, seeded from `gen`: the largest caches hold 2e9 values, many seconds
+    # of the CPU generator per config (and 8 GB of fp32 in host memory).
+    dgen = torch.Generator(DEVICE).manual_seed(int(torch.randint(1 << 62, (), generator=gen)))
+    k = torch.randn(batch, cache_len, kv_heads, head_dim, generator=dgen, device=DEVICE, dtype=dtype)
+    v = torch.randn(batch, cache_len, kv_heads, head_dim, generator=dgen, device=DEVICE, dtype=dtype)
+    q = torch.randn(batch, num_nodes, q_heads, head_dim, generator=dgen, device=DEVICE, dtype=dtype)
     bool_mask = tree_mask(random_parents(batch, num_nodes, gen)).to(DEVICE)
     seqlens = torch.full((batch,), prefix, dtype=torch.int32, device=DEVICE)
     return q, k, v, bool_mask, seqlens
@@ -183,12 +187,8 @@ def methods():
     peers = [] if ARGS.no_peers else [("sdpa_dense_mask", build_sdpa_dense)]
     if not ARGS.no_peers and DEVICE.type == "cuda":
         peers.append(("flex", build_flex))
-        try:
-            import flashinfer  # noqa: F401
-
+        if "flashinfer" not in PEERS_SKIPPED:
             peers.append(("flashinfer", build_flashinfer))
-        except ImportError:
-            pass
     keep = lambda methods: [(n, b) for n, b in methods if n not in ARGS.skip]  # noqa: E731
     return keep(ours), keep(peers)
 
@@ -268,7 +268,10 @@ def run_config(cfg, hardware, gen):
             err = (out.float() - expected.float()).abs().max().item()
             if not err <= tol:
                 raise AssertionError(f"max abs error {err:.3g} > {tol}")
-            times[name] = common.time_kernel(lambda _: fn(), DEVICE, reps=reps, warmup=3, flush_l2=True).median_us
+            # Timed as `generate` calls the op: without the input value checks, whose host sync
+            # would be timed as ours.
+            with sk.config.value_checks(False):
+                times[name] = common.time_kernel(lambda _: fn(), DEVICE, reps=reps, warmup=3, flush_l2=True).median_us
         except Exception as error:  # a peer that cannot run this config is reported, not fatal
             row["errors"][name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
             if DEVICE.type == "cuda":
@@ -336,6 +339,11 @@ def main(argv=None) -> int:
     _import_package()
     gen = torch.Generator().manual_seed(0)
     device_name = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "CPU (Triton interpreter smoke run)"
+    if DEVICE.type == "cuda" and not ARGS.no_peers and "flashinfer" not in ARGS.skip:
+        why = common.import_error("flashinfer")
+        if why:
+            PEERS_SKIPPED["flashinfer"] = f"not importable ({why})"
+            print(f"flashinfer peer skipped: {PEERS_SKIPPED['flashinfer']}", flush=True)
     hardware = measure_hardware()
     if hardware[0]:
         print(f"{device_name}: copy bandwidth {hardware[0] / 1e12:.2f} TB/s, bf16 matmul {hardware[1] / 1e12:.0f} TFLOP/s")
@@ -359,8 +367,10 @@ def main(argv=None) -> int:
         mode="smoke" if ARGS.smoke else ("full" if ARGS.full else "quick"),
         copy_bandwidth_Bps=hardware[0],
         matmul_peak_flops=hardware[1],
-        stat="median of CUDA-event-timed calls after 3 warm-up calls, L2 flushed before each; ours_us = best "
-             "available of ours (cuda, then triton); floor_us = max(bytes / copy bandwidth, flops / matmul peak)",
+        peers_skipped=PEERS_SKIPPED,
+        stat="median of CUDA-event-timed calls after 3 warm-up calls, L2 flushed before each, input value checks "
+             "off (as generate calls the op); ours_us = best available of ours (cuda, then triton); floor_us = "
+             "max(bytes / copy bandwidth, flops / matmul peak)",
     )
     result["device"] = device_name
     result["rows"] = rows

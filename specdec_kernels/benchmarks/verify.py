@@ -20,15 +20,17 @@ Methods:
                 rejected node and torch.multinomial; chains only
   reference     verify(backend="reference") (torch ops, one tree depth per step): tree peer
   flashinfer    flashinfer.sampling.chain_speculative_sampling on softmax(logits) (the softmax
-                counted), chains with draft probabilities, when flashinfer imports
+                counted), chains with draft probabilities, when flashinfer imports (else the
+                JSON's peers_skipped says why)
 Ours is checked against the reference before timing (greedy rows exactly, sampled rows on
 the same Philox draws).
 
 Floor: bytes actually needed / bandwidth measured in this run (a large device copy), with
 bytes = the logits of the nodes on the accepted path (plus the node the last token is sampled
 at) + the draft probabilities read at those nodes + the outputs. Times: median of CUDA-event
-timed calls after warm-up (benchmarks.common.time_cuda), inputs rotated over copies so L2
-(50 MB) does not hold them.
+timed calls after warm-up (benchmarks.common.time_cuda), inputs rotated over copies and L2
+(50 MB) flushed before each call, so that no call finds its inputs in L2; input value checks
+off as in `generate` (each call's input checks sync with the host).
 Writes bench/results/verify_<device>.json and .png (not in --smoke mode).
 """
 
@@ -84,14 +86,18 @@ def make_inputs(batch, kind, size, vocab, mode, device, gen):
     tokens = torch.randint(0, vocab, (batch, num_nodes), generator=gen)
     if kind == "tree":  # distinct siblings: token = parent-dependent offset + node index
         tokens = (tokens[:, :1] + torch.arange(num_nodes) * 7919) % vocab
-    logits = torch.randn(batch, num_nodes, vocab, generator=gen) * 2.0
-    rows = torch.arange(batch)
+    tokens, parents = tokens.to(device), parents.to(device)
+    # The [B, T, V] tensors are drawn on the device, seeded from `gen` (up to 2.5e9 values: many
+    # seconds of the CPU generator per config).
+    dgen = torch.Generator(device).manual_seed(int(torch.randint(1 << 62, (), generator=gen)))
+    logits = torch.randn(batch, num_nodes, vocab, generator=dgen, device=device).mul_(2.0)
+    rows = torch.arange(batch, device=device)
     for i in range(1, num_nodes):
         logits[rows, parents[:, i], tokens[:, i]] += 12.0  # a likely draft (siblings compete)
     with_probs = mode != "greedy" and kind == "chain"
     draft_probs = None
     if with_probs:
-        draft_probs = torch.softmax(torch.randn(batch, num_nodes, vocab, generator=gen), -1) * 0.5
+        draft_probs = torch.softmax(torch.randn(batch, num_nodes, vocab, generator=dgen, device=device), -1) * 0.5
         for i in range(1, num_nodes):
             draft_probs[rows, parents[:, i], tokens[:, i]] += 0.5
     if mode == "greedy":
@@ -100,29 +106,37 @@ def make_inputs(batch, kind, size, vocab, mode, device, gen):
         temperature = torch.ones(batch)
     else:
         temperature = torch.where(torch.arange(batch) % 2 == 0, 0.0, 1.0)
-    to = lambda x: None if x is None else x.to(device)  # noqa: E731
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return (logits.to(device, dtype), to(tokens), to(parents), None if draft_probs is None else draft_probs.to(device),
-            to(temperature))
+    return logits.to(dtype), tokens, parents, draft_probs, temperature.to(device)
 
 
 # ----------------------------------------------------------------------------- peers
 
 
-def torch_native_chain(logits, tokens, draft_probs, temperature):
+def torch_native_chain(logits, tokens, draft_probs, temperature, greedy_only=False):
     """HF / gpt-fast style chain verification: softmax over every node, then vectorised accept.
 
     Sampled rows: accept draft i iff rand < p_i(x_i) / q_i(x_i); the first rejection's residual
     max(p - q, 0) is sampled with torch.multinomial, or the bonus token from the last node.
-    Greedy rows: argmax of every node compared with the drafts.
+    Greedy rows: argmax of every node compared with the drafts. greedy_only (every row greedy,
+    known when the inputs are built, so no host sync): HF's greedy path, argmax alone, without
+    the softmax and sampling no greedy row needs.
     """
     batch, num_nodes, vocab = logits.shape
     k = num_nodes - 1
     drafts = tokens[:, 1:]
+    rows = torch.arange(batch, device=logits.device)
+    if greedy_only:
+        greedy_tok = logits.argmax(-1)
+        num_accepted = (greedy_tok[:, :k] == drafts).int().cumprod(-1).sum(-1)
+        out = torch.full((batch, num_nodes), -1, dtype=torch.int64, device=logits.device)
+        keep = torch.arange(k, device=logits.device)[None, :] < num_accepted[:, None]
+        out[:, :k] = torch.where(keep, drafts, -1)
+        out[rows, num_accepted.long()] = greedy_tok[rows, num_accepted.long()]
+        return num_accepted, out
     temp = torch.where(temperature > 0, temperature, 1.0)
     probs = torch.softmax(logits.float() / temp[:, None, None], dim=-1)  # every node's logits
     greedy_tok = logits.argmax(-1)
-    rows = torch.arange(batch, device=logits.device)
     if draft_probs is not None:
         p_x = probs[:, :k].gather(-1, drafts[..., None])[..., 0]
         q_x = draft_probs[:, :k].gather(-1, drafts[..., None])[..., 0]
@@ -215,31 +229,34 @@ def run_config(sk, cfg, ours, args, bandwidth, device, gen):
     methods = [(name, ours_fn(name)) for name in ours]
     if not args.no_peers:
         if cfg["kind"] == "chain":
+            greedy_only = cfg["mode"] == "greedy"
             methods.append(("torch_native", lambda i: torch_native_chain(inputs[i % copies][0], tokens,
+                                                                         inputs[i % copies][1], temperature,
+                                                                         greedy_only)))
+            if draft_probs is not None and args.flashinfer and cfg["mode"] == "sampled":
+                methods.append(("flashinfer", lambda i: flashinfer_chain(inputs[i % copies][0], tokens,
                                                                          inputs[i % copies][1], temperature)))
-            if draft_probs is not None and device.type == "cuda" and cfg["mode"] == "sampled":
-                try:
-                    import flashinfer  # noqa: F401
-
-                    methods.append(("flashinfer", lambda i: flashinfer_chain(inputs[i % copies][0], tokens,
-                                                                             inputs[i % copies][1], temperature)))
-                except ImportError:
-                    pass
         else:
             methods.append(("reference", ours_fn("reference")))
+    greedy = (temperature == 0).cpu()
     for name, fn in methods:
         try:
+            out = fn(0)
             if name in ours:
-                out = fn(0)
-                greedy = (temperature == 0).cpu()
                 same = (out.output_tokens.cpu() == ref.output_tokens.cpu()).all(1)
                 if not same[greedy].all():
                     raise AssertionError("greedy rows differ from the reference")
                 if (~same[~greedy]).float().mean() > 0.05:
                     raise AssertionError(f"{int((~same[~greedy]).sum())} sampled rows differ from the reference")
-            else:
-                fn(0)
-            times[name] = common.time_kernel(fn, device, reps=reps, n_sets=copies, warmup=WARMUP).median_us
+            elif name == "torch_native" and not (out[1].cpu() == ref.output_tokens.cpu()).all(1)[greedy].all():
+                raise AssertionError("greedy rows differ from the reference")
+            # Timed as `generate` calls the ops: without the input value checks, whose host syncs
+            # (and, with draft probs, a pass over every checked row) would be timed as ours. L2 is
+            # flushed as well: a call reads only the visited nodes' rows, a fraction of its copy,
+            # and 8 copies of a small batch are a few MB, so rotation alone can leave them in L2.
+            with sk.config.value_checks(False):
+                times[name] = common.time_kernel(fn, device, reps=reps, n_sets=copies, warmup=WARMUP,
+                                                 flush_l2=True).median_us
         except Exception as error:  # a method that cannot run this config is reported, not fatal
             row["errors"][name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
     for name in ours:
@@ -336,6 +353,12 @@ def main(argv=None) -> int:
     if bandwidth:
         print(f"{device_name}: copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     peers = [] if args.no_peers else ["torch_native", "flashinfer", "reference"]
+    # flashinfer runs on CUDA tensors only; a GPU run without it says so in the results.
+    why = common.import_error("flashinfer") if has_cuda and not args.no_peers else None
+    args.flashinfer = has_cuda and not args.no_peers and why is None
+    peers_skipped = {"flashinfer": f"not importable ({why})"} if why else {}
+    if why:
+        print(f"flashinfer peer skipped: not importable ({why})", flush=True)
     peer_names = [f"ours_{n}" for n in ours[1:]] + peers
     todo = configs(args)
     rows = []
@@ -354,8 +377,11 @@ def main(argv=None) -> int:
         "verify", device, ours[0],
         mode="smoke" if args.smoke else ("full" if args.full else "quick"),
         copy_bandwidth_Bps=bandwidth,
-        stat=f"median of CUDA-event-timed calls after {WARMUP} warm-up calls, inputs rotated over copies (> L2); "
-             "ours_us = best available of ours (cuda, then triton); floor_us = bytes needed / copy bandwidth",
+        peers_skipped=peers_skipped,
+        stat=f"median of CUDA-event-timed calls after {WARMUP} warm-up calls, inputs rotated over copies, L2 "
+             "flushed before each, input value checks off (as generate calls "
+             "the ops); ours_us = best available of ours (cuda, then triton); floor_us = bytes needed / copy "
+             "bandwidth",
     )
     result["device"] = device_name
     result["rows"] = rows

@@ -1,9 +1,32 @@
 """The e2e benchmark's models: the target and draft from the command line, or a Llama-3-8B-shaped
 model with random weights (GPU) for the share of each step spent in our kernels."""
 
+import re
+import zlib
+
 import torch
 
 RANDOM_LLAMA = "llama3-8b-random"
+
+
+class WordTokenizer:
+    """The random model's tokenizer when the default model, whose tokenizer it otherwise uses,
+    is not installed (a GPU machine the model's parts did not reach): words and punctuation
+    marks, each hashed to an id in [1, 49152) (the default tokenizer's vocabulary size, so
+    prompts keep about their length in tokens; with random weights what an id means does not
+    matter), and a plain chat template. Only what the e2e benchmark calls."""
+
+    pad_token_id = 0
+    eos_token_id = None
+    chat_template = "<|role|>\\ncontent\\n per message, then <|assistant|>\\n"
+
+    def __call__(self, text, return_tensors="pt", add_special_tokens=True):
+        ids = [1 + zlib.crc32(w.encode()) % 49151 for w in re.findall(r"\w+|[^\w\s]", text)]
+        return {"input_ids": torch.tensor([ids], dtype=torch.long)}
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+        return text + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
 def random_llama3_8b(*, layers=None, device="cuda", dtype=torch.bfloat16, pad_token_id=None):
@@ -36,14 +59,20 @@ def load_models(args, device):
         if device.type != "cuda":
             raise SystemExit(f"specdec bench e2e: --model {RANDOM_LLAMA} needs a CUDA GPU (Llama-3-8B shapes in bf16: "
                              "16 GB of weights with all 32 layers); none is visible here")
-        _, tokenizer = load_model(None, verbose=False)  # prompts tokenized as for the default model (ids < 49152)
+        try:
+            _, tokenizer = load_model(None, verbose=False)  # prompts tokenized as for the default model (ids < 49152)
+            words = ""
+        except (ImportError, OSError) as error:
+            print(f"default model not available for its tokenizer ({error}); prompts tokenized by WordTokenizer",
+                  flush=True)
+            tokenizer, words = WordTokenizer(), ", word-hash tokenizer"
         layers = args.layers
         if layers is None:
             free = torch.cuda.mem_get_info(device)[0]
             layers = 32 if free > 40e9 else max(1, int(free / 1.2e9) - 4)  # ~0.44 GB per layer + 2 GB embeddings
         model = random_llama3_8b(layers=layers, device=device, dtype=dtype or torch.bfloat16,
                                  pad_token_id=tokenizer.pad_token_id)
-        label = f"{RANDOM_LLAMA} ({layers} layers, random weights)"
+        label = f"{RANDOM_LLAMA} ({layers} layers, random weights{words})"
         if args.draft_model:
             print("--draft-model ignored with the random model (its vocabulary differs)", flush=True)
         return model, tokenizer, None, label

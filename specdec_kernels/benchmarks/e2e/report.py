@@ -4,7 +4,7 @@ acceptance plots, the JSON record."""
 from pathlib import Path
 
 from .. import common
-from .runner import split_method
+from .runner import BATCH1_ONLY, split_method
 
 
 def table_rows(rows):
@@ -18,7 +18,8 @@ def table_rows(rows):
         c = r["config"]
         if "skipped" in r:
             cells.append([c["workload"], str(c["batch"]), f"{c['temperature']:g}", c["method"], "-", "-", "-", "-"]
-                         + ["-"] * depth + ["-", "-", "skipped: batch 1 only"])
+                         + ["-"] * depth + ["-", "-", "skipped: batch 1 only" if c["method"] in BATCH1_ONLY
+                                            else f"skipped: {r['skipped']}"])
             continue
         acc = list(r.get("acceptance_by_depth") or [])[:depth]
         identical = r.get("greedy_identical")
