@@ -18,6 +18,8 @@ from conftest import INTERPRETER_DEFECT, WordTokenizer  # noqa: E402
 
 VOCAB = 512
 HEADER_KEYS = {"benchmark", "device", "backend", "torch", "triton", "transformers", "commit", "date", "rows"}
+needs_prompts = pytest.mark.skipif(workloads.data_dir() is None, reason="the n-gram benchmark reads the shared prompt "
+                                   "files (shared/data/prompts beside the repository, or $SPECDEC_DATA)")
 
 
 @pytest.fixture(autouse=True)
@@ -175,17 +177,34 @@ def test_e2e_kernel_share(tiny_models):
     assert share["basis"] == "cpu time" and "verify" in share and 0.0 < share["total"] <= 1.5
 
 
-def test_e2e_four_workloads_write_json_and_plots(tiny_models, tmp_path):
+def test_e2e_four_workloads_write_json_and_plots(tiny_models, tmp_path, capsys):
     model, _ = tiny_models
+    settings = dict(max_new_tokens=4, prompts_per_workload=1)
+    partial = []
+
+    def on_rows(rows, planned):  # what run_args does after every run: the JSON so far, nothing else
+        paths = e2e.write_results(rows, tmp_path, device="cpu", model_label="tiny random llama", settings=settings,
+                                  name="tiny", planned=planned, complete=False)
+        assert set(paths) == {"json"}
+        partial.append(json.loads(paths["json"].read_text()))
+
     rows = e2e.run(model, WordTokenizer(VOCAB), short_requests(), methods=("hf", "ours_ngram"), batch_sizes=(1,),
-                   temperatures=(0.0,), max_new_tokens=4, prompts_per_workload=1, progress=False)
+                   temperatures=(0.0,), max_new_tokens=4, prompts_per_workload=1, progress=False, on_rows=on_rows)
     assert [r["config"]["workload"] for r in rows] == [w for w in workloads.WORKLOADS for _ in range(2)]
     check_rows(rows)
-    settings = dict(max_new_tokens=4, prompts_per_workload=1)
+    # A line per finished run although progress=False (what a log of a stopped run shows).
+    lines = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\s+\[\d+/8\] ", line)]
+    assert len(lines) == 8 and lines[-1].lstrip().startswith("[8/8] ")
+    assert [len(r["rows"]) for r in partial] == list(range(1, 9))
+    for r in partial:
+        assert HEADER_KEYS <= set(r) and r["complete"] is False and r["rows_planned"] == 8
+    assert partial[-1]["rows"][1]["speedup_vs_hf"] > 0  # against the hf row written before it
+    assert not (tmp_path / "e2e_tiny.md").exists()  # the Markdown and plots come with the final write
     paths = e2e.write_results(rows, tmp_path, device="cpu", model_label="tiny random llama", settings=settings,
                               name="tiny")
     result = json.loads(paths["json"].read_text())
     assert HEADER_KEYS <= set(result) and result["benchmark"] == "e2e"
+    assert result["complete"] is True and result["rows_planned"] == len(result["rows"]) == 8
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", result["date"]) and result["torch"] == torch.__version__
     for kind in ("speedup_png", "acceptance_png", "planner_png"):
         assert paths[kind].stat().st_size > 1000 and paths[kind].read_bytes()[:4] == b"\x89PNG"
@@ -213,15 +232,102 @@ def test_random_llama3_has_llama3_8b_shapes():
     assert e2e.random_llama3_8b(layers=2, device="meta").config.num_hidden_layers == 2
 
 
-@pytest.mark.skipif(workloads.data_dir() is None, reason="the n-gram benchmark reads the shared prompt files (shared/data/prompts beside the repository, or $SPECDEC_DATA)")
+@needs_prompts
 def test_bench_kernels_smoke_writes_json_and_plot(tmp_path, capsys):
     status = cli.main(["bench", "kernels", "--smoke", "--only", "ngram", "--out-dir", str(tmp_path)])
     assert status == 0
     result = json.loads((tmp_path / "ngram_cpu_smoke.json").read_text())
     assert HEADER_KEYS <= set(result) and result["benchmark"] == "ngram"
+    assert result["complete"] is True and result["rows_planned"] == 2
+    assert [(r["config"]["B"], r["config"]["L"], r["config"]["policy"]) for r in result["rows"]] == [
+        (2, 512, "earliest"), (2, 512, "latest")]
     for row in result["rows"]:
         assert row["ours_us"] > 0 and row["floor_us"] > 0 and row["bytes"] > 0 and isinstance(row["peers_us"], dict)
+        assert "unfold" in row["checked"] and row["peers_us"]["unfold"] > 0
     assert (tmp_path / "ngram_cpu_smoke.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@needs_prompts
+def test_ngram_bench_keeps_the_rows_of_a_stopped_run(tmp_path, monkeypatch):
+    """The JSON is rewritten after every config: a run that dies in its second config (as one
+    killed at a time limit would) leaves the first row, marked incomplete."""
+    from specdec_kernels.benchmarks import ngram
+
+    real = ngram.bench_config
+    calls = []
+
+    def second_one_dies(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what a signal at the limit looks like to the sweep
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ngram, "bench_config", second_one_dies)
+    out = tmp_path / "ngram.json"
+    with pytest.raises(KeyboardInterrupt):
+        ngram.main(["--smoke", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert HEADER_KEYS <= set(result) and result["benchmark"] == "ngram"
+    assert result["complete"] is False and result["rows_planned"] == 2 and len(result["rows"]) == 1
+    assert result["rows"][0]["config"]["policy"] == "earliest" and result["rows"][0]["ours_us"] > 0
+    assert not out.with_suffix(".png").exists() and not list(tmp_path.glob("*.tmp"))
+
+
+def test_write_rows_replaces_the_file_whole(tmp_path):
+    path = tmp_path / "r.json"
+    header = common.metadata("verify", "cpu", "triton")
+    common.write_rows(header, [{"config": {"B": 1}}], path, planned=3, complete=False)
+    first = json.loads(path.read_text())
+    assert first["complete"] is False and first["rows_planned"] == 3 and len(first["rows"]) == 1
+    common.write_rows(header, [{"config": {"B": 1}}, {"config": {"B": 2}}], path, planned=2, complete=True)
+    second = json.loads(path.read_text())
+    assert second["complete"] is True and [r["config"]["B"] for r in second["rows"]] == [1, 2]
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_commit_from_the_environment_first(monkeypatch):
+    """The GPU machine's copy of the checkout has no .git: the session script passes the commit."""
+    monkeypatch.setenv("SPECDEC_COMMIT", "abc1234+dirty")
+    assert common.git_commit() == "abc1234+dirty"
+    assert common.metadata("ngram", "cpu", "cpu")["commit"] == "abc1234+dirty"
+    monkeypatch.delenv("SPECDEC_COMMIT")
+    from_git = common.git_commit()
+    assert from_git == "unknown" or re.fullmatch(r"[0-9a-f]{4,40}(\+dirty)?", from_git)
+    monkeypatch.setenv("SPECDEC_COMMIT", " ")  # blank counts as unset: git decides
+    assert common.git_commit() == from_git
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_unfold_peer_matches_the_reference(dtype, gen):
+    """The n-gram benchmark's torch `unfold` peer follows ngram_propose's rule exactly: random
+    histories over small vocabularies (many matches, ties between positions), ragged lengths
+    down to 0 and 1, several (min_n, max_n), both policies."""
+    import specdec_kernels as sk
+    from specdec_kernels.benchmarks.ngram import unfold_propose
+
+    for _ in range(40):
+        batch, width = int(torch.randint(1, 7, (1,), generator=gen)), int(torch.randint(1, 48, (1,), generator=gen))
+        vocab = int(torch.randint(2, 8, (1,), generator=gen))
+        tokens = torch.randint(0, vocab, (batch, width), generator=gen, dtype=dtype)
+        lengths = torch.randint(0, width + 1, (batch,), generator=gen)
+        lengths[0] = width
+        tokens[torch.arange(width)[None, :] >= lengths[:, None]] = -1  # padding past each row's length
+        for min_n, max_n in ((1, 1), (1, 4), (2, 3), (3, 6), (2, 2)):
+            for num_tokens in (1, 5):
+                for policy in ("earliest", "latest"):
+                    kw = dict(min_n=min_n, max_n=max_n, num_tokens=num_tokens, policy=policy)
+                    want = sk.ngram_propose(tokens, lengths, **kw, backend="reference")
+                    got = unfold_propose(tokens, lengths, min_n, max_n, num_tokens, policy)
+                    assert got[0].dtype == want[0].dtype and got[1].dtype == torch.int32
+                    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (tokens, lengths, kw)
+
+
+def test_kernels_runner_order():
+    """On a GPU the GPU benchmarks come first (a stopped run has measured them); on a CPU n-gram."""
+    names = list(kernels.BENCHMARKS)
+    assert kernels.run_order(names, "cuda") == ["verify", "tree_attention", "ngram"]
+    assert kernels.run_order(names, "cpu") == ["ngram", "verify", "tree_attention"]
+    assert kernels.run_order(["tree_attention", "ngram", "verify"], "cuda") == ["tree_attention", "verify", "ngram"]
 
 
 def test_kernels_runner_finds_or_explains_each_benchmark():
@@ -282,6 +388,7 @@ def test_verify_smoke_writes_json_and_plot(monkeypatch, tmp_path):
     assert verify.main(["--smoke", "--out-dir", str(tmp_path), "--reps", "1"]) == 0
     result = json.loads((tmp_path / "verify_cpu_smoke.json").read_text())
     assert HEADER_KEYS <= set(result) and result["benchmark"] == "verify" and result["mode"] == "smoke"
+    assert result["complete"] is True and result["rows_planned"] == 2
     assert [r["config"]["tree"] for r in result["rows"]] == ["chain3", "tree6"]
     for row in result["rows"]:
         assert "errors" not in row and row["ours_backend"] == "triton" and row["ours_us"] > 0 and row["bytes"] > 0

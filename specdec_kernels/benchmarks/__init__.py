@@ -4,7 +4,7 @@ from an installed package as well as from a checkout).
 | module            | what it measures                                                          |
 | ----------------- | ------------------------------------------------------------------------- |
 | `common`          | shared pieces: run metadata for the JSON records, timers, tables, paths    |
-| `ngram`           | n-gram drafting on the CPU against numba / HF / reference peers            |
+| `ngram`           | n-gram drafting on the CPU against numba / torch unfold / HF / reference |
 | `tree_attention`  | tree attention on the GPU against SDPA with a dense mask, Flex, FlashInfer |
 | `verify`          | batched verification on the GPU against torch-native, FlashInfer, reference |
 | `paged`           | paged tree attention against the dense op on the same logical cache (CPU/GPU) |

@@ -12,6 +12,7 @@ import datetime
 import importlib.metadata
 import itertools
 import json
+import os
 import platform
 import re
 import subprocess
@@ -55,8 +56,13 @@ def version(dist: str) -> Optional[str]:
 
 
 def git_commit() -> str:
-    """Short commit of the checkout this package runs from, with "+dirty" when it has local
-    changes (then the numbers may not belong to that commit); "unknown" outside a checkout."""
+    """$SPECDEC_COMMIT when set (a copy of the checkout without `.git`, such as the one the GPU
+    session runs in, gets it from the script that made the copy); else the short commit of the
+    checkout this package runs from, with "+dirty" when it has local changes (then the numbers
+    may not belong to that commit); "unknown" outside a checkout."""
+    commit = os.environ.get("SPECDEC_COMMIT", "").strip()
+    if commit:
+        return commit
     root = repo_root()
     if root is None:
         return "unknown"
@@ -119,14 +125,30 @@ def import_error(module: str) -> Optional[str]:
     return None
 
 
-def write_json(result: dict, path) -> Path:
-    """Write `result` (indented) to `path`, creating folders; returns the path."""
+def write_json(result: dict, path, *, quiet: bool = False) -> Path:
+    """Write `result` (indented) to `path`, creating folders; returns the path. The file is
+    replaced atomically, so a run killed while writing leaves the previous version, never a
+    truncated one. quiet: no "wrote ..." line (the partial writes after every row)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"wrote {path}", flush=True)
+    os.replace(tmp, path)
+    if not quiet:
+        print(f"wrote {path}", flush=True)
     return path
+
+
+def write_rows(result: dict, rows, path, *, planned: int, complete: bool) -> Path:
+    """The results JSON of a sweep so far: `result` (the header, `metadata`) with `rows`,
+    "complete" and "rows_planned", written to `path`. The benchmarks call it after every row
+    with complete=False, so a run killed at a time limit still leaves the rows it finished, and
+    once more at the end with complete=True (the only write that prints its path)."""
+    result["rows"] = list(rows)
+    result["rows_planned"] = planned
+    result["complete"] = complete
+    return write_json(result, path, quiet=not complete)
 
 
 # ----------------------------------------------------------------------------- timing

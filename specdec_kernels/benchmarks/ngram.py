@@ -11,6 +11,10 @@ Methods (one decoding step = one draft for each of B rows of history length L):
   numba       vLLM's algorithm (KMP over the reversed history: longest prefix-suffix capped
               at max_n, earliest match), our own numba implementation, rows in parallel
               (prange) on the same threads; only if numba is installed.
+  unfold      the rule in batched torch ops (`unfold_propose`: Tensor.unfold windows compared
+              with each row's suffix, no loop over rows, no host sync), on the GPU when there
+              is one (the history already on the device; CUDA-event timed), else on the CPU
+              on the same threads.
   hf          transformers' PromptLookupCandidateGenerator.get_candidates, its real code,
               one row at a time (it supports batch size 1); only if transformers imports.
   reference   specdec_kernels.reference (torch ops, one row at a time).
@@ -25,7 +29,8 @@ Every method's drafts are checked against ours before timing.
 Timing: torch.utils.benchmark (blocked autorange, see benchmarks.common.time_cpu), median per
 call; ours, floor and numba rotate over copies of the batch that together exceed twice the
 last-level cache, so a call never finds its rows in a cache the previous call warmed.
-Writes bench/results/ngram_cpu.json and bench/results/ngram_cpu.png.
+Writes bench/results/ngram_cpu.json and bench/results/ngram_cpu.png; the JSON is rewritten after
+every config ("complete": false until the last), so a run stopped mid-sweep keeps its rows.
 """
 
 import argparse
@@ -152,6 +157,49 @@ if HAS_NUMBA:
             out_lens[b] = _kmp_row(tokens[b], lengths[b], min_n, max_n, k, out[b])
 
 
+def unfold_propose(tokens, lengths, min_n, max_n, num_tokens, policy="earliest"):
+    """`ngram_propose`'s rule in batched torch ops on the tokens' device (the "torch `unfold`
+    matching" peer): no Python loop over rows, no host sync.
+
+    Every window of max_n tokens (`Tensor.unfold` on the rows padded on the left) is compared
+    with the row's last max_n tokens, column by column from the right; the running AND gives,
+    at each window end e, the length of the match with the history's suffix that ends there
+    (at most max_n, and at most e + 1: no window starts before the row). Ends e <= N - 2 have a
+    token after them (the rule's j <= N - n - 1 with j = e - n + 1). The longest length over
+    the row is the rule's n (none below min_n); the smallest (earliest) or largest (latest)
+    end reaching it is the match, and the proposal starts at e + 1.
+
+    Returns (draft_tokens [B, num_tokens] in tokens' dtype, -1 padded; draft_lens int32 [B]).
+    """
+    batch, width = tokens.shape
+    device = tokens.device
+    lengths = lengths.to(device=device, dtype=torch.int64)
+    padded = torch.nn.functional.pad(tokens, (max_n - 1, 0))  # the pad is never counted (the e + 1 cap)
+    windows = padded.unfold(1, max_n, 1)  # [B, L, max_n]: windows[b, e] = s[e - max_n + 1 : e + 1], a view
+    suffix = windows[torch.arange(batch, device=device), (lengths - 1).clamp(min=0)]  # [B, max_n]
+    matched = torch.zeros(batch, width, dtype=torch.int16, device=device)
+    run = torch.ones(batch, width, dtype=torch.bool, device=device)
+    for col in range(max_n - 1, -1, -1):
+        run &= windows[:, :, col] == suffix[:, col : col + 1]
+        matched += run
+    ends = torch.arange(width, device=device)
+    matched = torch.minimum(matched, (ends + 1).clamp(max=max_n).to(torch.int16))
+    matched.masked_fill_(ends[None, :] > lengths[:, None] - 2, 0)
+    best = matched.amax(dim=1, keepdim=True)  # [B, 1]: the longest n with a match
+    at_best = matched == best
+    if policy == "earliest":
+        end = at_best.to(torch.uint8).argmax(dim=1)  # the first maximum
+    else:
+        end = torch.where(at_best, ends, -1).amax(dim=1)
+    start = end + 1
+    found = best[:, 0] >= min_n
+    draft_lens = torch.where(found, (lengths - start).clamp(max=num_tokens), 0)
+    offsets = torch.arange(num_tokens, device=device)
+    drafts = tokens.gather(1, (start[:, None] + offsets).clamp(max=width - 1))
+    drafts = drafts.masked_fill(offsets[None, :] >= draft_lens[:, None], -1)
+    return drafts, draft_lens.to(torch.int32)
+
+
 def hf_propose(gen, rows64):
     """PromptLookupCandidateGenerator.get_candidates on each row ([1, L] each)."""
     out = []
@@ -227,6 +275,27 @@ def bench_config(docs, batch, length, workload, policy, args, rng):
         record(row, "numba", best[0])
         row["numba_variant"] = best[1]
 
+    # The unfold peer on the benchmark's device: distinct buffers (rows rolled) rotated as for ours.
+    device = args.unfold_device
+    dev_lengths = lengths.to(device)
+    base = tokens.to(device)
+    if device.type == "cuda":
+        count = common.rotations(tokens_np.nbytes, device, memory_budget=256 << 20)
+        dev_copies = [base] + [base.roll(i, 0) for i in range(1, count)]
+    else:
+        dev_copies = copies
+    u_drafts, u_lens = unfold_propose(base, dev_lengths, MIN_N, MAX_N, NUM_TOKENS, policy)
+    assert torch.equal(u_drafts.cpu(), drafts) and torch.equal(u_lens.cpu(), lens), "unfold differs"
+    row["checked"].append("unfold")
+    if device.type == "cuda":
+        unfold_fn = lambda i: unfold_propose(dev_copies[i], dev_lengths, MIN_N, MAX_N, NUM_TOKENS, policy)  # noqa: E731
+        record(row, "unfold", common.time_cuda(unfold_fn, n_sets=len(dev_copies), reps=args.cuda_reps, warmup=3,
+                                               device=device))
+    else:
+        record(row, "unfold", timeit(lambda t: unfold_propose(t, lengths, MIN_N, MAX_N, NUM_TOKENS, policy), budget,
+                                     dev_copies))
+    del base, dev_copies
+
     slow_ok = batch * length <= args.slow_limit
     if slow_ok:
         ref = lambda: reference.ngram_propose(tokens, lengths, MIN_N, MAX_N, NUM_TOKENS, policy)  # noqa: E731
@@ -282,8 +351,8 @@ def bench_config(docs, batch, length, workload, policy, args, rng):
 # ----------------------------------------------------------------------------- output
 
 
-TABLE_HEADERS = ["workload", "policy", "B", "L", "hit", "ours", "floor", "index", "idx/row", "numba", "hf", "ref",
-                 "numba/ours", "hf/ours", "ref/ours", "ours/index"]
+TABLE_HEADERS = ["workload", "policy", "B", "L", "hit", "ours", "floor", "index", "idx/row", "numba", "unfold", "hf",
+                 "ref", "numba/ours", "unfold/ours", "hf/ours", "ref/ours", "ours/index"]
 
 
 def table_cells(row):
@@ -295,8 +364,9 @@ def table_cells(row):
 
     return [c["workload"], c["policy"], c["B"], c["L"], f"{row['hit_rate']:.2f}", common.fmt_us(ours),
             common.fmt_us(row["floor_us"]), common.fmt_us(p.get("index")), f"{row['index_per_row_us']:.2f}us",
-            common.fmt_us(p.get("numba")), common.fmt_us(p.get("hf")), common.fmt_us(p.get("reference")),
-            ratio(p.get("numba")), ratio(p.get("hf")), ratio(p.get("reference")), f"{ours / p['index']:.1f}x"]
+            common.fmt_us(p.get("numba")), common.fmt_us(p.get("unfold")), common.fmt_us(p.get("hf")),
+            common.fmt_us(p.get("reference")), ratio(p.get("numba")), ratio(p.get("unfold")), ratio(p.get("hf")),
+            ratio(p.get("reference")), f"{ours / p['index']:.1f}x"]
 
 
 def plot(rows, path):
@@ -306,7 +376,7 @@ def plot(rows, path):
     for batch in sorted({r["config"]["B"] for r in text}):
         sel = sorted((r for r in text if r["config"]["B"] == batch), key=lambda r: r["config"]["L"])
         series = {"ours (C++)": [r["ours_us"] for r in sel], "floor (1 read)": [r["floor_us"] for r in sel]}
-        for name in ("index", "numba", "hf", "reference"):
+        for name in ("index", "numba", "unfold", "hf", "reference"):
             series[name] = [r["peers_us"].get(name) for r in sel]
         panels.append((f"B={batch}, text, earliest", [r["config"]["L"] for r in sel], series))
     common.plot_panels(path, panels, xlabel="history length L", ylabel="per-step latency (us)",
@@ -361,14 +431,34 @@ def sweep(args) -> int:
     if args.out is None:
         args.out = (os.path.join("/tmp", "bench_ngram_smoke.json") if args.smoke
                     else str(common.results_dir() / "ngram_cpu.json"))
+    # The unfold peer runs where a GPU serving engine would run it: on the GPU when there is one.
+    args.unfold_device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.cuda_reps = 5 if args.smoke else 50
     docs, vocab = load_corpus()
     print(f"corpus: {len(docs)} prompts, {sum(map(len, docs))} words, vocab {vocab}; threads {args.threads}; "
-          f"numba {'yes' if HAS_NUMBA else 'no'}, transformers {'yes' if HAS_HF else 'no'}")
+          f"numba {'yes' if HAS_NUMBA else 'no'}, transformers {'yes' if HAS_HF else 'no'}; "
+          f"unfold on {common.device_name(args.unfold_device)}")
+    result = common.metadata(
+        "ngram", "cpu", "cpu",
+        numba=numba.__version__ if HAS_NUMBA else None,
+        mode="full" if args.full else ("smoke" if args.smoke else "quick"),
+        unfold_device=common.device_name(args.unfold_device),
+        notes="ours/floor/peers_us are per decoding step for B rows; index = per-row append(1..k)+propose "
+              "time x B; floor = one torch max-reduction over the batch (bytes: the batch read once; n-gram "
+              "matching does no flops worth counting); numba = vLLM's reversed-KMP algorithm re-implemented "
+              "here; unfold = the rule in batched torch ops (Tensor.unfold windows) on unfold_device, the "
+              "history already there; hf = transformers PromptLookupCandidateGenerator.get_candidates row by row; "
+              "ours, floor, numba and unfold rotate over rotated_copies copies of the batch (unfold on a GPU: "
+              "enough copies to exceed twice its L2)",
+    )
+    result["threads"] = args.threads
     rng = np.random.default_rng(args.seed)
     rows = []
     start = time.perf_counter()
     for batch, length, workload, policy in configs:
         rows.append(bench_config(docs, batch, length, workload, policy, args, rng))
+        result["stat"] = stat_note(args)
+        common.write_rows(result, rows, args.out, planned=len(configs), complete=False)
         c = rows[-1]
         print(f"  B={batch:<4} L={length:<7} {workload:6} {policy:8} ours {common.fmt_us(c['ours_us'])}, "
               f"checked {c['checked']}  ({time.perf_counter() - start:.0f}s)", flush=True)
@@ -378,24 +468,20 @@ def sweep(args) -> int:
           "cores; best blocks in the JSON); index: median step per row, x B.")
     print(f"slow peers (hf, reference) only where B*L <= {args.slow_limit}; index measured on up to "
           f"{args.index_tokens} history tokens (rows scaled to B); {time.perf_counter() - start:.0f}s")
-
-    result = common.metadata(
-        "ngram", "cpu", "cpu",
-        numba=numba.__version__ if HAS_NUMBA else None,
-        mode="full" if args.full else ("smoke" if args.smoke else "quick"),
-        stat="ours_us/floor_us/peers_us: median per call (torch.utils.benchmark blocked autorange; load average "
-             f"{os.getloadavg()[0]:.1f} at the end); *_best_us: the fastest block; index: median step",
-        notes="ours/floor/peers_us are per decoding step for B rows; index = per-row append(1..k)+propose "
-              "time x B; floor = one torch max-reduction over the batch (bytes: the batch read once; n-gram "
-              "matching does no flops worth counting); numba = vLLM's reversed-KMP algorithm re-implemented "
-              "here; hf = transformers PromptLookupCandidateGenerator.get_candidates row by row; ours, floor and "
-              "numba rotate over rotated_copies copies of the batch",
-    )
-    result["threads"] = args.threads
-    result["rows"] = rows
-    common.write_json(result, args.out)
+    result["stat"] = stat_note(args)
+    common.write_rows(result, rows, args.out, planned=len(configs), complete=True)
     plot(rows, os.path.splitext(args.out)[0] + ".png")
     return 0
+
+
+def stat_note(args) -> str:
+    """The JSON's "stat": how the times were taken, with the load average now (a loaded
+    machine's numbers are suspect)."""
+    unfold = ("CUDA events, median of the timed calls after warm-up" if args.unfold_device.type == "cuda"
+              else "as the others")
+    return ("ours_us/floor_us/peers_us: median per call (torch.utils.benchmark blocked autorange; load average "
+            f"{os.getloadavg()[0]:.1f} when written); *_best_us: the fastest block; index: median step; unfold: "
+            f"{unfold}")
 
 
 if __name__ == "__main__":

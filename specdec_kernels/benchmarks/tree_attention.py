@@ -29,7 +29,9 @@ once + q + output, flops = 4 * B * Hq * T * (prefix + T) * D; BW is measured in 
 Times: median of CUDA-event-timed calls after warm-up calls (benchmarks.common.time_kernel), L2
 flushed before each call (the caches are too large to rotate copies of; launch overhead of the
 Python wrappers included, as a user sees it; input value checks off, as in `generate`).
-Writes bench/results/tree_attention_<device>.json and .png (not in --smoke mode).
+Writes bench/results/tree_attention_<device>.json and .png (not in --smoke mode); the JSON is
+rewritten after every config ("complete": false until the last), so a run stopped mid-sweep keeps
+its rows.
 """
 
 import argparse
@@ -352,16 +354,6 @@ def main(argv=None) -> int:
     if not ours:
         print("no kernel of ours can run here (need the CUDA extension or triton)", file=sys.stderr)
         return 2
-    todo = configs()
-    rows = []
-    for i, cfg in enumerate(todo, 1):
-        row = run_config(cfg, hardware, gen)
-        rows.append(row)
-        c = row["config"]
-        common.print_progress(i, len(todo), f"{c['shape']} B={c['B']} T={c['T']} prefix={c['prefix']}", row)
-    print()
-    print("times in us; peer columns: us (peer / ours, > 1 means ours is faster); %floor: floor / ours")
-    common.print_table(TABLE_HEADERS + peer_names, [table_cells(r, peer_names) for r in rows])
     result = common.metadata(
         "tree_attention", DEVICE, ours[0][0],
         mode="smoke" if ARGS.smoke else ("full" if ARGS.full else "quick"),
@@ -373,12 +365,22 @@ def main(argv=None) -> int:
              "max(bytes / copy bandwidth, flops / matmul peak)",
     )
     result["device"] = device_name
-    result["rows"] = rows
     if ARGS.smoke:
         out = ARGS.out or os.path.join("/tmp", "bench_tree_attention_smoke.json")  # never a recorded result
     else:
         out = ARGS.out or str(common.results_dir() / f"tree_attention_{common.slug(device_name)}.json")
-    common.write_json(result, out)
+    todo = configs()
+    rows = []
+    for i, cfg in enumerate(todo, 1):
+        row = run_config(cfg, hardware, gen)
+        rows.append(row)
+        common.write_rows(result, rows, out, planned=len(todo), complete=False)
+        c = row["config"]
+        common.print_progress(i, len(todo), f"{c['shape']} B={c['B']} T={c['T']} prefix={c['prefix']}", row)
+    print()
+    print("times in us; peer columns: us (peer / ours, > 1 means ours is faster); %floor: floor / ours")
+    common.print_table(TABLE_HEADERS + peer_names, [table_cells(r, peer_names) for r in rows])
+    common.write_rows(result, rows, out, planned=len(todo), complete=True)
     plot(rows, os.path.splitext(out)[0] + ".png")
     return 0
 

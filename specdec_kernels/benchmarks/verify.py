@@ -31,7 +31,8 @@ at) + the draft probabilities read at those nodes + the outputs. Times: median o
 timed calls after warm-up (benchmarks.common.time_cuda), inputs rotated over copies and L2
 (50 MB) flushed before each call, so that no call finds its inputs in L2; input value checks
 off as in `generate` (each call's input checks sync with the host).
-Writes bench/results/verify_<device>.json and .png (not in --smoke mode).
+Writes bench/results/verify_<device>.json and .png (not in --smoke mode); the JSON is rewritten
+after every config ("complete": false until the last), so a run stopped mid-sweep keeps its rows.
 """
 
 import argparse
@@ -360,19 +361,6 @@ def main(argv=None) -> int:
     if why:
         print(f"flashinfer peer skipped: not importable ({why})", flush=True)
     peer_names = [f"ours_{n}" for n in ours[1:]] + peers
-    todo = configs(args)
-    rows = []
-    for i, cfg in enumerate(todo, 1):
-        row = run_config(sk, cfg, ours, args, bandwidth, device, gen)
-        rows.append(row)
-        c = row["config"]
-        common.print_progress(i, len(todo), f"B={c['B']} {c['tree']} V={c['V']} {c['mode']}", row)
-        if has_cuda:
-            torch.cuda.empty_cache()
-    print()
-    print("times in us; peer columns: us (peer / ours, > 1 means ours is faster); %floor: floor / ours; "
-          "acc: mean accepted drafts per row")
-    common.print_table(TABLE_HEADERS + peer_names, [table_cells(r, peer_names) for r in rows])
     result = common.metadata(
         "verify", device, ours[0],
         mode="smoke" if args.smoke else ("full" if args.full else "quick"),
@@ -384,9 +372,22 @@ def main(argv=None) -> int:
              "bandwidth",
     )
     result["device"] = device_name
-    result["rows"] = rows
     out = output_path(args, device)
-    common.write_json(result, out)
+    todo = configs(args)
+    rows = []
+    for i, cfg in enumerate(todo, 1):
+        row = run_config(sk, cfg, ours, args, bandwidth, device, gen)
+        rows.append(row)
+        common.write_rows(result, rows, out, planned=len(todo), complete=False)
+        c = row["config"]
+        common.print_progress(i, len(todo), f"B={c['B']} {c['tree']} V={c['V']} {c['mode']}", row)
+        if has_cuda:
+            torch.cuda.empty_cache()
+    print()
+    print("times in us; peer columns: us (peer / ours, > 1 means ours is faster); %floor: floor / ours; "
+          "acc: mean accepted drafts per row")
+    common.print_table(TABLE_HEADERS + peer_names, [table_cells(r, peer_names) for r in rows])
+    common.write_rows(result, rows, out, planned=len(todo), complete=True)
     plot(rows, os.path.splitext(out)[0] + ".png")
     return 0
 

@@ -47,7 +47,9 @@ With --repeats N the whole plan runs N times and rows report medians (speedups: 
 the per-pass ratios against the same pass's HF row). Each of our rows also reports the adaptive
 planner's share of the decoding time and, per verified draft size, the drafts the rows accepted.
 Writes bench/results/e2e_<device>.json, e2e_<device>.md (the README table),
-e2e_speedup_<device>.png, e2e_acceptance_<device>.png and e2e_planner_<device>.png.
+e2e_speedup_<device>.png, e2e_acceptance_<device>.png and e2e_planner_<device>.png. The JSON is
+written after every finished run as well ("complete": false until the end), and each run prints
+a line (with --no-progress too), so a run stopped at a time limit leaves its rows and a trace.
 """
 
 import argparse
@@ -152,26 +154,33 @@ def run_args(args) -> int:
     print(f"e2e: {label} on {common.device_name(device)} ({device.type}, {torch.get_num_threads()} threads); "
           f"workloads {', '.join(workloads)}; batch sizes {batch_sizes}; max_new_tokens {max_new_tokens}; "
           f"{prompts} prompt(s) per workload and batch size", flush=True)
+    out_dir = args.out_dir or common.results_dir()
+    name = common.device_slug(device) + ("_llama3_8b_random" if args.model == RANDOM_LLAMA else "")
+
+    def settings(rows):
+        return dict(mode="full" if args.full else "short", max_new_tokens=max_new_tokens, prompts_per_workload=prompts,
+                    repeats=args.repeats, batch_sizes=list(batch_sizes), workloads=list(workloads),
+                    methods=sorted({r["config"]["method"] for r in rows}), dtype=str(next(model.parameters()).dtype),
+                    hf_prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS, ngram_num_tokens=NGRAM_TOKENS,
+                    ngram_fixed_num_tokens=NGRAM_FIXED_TOKENS, ngram_tree_width=NGRAM_TREE_WIDTH,
+                    draft_model=args.draft_model, draft_num_tokens=DRAFT_TOKENS,
+                    draft_tree_widths=list(DRAFT_TREE_WIDTHS), wall_s=time.perf_counter() - start)
+
+    def write_partial(rows, planned):  # after every run: a run stopped at a time limit keeps its rows
+        write_results(rows, out_dir, device=device, model_label=label, settings=settings(rows), name=name,
+                      planned=planned, complete=False)
+
     rows = run(model, tokenizer, requests, draft=draft, methods=methods, batch_sizes=batch_sizes,
                temperatures=args.temperatures or TEMPERATURES, max_new_tokens=max_new_tokens,
                prompts_per_workload=prompts, profile_kernels=profile, progress=not args.no_progress,
-               repeats=args.repeats)
+               repeats=args.repeats, on_rows=write_partial)
     headers, cells = table_rows(rows)
     print()
     common.print_table(headers, cells)
-    settings = dict(mode="full" if args.full else "short", max_new_tokens=max_new_tokens, prompts_per_workload=prompts,
-                    repeats=args.repeats,
-                    batch_sizes=list(batch_sizes), workloads=list(workloads),
-                    methods=sorted({r["config"]["method"] for r in rows}), dtype=str(next(model.parameters()).dtype),
-                    hf_prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS, ngram_num_tokens=NGRAM_TOKENS, ngram_fixed_num_tokens=NGRAM_FIXED_TOKENS,
-                    ngram_tree_width=NGRAM_TREE_WIDTH, draft_model=args.draft_model, draft_num_tokens=DRAFT_TOKENS,
-                    draft_tree_widths=list(DRAFT_TREE_WIDTHS), wall_s=None)
-    settings["wall_s"] = time.perf_counter() - start
-    name = common.device_slug(device) + ("_llama3_8b_random" if args.model == RANDOM_LLAMA else "")
-    write_results(rows, args.out_dir or common.results_dir(), device=device, model_label=label, settings=settings,
-                  name=name)
+    final = settings(rows)
+    write_results(rows, out_dir, device=device, model_label=label, settings=final, name=name)
     bad = [r for r in rows if r.get("greedy_identical") is False]
-    print(f"e2e done in {settings['wall_s']:.0f} s", flush=True)
+    print(f"e2e done in {final['wall_s']:.0f} s", flush=True)
     if bad:
         print(f"WARNING: {len(bad)} greedy row(s) differ from HF generate: "
               + "; ".join(f"{r['config']['workload']} B={r['config']['batch']} {r['config']['method']}: "

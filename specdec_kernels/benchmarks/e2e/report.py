@@ -137,16 +137,23 @@ def plot_planner(rows, path, title):
     return common.save_figure(plt, fig, path)
 
 
-def write_results(rows, out_dir, *, device, model_label, settings, name=None):
-    """JSON, Markdown table and both plots under out_dir; returns {kind: path}."""
+def write_results(rows, out_dir, *, device, model_label, settings, name=None, planned=None, complete=True):
+    """JSON, Markdown table and the plots under out_dir; returns {kind: path}.
+
+    planned: rows of the whole plan (default len(rows)). complete=False: the partial results
+    of a run still going (written after every finished run): the JSON alone, with "complete":
+    false, quietly; the Markdown and the plots come with the final call."""
     slug = name or common.device_slug(device)
     out_dir = Path(out_dir)
     result = common.metadata("e2e", device, "default dispatch", model=model_label, **settings)
     result["stat"] = ("tokens_per_s = generated tokens (to eos inclusive) / wall time summed over the batches, one "
                       "timed call each after a warm-up call per method; speedup_vs_hf = tokens_per_s / the hf row with "
                       "the same workload, batch and temperature")
-    result["rows"] = rows
-    paths = {"json": common.write_json(result, out_dir / f"e2e_{slug}.json")}
+    json_path = common.write_rows(result, rows, out_dir / f"e2e_{slug}.json",
+                                  planned=len(rows) if planned is None else planned, complete=complete)
+    paths = {"json": json_path}
+    if not complete:
+        return paths
     title = f"{model_label} on {result['device']}"
     header = (f"End-to-end, {model_label} on {result['device']} ({result['date']}, commit {result['commit']}, "
               f"torch {result['torch']}, transformers {result['transformers']}; max_new_tokens "

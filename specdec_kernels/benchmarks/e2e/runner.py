@@ -308,7 +308,7 @@ def warm_up(methods, batches_by_size, model, draft, temperatures, eos, pad):
 
 def run(model, tokenizer, requests_by_workload, *, draft=None, methods=DEFAULT_METHODS, batch_sizes=(1, 8),
         temperatures=TEMPERATURES, max_new_tokens=64, prompts_per_workload=2, profile_kernels=None, progress=True,
-        repeats=1):
+        repeats=1, on_rows=None):
     """The benchmark on loaded models: a list of rows (see `bench_row`), in table order.
 
     requests_by_workload: {workload: [Request, ...]} with at least max(batch_sizes) requests
@@ -317,6 +317,11 @@ def run(model, tokenizer, requests_by_workload, *, draft=None, methods=DEFAULT_M
     repeats: the whole plan runs this many times, one pass after the other (so a slow spell of
     the machine hits every method alike); a row's tokens_per_s is the median over the passes and
     its speedup the median of the per-pass ratios against that pass's `hf` row.
+    progress: a tqdm bar (on stderr); a line per finished run is printed either way, so a log
+    of a run stopped at a time limit shows how far it got.
+    on_rows: called as on_rows(rows, planned) after every finished run with the rows so far
+    (each cell that ran at least once, as the result would have it after that many passes) and
+    the number of rows of the whole plan: the caller writes partial results with it.
     """
     if repeats < 1:
         raise ValueError(f"repeats: expected >= 1, got {repeats}")
@@ -348,15 +353,27 @@ def run(model, tokenizer, requests_by_workload, *, draft=None, methods=DEFAULT_M
                                         batch_size=batch_size, temperature=temperature, max_new_tokens=max_new_tokens,
                                         eos=eos, pad=pad, eos_ids=eos_ids, hf_greedy=hf_greedy,
                                         profile_kernels=profile_kernels and repeat == 0))
-        if bar.disable and progress:  # no terminal for a bar (a log file): one line per run instead
-            rate = passes[repeat][-1].get("tokens_per_s")
-            print(f"  [{index + 1}/{len(plan)}] {workload} B={batch_size} t={temperature:g} {method}: "
-                  f"{'skipped' if rate is None else f'{rate:.1f} tok/s'} ({time.perf_counter() - start:.0f} s)",
-                  flush=True)
+        rate = passes[repeat][-1].get("tokens_per_s")
+        # tqdm.write keeps a live bar intact (it is cleared and redrawn around the line).
+        tqdm.write(f"  [{index + 1}/{len(plan)}] {workload} B={batch_size} t={temperature:g} {method}: "
+                   f"{'skipped' if rate is None else f'{rate:.1f} tok/s'} ({time.perf_counter() - start:.0f} s)",
+                   file=sys.stdout)
+        sys.stdout.flush()
+        if on_rows is not None:
+            on_rows(_rows_so_far(passes), len(cells))
     bar.close()
+    return _rows_so_far(passes)
+
+
+def _rows_so_far(passes):
+    """The result rows from the passes run so far (the last one may be partial): with one pass
+    its rows, with several the `_median_row` of each cell over the passes that ran it; speedups
+    against the same pass's `hf` row (which runs first in each workload, batch and temperature)."""
     for rows in passes:
         _add_speedups(rows)
-    return passes[0] if repeats == 1 else [_median_row(list(runs)) for runs in zip(*passes)]
+    if len(passes) == 1:
+        return list(passes[0])
+    return [_median_row([rows[i] for rows in passes if i < len(rows)]) for i in range(len(passes[0]))]
 
 
 def _add_speedups(rows):
