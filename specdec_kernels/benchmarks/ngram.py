@@ -29,7 +29,9 @@ Every method's drafts are checked against ours before timing.
 Timing: torch.utils.benchmark (blocked autorange, see benchmarks.common.time_cpu), median per
 call; ours, floor and numba rotate over copies of the batch that together exceed twice the
 last-level cache, so a call never finds its rows in a cache the previous call warmed.
-Writes bench/results/ngram_cpu.json and bench/results/ngram_cpu.png; the JSON is rewritten after
+On a GPU our CUDA kernel is timed too (ours_cuda_us, CUDA events on the device copies) against
+unfold there and the host peers. Writes bench/results/ngram_<device>.json (ngram_cpu without a
+GPU) and the .png beside it; the JSON is rewritten after
 every config ("complete": false until the last), so a run stopped mid-sweep keeps its rows.
 """
 
@@ -294,6 +296,20 @@ def bench_config(docs, batch, length, workload, policy, args, rng):
     else:
         record(row, "unfold", timeit(lambda t: unfold_propose(t, lengths, MIN_N, MAX_N, NUM_TOKENS, policy), budget,
                                      dev_copies))
+    # Ours on the GPU: the CUDA kernel where _C has one, on the same device copies as unfold,
+    # checked against the C++ drafts; timed as generate calls it (input value checks off).
+    if args.cuda_ours:
+        c_drafts, c_lens = sk.ngram_propose(base, dev_lengths, **kw, backend="cuda")
+        assert torch.equal(c_drafts.cpu(), drafts) and torch.equal(c_lens.cpu(), lens), "CUDA kernel differs"
+        row["checked"].append("ours_cuda")
+        with sk.config.value_checks(False):
+            timing = common.time_cuda(lambda i: sk.ngram_propose(dev_copies[i], dev_lengths, **kw, backend="cuda"),
+                                      n_sets=len(dev_copies), reps=args.cuda_reps, warmup=3, device=device)
+        row["ours_cuda_us"], row["ours_cuda_best_us"] = timing.median_us, timing.best_us
+        # The GPU read floor: one max-reduction over the batch on the device.
+        timing = common.time_cuda(lambda i: dev_copies[i].max(), n_sets=len(dev_copies), reps=args.cuda_reps,
+                                  warmup=3, device=device)
+        row["floor_cuda_us"] = timing.median_us
     del base, dev_copies
 
     slow_ok = batch * length <= args.slow_limit
@@ -352,21 +368,25 @@ def bench_config(docs, batch, length, workload, policy, args, rng):
 
 
 TABLE_HEADERS = ["workload", "policy", "B", "L", "hit", "ours", "floor", "index", "idx/row", "numba", "unfold", "hf",
-                 "ref", "numba/ours", "unfold/ours", "hf/ours", "ref/ours", "ours/index"]
+                 "ref", "numba/ours", "unfold/ours", "hf/ours", "ref/ours", "ours/index", "cuda", "cuda floor",
+                 "numba/cuda", "unfold/cuda"]
 
 
 def table_cells(row):
     """One table row: config, hit rate, each method's time per step, then peer / ours ratios."""
     c, p, ours = row["config"], row["peers_us"], row["ours_us"]
 
-    def ratio(peer):
-        return "-" if peer is None else f"{peer / ours:.1f}x"
+    cuda = row.get("ours_cuda_us")
+
+    def ratio(peer, base=ours):
+        return "-" if peer is None or base is None else f"{peer / base:.1f}x"
 
     return [c["workload"], c["policy"], c["B"], c["L"], f"{row['hit_rate']:.2f}", common.fmt_us(ours),
             common.fmt_us(row["floor_us"]), common.fmt_us(p.get("index")), f"{row['index_per_row_us']:.2f}us",
             common.fmt_us(p.get("numba")), common.fmt_us(p.get("unfold")), common.fmt_us(p.get("hf")),
             common.fmt_us(p.get("reference")), ratio(p.get("numba")), ratio(p.get("unfold")), ratio(p.get("hf")),
-            ratio(p.get("reference")), f"{ours / p['index']:.1f}x"]
+            ratio(p.get("reference")), f"{ours / p['index']:.1f}x", common.fmt_us(cuda),
+            common.fmt_us(row.get("floor_cuda_us")), ratio(p.get("numba"), cuda), ratio(p.get("unfold"), cuda)]
 
 
 def plot(rows, path):
@@ -378,6 +398,8 @@ def plot(rows, path):
         series = {"ours (C++)": [r["ours_us"] for r in sel], "floor (1 read)": [r["floor_us"] for r in sel]}
         for name in ("index", "numba", "unfold", "hf", "reference"):
             series[name] = [r["peers_us"].get(name) for r in sel]
+        if any("ours_cuda_us" in r for r in sel):
+            series["ours (CUDA)"] = [r.get("ours_cuda_us") for r in sel]
         panels.append((f"B={batch}, text, earliest", [r["config"]["L"] for r in sel], series))
     common.plot_panels(path, panels, xlabel="history length L", ylabel="per-step latency (us)",
                        title=f"n-gram drafting on {cpu_name()}, {torch.get_num_threads()} threads")
@@ -393,7 +415,7 @@ def main(argv=None) -> int:
     mode.add_argument("--smoke", action="store_true", help="two tiny configs, short timings: checks the code runs "
                                                            "(written to --out, default a temporary file)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=None, help="JSON path (default bench/results/ngram_cpu.json; "
+    parser.add_argument("--out", default=None, help="JSON path (default bench/results/ngram_<device>.json; "
                                                     "the plot goes beside it)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -428,18 +450,21 @@ def sweep(args) -> int:
                                                                          ("random", "latest"))]
     if args.smoke:
         configs = configs[:2]
+    # The unfold peer runs where a GPU serving engine would run it: on the GPU when there is one;
+    # so does our CUDA kernel where _C has it (ours_cuda_us, beside the C++ ours_us).
+    args.unfold_device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.cuda_ours = args.unfold_device.type == "cuda" and "cuda" in sk.available_backends("ngram_propose", "cuda")
     if args.out is None:
         args.out = (os.path.join("/tmp", "bench_ngram_smoke.json") if args.smoke
-                    else str(common.results_dir() / "ngram_cpu.json"))
-    # The unfold peer runs where a GPU serving engine would run it: on the GPU when there is one.
-    args.unfold_device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+                    else str(common.results_dir() / f"ngram_{common.device_slug(args.unfold_device)}.json"))
     args.cuda_reps = 5 if args.smoke else 50
     docs, vocab = load_corpus()
     print(f"corpus: {len(docs)} prompts, {sum(map(len, docs))} words, vocab {vocab}; threads {args.threads}; "
           f"numba {'yes' if HAS_NUMBA else 'no'}, transformers {'yes' if HAS_HF else 'no'}; "
           f"unfold on {common.device_name(args.unfold_device)}")
     result = common.metadata(
-        "ngram", "cpu", "cpu",
+        "ngram", args.unfold_device, "cuda" if args.cuda_ours else "cpu",
+        host_cpu=cpu_name(),
         numba=numba.__version__ if HAS_NUMBA else None,
         mode="full" if args.full else ("smoke" if args.smoke else "quick"),
         unfold_device=common.device_name(args.unfold_device),
@@ -449,7 +474,8 @@ def sweep(args) -> int:
               "here; unfold = the rule in batched torch ops (Tensor.unfold windows) on unfold_device, the "
               "history already there; hf = transformers PromptLookupCandidateGenerator.get_candidates row by row; "
               "ours, floor, numba and unfold rotate over rotated_copies copies of the batch (unfold on a GPU: "
-              "enough copies to exceed twice its L2)",
+              "enough copies to exceed twice its L2); ours_cuda_us: our CUDA kernel on those GPU copies (input "
+              "value checks off), floor_cuda_us: one max-reduction over the batch on the GPU",
     )
     result["threads"] = args.threads
     rng = np.random.default_rng(args.seed)
