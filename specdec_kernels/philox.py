@@ -80,10 +80,23 @@ def seeds_from_int(seed: int, batch_size: int, device) -> torch.Tensor:
     seed = seed & 0xFFFFFFFFFFFFFFFF
     # torch.full, not torch.tensor: a fill kernel, which CUDA-graph capture records (a host copy it refuses)
     seed = torch.full((), seed - (1 << 64) if seed >= 1 << 63 else seed, dtype=torch.int64, device=device)
-    rows = torch.arange(batch_size, dtype=torch.int64, device=device)
+    return _row_seeds_op(seed, batch_size)
+
+
+# An op of its own, opaque to torch.compile: traced inline, an int seed makes the 10 Philox
+# rounds a graph of constants, and inductor did not finish compiling it in 10 minutes (the
+# same rounds on a seed tensor compile in seconds). Its fake implementation gives the shape.
+@torch.library.custom_op("specdec_philox::row_seeds", mutates_args=())
+def _row_seeds_op(seed: torch.Tensor, batch_size: int) -> torch.Tensor:
+    rows = torch.arange(batch_size, dtype=torch.int64, device=seed.device)
     zero = torch.zeros_like(rows)
     w0, w1, _, _ = philox4x32_10(rows, zero, zero + 2, zero, (seed & MASK32).expand_as(rows), ((seed >> 32) & MASK32).expand_as(rows))
     return (w1 << 32) | w0
+
+
+@_row_seeds_op.register_fake
+def _(seed, batch_size):
+    return seed.new_empty(batch_size)
 
 
 def row_seeds(seed, batch_size: int, device) -> torch.Tensor:
