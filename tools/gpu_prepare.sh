@@ -71,5 +71,5 @@ for p in "${parts[@]}"; do
     echo "gpu_prepare: .model_$p with .whl, .data and the tree is over ${LIMIT_MIB} MiB" >&2; exit 1
   fi
 done
-echo "ready: .whl ($(ls .whl)), .data/prompts ($(ls .data/prompts | wc -l) files), .model_a/b/c ($(basename "$gguf"))"
+echo "ready: .whl ($(ls .whl)), .data/prompts ($(find .data/prompts -maxdepth 1 -type f | wc -l) files), .model_a/b/c ($(basename "$gguf"))"
 echo "next: the device tool's status, then run tools/gpu_session.sh all with carry [\".whl\", \".data\", \".model_a\"]"

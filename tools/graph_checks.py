@@ -10,21 +10,30 @@ graph: a small random Llama (transformers' LlamaForCausalLM, 4 layers, bf16, GQA
 of the step's tree, the model forward over the tree with `specdec_tree` attention (our
 tree_attention in every layer), verify (greedy and sampled rows), compact_kv_cache_ over every
 layer's keys and values. It is captured once into a CUDA graph, then replayed 3 times with new
-inputs written into the captured tensors (tokens, tree shape, prefix lengths, seeds,
-temperatures); each replay must give what the same step gives eagerly from the same cache
-state: the same verify outputs and new lengths, caches equal, logits close.
+inputs written into the captured tensors (tokens, tree shape, prefix lengths, seeds, and
+temperature / top-k / top-p, so rows switch between greedy and sampled); each replay must
+give what the same step gives eagerly from the same cache state: the same verify outputs and
+new lengths, caches equal, logits close.
 
 compile: each public op (tree_mask + pack_tree_mask, tree_attention bool and packed,
-verify greedy and sampled, compact_kv_cache_, ngram_propose + ngram_propose_tree) inside a
-small function compiled with fullgraph=True (a graph break is an error), run on two input
-shapes, equal to eager (in-place ops mutate the same way).
+verify greedy and sampled with [B] seeds and with an int seed, compact_kv_cache_,
+ngram_propose + ngram_propose_tree) inside a small function compiled with fullgraph=True (a
+graph break is an error), run on two input shapes, equal to eager (in-place ops mutate the
+same way).
+
+Each check runs under --check-timeout (default 120 s): one that is still running then (e.g.
+an inductor compile that does not end) fails alone and the next one runs. The limit interrupts
+Python code only: a kernel that hangs is stopped by the caller's limit (gpu_session.sh).
 
 Exit status: 0 every check passed or the device is absent (a "skipped" line says so); 1 a
 check failed (each failure is printed with its traceback).
 """
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -66,9 +75,15 @@ def verify_step(device: str, dtype_name: str = "bfloat16", max_prefix: int = 700
         tokens = torch.stack([torch.randperm(vocab, generator=gen)[:num_nodes] for _ in range(batch)])
         tokens = torch.where((parents >= 0) | (torch.arange(num_nodes) == 0), tokens, -1)
         prefix = torch.randint(1, max_prefix + 1, (batch,), generator=gen).to(torch.int32)
+        # Each row greedy or sampled anew (row 0 always greedy, row 1 always sampled): the
+        # graph must read these at replay, not keep what the captured inputs held.
+        sampled = torch.rand(batch, generator=gen) < 0.5
+        sampled[0], sampled[1] = False, True
+        temperature = torch.where(sampled, torch.rand(batch, generator=gen) + 0.3, 0.0)
+        top_k = torch.where(torch.rand(batch, generator=gen) < 0.5, torch.randint(1, 100, (batch,), generator=gen), 0)
+        top_p = torch.where(torch.rand(batch, generator=gen) < 0.5, torch.rand(batch, generator=gen) * 0.7 + 0.3, 1.0)
         return dict(tokens=tokens.to(device), parents=parents.to(device), prefix=prefix.to(device),
-                    temperature=torch.tensor([0.0, 0.7, 1.0, 0.0], device=device),
-                    top_k=torch.tensor([0, 50, 0, 0], device=device), top_p=torch.tensor([1.0, 0.9, 1.0, 1.0], device=device),
+                    temperature=temperature.to(device), top_k=top_k.to(device), top_p=top_p.to(device),
                     seed=torch.randint(0, 2**62, (batch,), generator=gen).to(device))
 
     stack = contextlib.ExitStack()
@@ -173,16 +188,20 @@ def compile_cases(device: str):
         v = randn(3, 2, 100 + num_nodes, 64).transpose(1, 2)
         return (randn(3, num_nodes, 8, 64), k, v, parents(3, num_nodes), prefix)
 
-    def f_verify(logits, tokens, p, probs):
-        greedy = sk.verify(logits, tokens, p, temperature=0.0, seed=7)
-        sampled = sk.verify(logits, tokens, p, draft_probs=probs, temperature=0.8, top_k=40, top_p=0.9, seed=7)
+    def f_verify(logits, tokens, p, probs, seed):
+        greedy = sk.verify(logits, tokens, p, temperature=0.0, seed=seed)
+        sampled = sk.verify(logits, tokens, p, draft_probs=probs, temperature=0.8, top_k=40, top_p=0.9, seed=seed)
         return greedy.accepted_nodes, greedy.output_tokens, sampled.accepted_nodes, sampled.output_tokens
+
+    def f_verify_int_seed(logits, tokens, p, probs, seed):
+        return f_verify(logits, tokens, p, probs, 7)  # the per-row seeds derived in the graph (Philox)
 
     def verify_args(num_nodes):
         vocab = 5003
         tokens = torch.stack([torch.randperm(vocab, generator=gen)[:num_nodes] for _ in range(3)]).to(device)
         probs = torch.softmax(randn(3, num_nodes, vocab, dtype=torch.float32), -1)
-        return (randn(3, num_nodes, vocab) * 3, tokens, parents(3, num_nodes), probs)
+        seed = torch.randint(0, 2**62, (3,), generator=gen).to(device)
+        return (randn(3, num_nodes, vocab) * 3, tokens, parents(3, num_nodes), probs, seed)
 
     def f_compact(c0, c1, prefix, accepted, num):
         return sk.compact_kv_cache_([c0, c1], prefix, accepted, num) * 2
@@ -209,7 +228,35 @@ def compile_cases(device: str):
         ("verify", f_verify, [verify_args(t) for t in (6, 17)]),
         ("compact_kv_cache_", f_compact, [compact_args(t) for t in (5, 9)]),
         ("ngram_propose+ngram_propose_tree", f_ngram, [ngram_args(n) for n in (300, 5000)]),
+        # The row seeds derived from an int (a Philox draw): inductor did not finish compiling
+        # them inline in 10 minutes, hence their own op (philox.seeds_from_int); kept last.
+        ("verify with an int seed", f_verify_int_seed, [verify_args(t) for t in (6, 17)]),
     ]
+
+
+class CheckTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int):
+    """Raise CheckTimeout in the block after `seconds` (SIGALRM; 0 = no limit). Not applied off
+    the main thread, nor over an alarm someone else set (pytest-timeout's, in the test suite)."""
+    if (not seconds or threading.current_thread() is not threading.main_thread()
+            or signal.getitimer(signal.ITIMER_REAL)[0] > 0):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise CheckTimeout(f"still running after {seconds} s: stopped (--check-timeout)")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _clone(args):
@@ -241,6 +288,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cuda (default); cpu runs the compile check only, as a smoke test")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
+    parser.add_argument("--check-timeout", type=int, default=120, metavar="S",
+                        help="seconds one check may run before it fails (default 120; 0 = no limit)")
     args = parser.parse_args(argv)
 
     import torch
@@ -271,7 +320,8 @@ def main(argv=None) -> int:
     for name, check in checks:
         start = time.perf_counter()
         try:
-            check()
+            with time_limit(args.check_timeout):
+                check()
             print(f"PASS {name} ({time.perf_counter() - start:.1f} s)", flush=True)
         except Exception:  # report every check, then fail
             failures += 1

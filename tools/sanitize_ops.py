@@ -35,6 +35,11 @@ What the cases reach (device "cuda": backends "cuda" and, where it has a kernel,
 * ngram_propose / ngram_propose_tree: int32/int64 and strided histories, lengths 0, 1, 2 and
   full, small and large vocabularies, both policies, tree widths 1-8 and node budgets, and a
   20000-token history with ~10000 distinct continuations (the tree kernel's overflow rounds).
+* paged caches (tree_attention / compact_kv_cache_ with block_table: the ops
+  tree_attention_paged, compact_kv_cache_paged_): pages of 1, 3, 5, 16 and 32 slots (power of
+  two or not) in a shuffled pool with spare pages, block tables with junk ids past each row's
+  pages, mma and SIMT tree attention (split-KV, T = 65 and 128) against the dense reference,
+  compaction of several pools against the paged reference, whole pools compared.
 
 Exit status of a run: 0 all matched; 1 a result differs from the reference; 2 the device or a
 compiled kernel is missing (sanitizing the reference would prove nothing).
@@ -471,6 +476,72 @@ class Runner:
                     same = torch.equal(got.tokens.cpu(), ref.tokens.cpu()) and torch.equal(got.parents.cpu(), ref.parents.cpu())
                     self.check(same, f"ngram_propose_tree[{backend}] {name} {kwargs}")
 
+    # ---------------------------------------------------------------- paged caches
+
+    def pages(self, dense, num_tokens, page_size: int, fill: float):
+        """dense [B, S, H, D] caches cut into pools [num_pages, page_size, H, D] (one per cache,
+        the same pages for all): row b's first ceil(num_tokens[b] / page_size) pages in a
+        shuffled order, two spare pages, every slot no row uses set to `fill`. Returns (pools,
+        block_table int32 [B, P]) with two padding columns of junk ids (never read)."""
+        torch = self.torch
+        needed = [-(-int(n) // page_size) for n in num_tokens]
+        num_pages = sum(needed) + 2
+        order = torch.randperm(num_pages, generator=self.gen).to(torch.int32)
+        table = self.randint(-5, 10 * num_pages, (len(needed), max(needed) + 2)).to(torch.int32)
+        pools = [torch.full((num_pages, page_size) + tuple(c.shape[2:]), fill, dtype=c.dtype) for c in dense]
+        first = 0
+        for b, count in enumerate(needed):
+            table[b, :count] = order[first:first + count]
+            first += count
+            pos = torch.arange(int(num_tokens[b]))
+            slots = table[b, pos // page_size].long() * page_size + pos % page_size
+            for pool, cache in zip(pools, dense):
+                pool.view(-1, *pool.shape[2:])[slots] = cache[b, : len(pos)].cpu()
+        return [p.to(self.device) for p in pools], table.to(self.device)
+
+    PAGED_ATTENTION_CASES = [  # (T, prefixes, Hq, Hkv, D, dtype name, page size)
+        (17, (300, 0, 37), 8, 2, 128, "bfloat16", 16),  # mma, power-of-two pages
+        (65, (2000, 1, 129), 8, 1, 64, "float16", 3),  # mma, split-KV, two mask words, pages of 3
+        (128, (129, 0, 64), 4, 2, 256, "bfloat16", 1),  # mma, D = 256, T = 128, one slot per page
+        (9, (65, 0, 7), 4, 2, 64, "float32", 32),  # SIMT fallback: fp32
+        (33, (400, 17, 0), 6, 3, 80, "float16", 5),  # SIMT fallback: D = 80
+    ]
+
+    def paged_attention(self) -> None:
+        torch, sk = self.torch, self.sk
+        for backend in self.backends("tree_attention_paged"):
+            for num_nodes, prefixes, hq, hkv, dim, dtype_name, page_size in self.PAGED_ATTENTION_CASES:
+                if self.quick and max(prefixes) >= 1000:
+                    continue
+                q, k, v, mask, seqlens = self.tree_attention_case(num_nodes, prefixes, hq, hkv, dim, dtype_name, "bshd")
+                # NaN in every slot no row may read: reading one shows in the output.
+                (k_pool, v_pool), table = self.pages([k, v], seqlens.cpu() + num_nodes, page_size, float("nan"))
+                for m in (mask, sk.pack_tree_mask(mask, backend="reference")):
+                    out = sk.tree_attention(q, k_pool, v_pool, m, seqlens, block_table=table, backend=backend)
+                    ref = sk.tree_attention(q, k, v, m, seqlens, backend="reference")
+                    atol, rtol = self.TOL[dtype_name]
+                    same = out.shape == ref.shape and bool(torch.isfinite(out).all()) and \
+                        torch.allclose(out.float(), ref.float(), atol=atol, rtol=rtol)
+                    self.check(same, f"tree_attention_paged[{backend}] T={num_nodes} D={dim} {dtype_name} "
+                                     f"page {page_size} {'packed' if m.dtype == torch.int64 else 'bool'}")
+
+    def paged_compact(self) -> None:
+        torch, sk = self.torch, self.sk
+        specs = [(2, 64, "bfloat16"), (1, 5, "float16"), (3, 64, "float32")]
+        for backend in self.backends("compact_kv_cache_paged_"):
+            for num_nodes, kind, page_size in ((1, "random", 1), (8, "random", 3), (65, "chain", 16), (128, "random", 5)):
+                seqlens = torch.tensor([40, 0, 13, 29], dtype=torch.int32)
+                accepted, num = self.accepted_paths(self.parents(len(seqlens), num_nodes, kind))
+                dense = [self.randn(len(seqlens), 40 + num_nodes, h, d, dtype=getattr(torch, dt)) for h, d, dt in specs]
+                # Finite garbage in the unused slots: whole pools are compared bytewise.
+                pools, table = self.pages(dense, seqlens + num_nodes, page_size, 7.0)
+                copies = [p.clone() for p in pools]
+                seqlens = seqlens.to(self.device)
+                got = sk.compact_kv_cache_(pools, seqlens, accepted, num, block_table=table, backend=backend)
+                want = sk.compact_kv_cache_(copies, seqlens, accepted, num, block_table=table, backend="reference")
+                same = torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(pools, copies))
+                self.check(same, f"compact_kv_cache_paged_[{backend}] T={num_nodes} {kind} page {page_size}")
+
 
 def run_ops(device: str, seed: int = 0, quick: bool = False) -> int:
     """Run every case on `device` (quick: without the largest vocabularies and prefixes, for the
@@ -492,7 +563,8 @@ def run_ops(device: str, seed: int = 0, quick: bool = False) -> int:
               "inputs are valid (reference)")
     runner = Runner(device, torch.Generator().manual_seed(seed), quick)
     start = time.perf_counter()
-    for part in (runner.tree_masks, runner.tree_attention, runner.verify, runner.compact, runner.ngram):
+    for part in (runner.tree_masks, runner.tree_attention, runner.verify, runner.compact, runner.ngram,
+                 runner.paged_attention, runner.paged_compact):
         t0 = time.perf_counter()
         part()
         if device == "cuda":
