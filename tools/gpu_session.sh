@@ -18,10 +18,17 @@
 #   .model_a/ .model_b/ .model_c/  the default model's GGUF in three parts (~31 MiB each, with
 #              PARTS and SHA256SUM_GGUF beside each): one part per call, since a call carries
 #              at most 64 MiB with the tree (~16.5 MiB: the shipped heads are 11 MiB of it)
-#   .gpu_build/gpu_build.tgz  the built _C*.so + source stamp, returned by a call that built it
+#   .gpu_build/gpu_build.tgz  the built _C*.so + source stamp, returned by a call that built it,
+#              or made before the first call by tools/gpu_twin.sh (~2 MiB for sm_90a)
 # gpu_prepare.sh prints what each call's carry weighs; keep `du -sm .gpu_build` below ~12.
 #
-#  0. `status`: can_start_another must be true; budget_left_s ~1800. Run tools/gpu_prepare.sh.
+#  0. `status`: can_start_another must be true; budget_left_s ~1800. Run tools/gpu_prepare.sh,
+#     then tools/gpu_twin.sh (no device time: ~4 min to make its venv of the GPU machine's
+#     torch 2.11.0+cu130 / Triton 3.6.0 / Python 3.12 from PyPI, ~2 min to build): it builds
+#     _C with its CUDA kernels here, checks they load, compiles the Triton kernels with Triton
+#     3.6, and writes .gpu_build/gpu_build.tgz, which call 1 restores instead of building
+#     (~2 min of device time saved; a build that does not load there is rebuilt). Carry
+#     .gpu_build from call 1 on; rerun gpu_twin.sh after any change to csrc/ or setup.py.
 #     Three calls of 10 min plus the machine's start exceed the 30 min: give each call
 #     `DEADLINE_S=<s> tools/gpu_session.sh ...` with s = min(550, budget_left_s - 90), the
 #     budget_left_s of the last reply's lease, so the script stops starting stages in time.
@@ -29,7 +36,7 @@
 #     `git rev-parse --short HEAD` here, +dirty with local changes>, which env.txt and every
 #     bench JSON record as the commit.
 #  1. run  command: tools/gpu_session.sh all
-#          carry:   [".whl", ".data", ".model_a"]   (+ ".gpu_build" if it holds a build of this commit)
+#          carry:   [".whl", ".data", ".model_a", ".gpu_build"]   (.gpu_build if gpu_twin.sh made it)
 #          timeout_s: 600
 #     ~9.5 min: build (from scratch ~2 min), the whole test suite (~3-4 min), then the
 #     sanitizers, graph/compile checks and kernel benchmarks as far as the deadline allows
@@ -83,7 +90,8 @@
 # SPECDEC_COMMIT, FORCE, TORCH_CUDA_ARCH_LIST (default 9.0a here:
 # only the lent Hopper GPUs; setup.py's default list is for releases), MAX_JOBS, PYTEST_WORKERS
 # (default 8), SANITIZE_TOOLS (default "memcheck racecheck synccheck initcheck"),
-# BENCH_ARGS (default empty: the default sweep; "--full" for the full one), E2E_ARGS.
+# BENCH_ARGS (default empty: the default sweep; "--full" for the full one), E2E_ARGS (default
+# E2E_DEFAULT_ARGS, at stage_e2e).
 # shellcheck disable=SC2329  # the stage_* functions are called by name (run_stage)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -378,15 +386,21 @@ stage_bench() {
   limited bench.log "$PY" -m specdec_kernels bench kernels --out-dir "$RESULTS" ${BENCH_ARGS:-}
 }
 
+# Without E2E_ARGS: the issue's goal first (code edit, batch 1, greedy, against HF), then the
+# other workloads, 4 prompts each, the methods that answer its questions; rows are written as
+# they finish, so what the limit cuts off is only the end of this order.
+E2E_DEFAULT_ARGS="--workloads code_edit,chat,summarization,code_completion --prompts-per-workload 4
+  --methods hf,hf_prompt_lookup,ours_plain,ours_ngram,ours_eagle,ours_default"
+
 stage_e2e() {
-  local rc=0 stage_end=$((SECONDS + STAGE_LIMIT))
+  local rc=0 stage_end=$((SECONDS + STAGE_LIMIT)) e2e_args=${E2E_ARGS:-$E2E_DEFAULT_ARGS}
   if [[ "$MODEL_STATUS" == *missing* ]]; then
     echo "$MODEL_STATUS" | tee -a "$LOGS/e2e.log"
     STAGE_NOTE="default model missing: random Llama-3-8B only"
   else
-    # shellcheck disable=SC2086  # E2E_ARGS is a list of options
+    # shellcheck disable=SC2086  # $e2e_args is a list of options
     STAGE_LIMIT=$(( (STAGE_LIMIT * 2) / 3 )) limited e2e.log "$PY" -m specdec_kernels bench e2e --out-dir "$RESULTS" \
-      --dtype bfloat16 --no-progress ${E2E_ARGS:-} || rc=$?
+      --dtype bfloat16 --no-progress $e2e_args || rc=$?
   fi
   if [ $((stage_end - SECONDS)) -lt 60 ]; then
     echo "e2e: no time left for the random Llama-3-8B" | tee -a "$LOGS/e2e.log"; STAGE_NOTE+=" llama3-8b-random skipped"
@@ -394,7 +408,7 @@ stage_e2e() {
   fi
   # shellcheck disable=SC2086
   STAGE_LIMIT=$((stage_end - SECONDS)) limited e2e.log "$PY" -m specdec_kernels bench e2e --model llama3-8b-random \
-    --out-dir "$RESULTS" --no-progress ${E2E_ARGS:-} || rc=$?
+    --out-dir "$RESULTS" --no-progress $e2e_args || rc=$?
   return "$rc"
 }
 
