@@ -154,11 +154,11 @@ tree_stamp() {
 }
 
 # What a verdict of stage $1 stands for: the sources, and for the measuring stages what they
-# measured (a bench or e2e run with other BENCH_ARGS / E2E_ARGS, or e2e once the default
-# model is there, is a new run, not a repeat of an earlier one).
+# measured (a bench or e2e run with other BENCH_ARGS / E2E_ARGS, with the prompt files carried
+# this time, or e2e once the default model is there, is a new run, not a repeat).
 stage_key() {
   case $1 in
-    bench) echo "$1 $TREE_STAMP ${BENCH_ARGS:-}" ;;
+    bench) echo "$1 $TREE_STAMP ${BENCH_ARGS:-} | data: ${SPECDEC_DATA:-none}" ;;
     e2e) echo "$1 $TREE_STAMP ${E2E_ARGS:-} | $MODEL_STATUS" ;;
     *) echo "$1 $TREE_STAMP" ;;
   esac
