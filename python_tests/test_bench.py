@@ -75,10 +75,9 @@ def tiny_models():
     return tiny_model(0), tiny_model(1)
 
 
-def test_e2e_every_method_batch_and_sampling(tiny_models, tmp_path, monkeypatch):
-    model, draft = tiny_models
-    # A user head for the tiny target (found by its identity under <cache>/heads), so the
-    # learned-head methods (ours_eagle, ours_default) run too.
+def train_tiny_head(model, tmp_path, monkeypatch):
+    """A user head for the tiny target, found by its identity under <cache>/heads (the cache is
+    tmp_path), so the learned-head methods (ours_eagle, ours_default, ...) run too."""
     from specdec_kernels.heads import train_draft_head
 
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
@@ -86,6 +85,11 @@ def test_e2e_every_method_batch_and_sampling(tiny_models, tmp_path, monkeypatch)
     prompts = [torch.randint(1, vocab, (10,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]
     train_draft_head(model, prompts, kind="eagle", out_dir=tmp_path / "heads" / "tiny", steps=2, max_new_tokens=4,
                      batch_tokens=128, eval_fraction=0.0, draft_vocab_size=vocab, progress=False)
+
+
+def test_e2e_every_method_batch_and_sampling(tiny_models, tmp_path, monkeypatch):
+    model, draft = tiny_models
+    train_tiny_head(model, tmp_path, monkeypatch)
     requests = {"code_edit": short_requests()["code_edit"]}
     rows = e2e.run(model, WordTokenizer(VOCAB), requests, draft=draft, methods=e2e.METHODS, batch_sizes=(1, 2),
                    temperatures=(0.0, 0.7), max_new_tokens=4, prompts_per_workload=1, profile_kernels=False,
@@ -97,14 +101,8 @@ def test_e2e_every_method_batch_and_sampling(tiny_models, tmp_path, monkeypatch)
 def test_e2e_fixed_head_tree_shapes(tiny_models, tmp_path, monkeypatch):
     """The fixed-tree head methods take a tree shape after the name (a sweep in one run): each
     row verifies that many nodes per step, keeps the greedy output, and bad shapes are refused."""
-    from specdec_kernels.heads import train_draft_head
-
     model, _ = tiny_models
-    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
-    vocab = model.config.vocab_size
-    prompts = [torch.randint(1, vocab, (10,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]
-    train_draft_head(model, prompts, kind="eagle", out_dir=tmp_path / "heads" / "tiny", steps=2, max_new_tokens=4,
-                     batch_tokens=128, eval_fraction=0.0, draft_vocab_size=vocab, progress=False)
+    train_tiny_head(model, tmp_path, monkeypatch)
     requests = {"code_edit": short_requests()["code_edit"]}
     methods = ("hf", "ours_eagle_fixed", "ours_eagle_fixed:6/3/2", "ours_default_fixed:6/3/2")
     rows = e2e.run(model, WordTokenizer(VOCAB), requests, methods=methods, batch_sizes=(1,), temperatures=(0.0,),

@@ -151,6 +151,13 @@ def write_rows(result: dict, rows, path, *, planned: int, complete: bool) -> Pat
     return write_json(result, path, quiet=not complete)
 
 
+def device_generator(gen: torch.Generator, device) -> torch.Generator:
+    """A generator on `device` seeded from the CPU generator `gen`: large inputs drawn on the
+    device (seconds of the CPU generator and GBs of host memory otherwise), the run still
+    reproducible from its one seed."""
+    return torch.Generator(device).manual_seed(int(torch.randint(1 << 62, (), generator=gen)))
+
+
 # ----------------------------------------------------------------------------- timing
 
 

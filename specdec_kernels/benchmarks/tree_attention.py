@@ -96,7 +96,7 @@ def make_inputs(batch, num_nodes, prefix, q_heads, kv_heads, head_dim, dtype, ge
     cache_len = prefix + num_nodes
     # Drawn on the device, seeded from `gen`: the largest caches hold 2e9 values, many seconds
     # of the CPU generator per config (and 8 GB of fp32 in host memory).
-    dgen = torch.Generator(DEVICE).manual_seed(int(torch.randint(1 << 62, (), generator=gen)))
+    dgen = common.device_generator(gen, DEVICE)
     k = torch.randn(batch, cache_len, kv_heads, head_dim, generator=dgen, device=DEVICE, dtype=dtype)
     v = torch.randn(batch, cache_len, kv_heads, head_dim, generator=dgen, device=DEVICE, dtype=dtype)
     q = torch.randn(batch, num_nodes, q_heads, head_dim, generator=dgen, device=DEVICE, dtype=dtype)

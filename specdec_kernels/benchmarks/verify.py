@@ -90,7 +90,7 @@ def make_inputs(batch, kind, size, vocab, mode, device, gen):
     tokens, parents = tokens.to(device), parents.to(device)
     # The [B, T, V] tensors are drawn on the device, seeded from `gen` (up to 2.5e9 values: many
     # seconds of the CPU generator per config).
-    dgen = torch.Generator(device).manual_seed(int(torch.randint(1 << 62, (), generator=gen)))
+    dgen = common.device_generator(gen, device)
     logits = torch.randn(batch, num_nodes, vocab, generator=dgen, device=device).mul_(2.0)
     rows = torch.arange(batch, device=device)
     for i in range(1, num_nodes):
