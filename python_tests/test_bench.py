@@ -372,14 +372,14 @@ def test_verify_output_path():
 def test_verify_smoke_writes_json_and_plot(monkeypatch, tmp_path):
     import sys
 
-    from specdec_kernels import _extension
+    from specdec_kernels.ops import _extension
     from specdec_kernels.benchmarks import verify
 
     if not _extension.HAS_TRITON:
         pytest.skip("triton not installed")
     if INTERPRETER_DEFECT is not None:
         pytest.skip(INTERPRETER_DEFECT)
-    kernel = sys.modules.get("specdec_kernels.triton.verify")
+    kernel = sys.modules.get("specdec_kernels.ops.triton.verify")
     if kernel is not None and not kernel.interpreted():
         pytest.skip("the Triton verify kernels were imported for the compiler earlier in this process")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # main() sets it; restored after the test

@@ -44,8 +44,8 @@ SCALE = int(os.environ.get("SPECDEC_FUZZ_SCALE", "1"))
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Kernel modules built for the Triton interpreter (None on a CUDA machine, without triton, or
 # when triton was imported without TRITON_INTERPRET=1 first: see conftest.py).
-TRITON_ATTENTION = import_interpreted_kernels("specdec_kernels.triton.tree_attention") if HAS_TRITON else None
-TRITON_VERIFY = import_interpreted_kernels("specdec_kernels.triton.verify") if HAS_TRITON else None
+TRITON_ATTENTION = import_interpreted_kernels("specdec_kernels.ops.triton.tree_attention") if HAS_TRITON else None
+TRITON_VERIFY = import_interpreted_kernels("specdec_kernels.ops.triton.verify") if HAS_TRITON else None
 TRITON_SKIP = "triton is not installed" if not HAS_TRITON else (
     "the Triton interpreter is unavailable in this process (CUDA present, or triton imported first)")
 # The Triton kernel keeps fp32 sums in another order than the reference: test_tree_attention_triton's fp32 tolerance.

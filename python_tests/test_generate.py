@@ -1,4 +1,4 @@
-"""End-to-end tests of `specdec_kernels.generate` on tiny random transformers models (CPU).
+"""End-to-end tests of `specdec_kernels.loop.generate` on tiny random transformers models (CPU).
 
 Greedy: token-for-token equality with HF `generate(do_sample=False)` for every drafter and
 tree shape, batches with left padding, eos and max_new_tokens edges. Sampling: the joint
@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 scipy_stats = pytest.importorskip("scipy.stats")
 
 import specdec_kernels as sk  # noqa: E402
-from specdec_kernels import hf  # noqa: E402
+from specdec_kernels.loop import hf  # noqa: E402
 from conftest import requires_cuda  # noqa: E402
 
 VOCAB = 128
@@ -51,7 +51,7 @@ def own_cache_dir(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def fresh_planner_memory():
     """Each test starts without what earlier tests' rows accepted (the planner's prior)."""
-    from specdec_kernels import planner
+    from specdec_kernels.loop import planner
 
     planner._LEARNED.clear()
     yield
@@ -363,7 +363,8 @@ SAMPLING_DRAFTERS = {
 def planned(model):
     """The adaptive planner with a cost model where verification is free (so drafts are
     verified whatever this machine's timings): the planner's path with a fixed answer."""
-    from specdec_kernels import cost_model, planner
+    from specdec_kernels.loop import cost_model
+    from specdec_kernels.loop import planner
 
     return planner.Planner(cost_model.CostModel(cost_model.identity(model), [1, 10_000], [1.0, 1.0]))
 

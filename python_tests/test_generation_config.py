@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("scipy.stats")
 
 import specdec_kernels as sk  # noqa: E402
-from specdec_kernels import hf  # noqa: E402
+from specdec_kernels.integrations import hf  # noqa: E402
 from test_generate import (SAMPLE_PROMPT, SAMPLE_ROWS, SMALL_VOCAB, chi_square_pvalue, left_pad,  # noqa: E402
                            repetitive_prompts, tiny_model, warped_probs)
 

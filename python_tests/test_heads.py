@@ -16,7 +16,7 @@ pytest.importorskip("scipy.stats")
 pytest.importorskip("safetensors")
 
 import specdec_kernels as sk  # noqa: E402
-from specdec_kernels import hf  # noqa: E402
+from specdec_kernels.loop import hf  # noqa: E402
 from specdec_kernels.heads import EagleDrafter, HeadNgramDrafter, MedusaDrafter, default_drafter, train_draft_head  # noqa: E402
 from specdec_kernels.heads.common import read_head, target_identity  # noqa: E402
 from conftest import WordTokenizer  # noqa: E402

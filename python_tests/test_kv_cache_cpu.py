@@ -6,7 +6,7 @@ a path starts at node 0 and strictly increases; anything else is refused before 
 import pytest
 import torch
 
-from specdec_kernels import _extension
+from specdec_kernels.ops import _extension
 
 from conftest import randint
 

@@ -1,4 +1,4 @@
-"""Few-row linears by our CPU kernel (`specdec_kernels.small_linear`, `torch.ops.specdec.small_linear`),
+"""Few-row linears by our CPU kernel (`specdec_kernels.ops.small_linear`, `torch.ops.specdec.small_linear`),
 the cost model's choice of it, and generate with it on: same numbers as `F.linear` to
 rounding, clear errors, only plain fp32 `torch.nn.Linear` modules patched and always
 restored, the choice is the first run of measured wins, and greedy output stays identical
@@ -11,9 +11,9 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 import specdec_kernels as sk  # noqa: E402
-from specdec_kernels import cost_model as cm  # noqa: E402
-from specdec_kernels import hf  # noqa: E402
-from specdec_kernels import small_linear as linear  # noqa: E402
+from specdec_kernels.loop import cost_model as cm  # noqa: E402
+from specdec_kernels.loop import hf  # noqa: E402
+from specdec_kernels.ops import small_linear as linear  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -161,7 +161,7 @@ def test_greedy_matches_hf_with_small_linears(monkeypatch, drafter):
     4 with left padding: output identical to HF generate."""
     import json
 
-    from specdec_kernels import planner
+    from specdec_kernels.loop import planner
 
     planner._LEARNED.clear()
     model = _tiny_llama()

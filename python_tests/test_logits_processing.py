@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import random_parents
-from specdec_kernels.logits_processing import TreeLogitsProcessor, refused_settings, sampling_settings
-from specdec_kernels.tree import TokenTree
+from specdec_kernels.loop.logits_processing import TreeLogitsProcessor, refused_settings, sampling_settings
+from specdec_kernels.ops.tree import TokenTree
 
 transformers = pytest.importorskip("transformers")
 from transformers import GenerationConfig  # noqa: E402

@@ -9,7 +9,7 @@ import torch
 
 import specdec_kernels as sk
 from specdec_kernels import ngram_propose, ngram_propose_tree
-from specdec_kernels.ngram_index import NgramIndex, _has_compiled_class
+from specdec_kernels.ops.ngram_index import NgramIndex, _has_compiled_class
 
 from conftest import HAS_C, randint, requires_c, requires_cuda
 from test_ngram import pack, planted, zipf_tokens
@@ -136,7 +136,7 @@ def test_propose_extreme_token_values():
 def test_compiled_propose_checks_direct_calls():
     op = torch.ops.specdec.ngram_propose.default
     tokens = torch.tensor([[1, 2, 1]])
-    if "CPU" not in sk._extension.COMPILED["ngram_propose"]:
+    if "CPU" not in sk.ops._extension.COMPILED["ngram_propose"]:
         pytest.skip("no compiled CPU kernel")
     for args, name in (
         ((tokens.float(), torch.tensor([3]), 1, 2, 3, "earliest"), "tokens"),
@@ -252,7 +252,7 @@ def test_index_stepwise_equals_propose(gen, backend, vocab):
 
 
 def test_reference_index_is_the_python_backend(gen):
-    """The pure-Python index is a reference implementation (specdec_kernels.reference), used
+    """The pure-Python index is a reference implementation (specdec_kernels.ops.reference), used
     directly with the compiled class's interface and as NgramIndex(backend="python")."""
     assert isinstance(NgramIndex(2, backend="python")._impl, sk.reference.NgramIndex)
     index = sk.reference.NgramIndex(2, 4)

@@ -507,8 +507,8 @@ def test_planner_step_times_leave_out_the_drafters_upkeep():
     merged drafter sums its parts' upkeep; a duck-typed drafter without the method has none."""
     import time
 
-    from specdec_kernels.drafters import Drafter, MergedDrafter, upkeep_seconds
-    from specdec_kernels.generate import _Trace
+    from specdec_kernels.loop.drafters import Drafter, MergedDrafter, upkeep_seconds
+    from specdec_kernels.loop.generate import _Trace
 
     class Busy(Drafter):
         spent = 0.0
@@ -554,8 +554,8 @@ def test_planner_starts_an_online_head_from_the_neutral_prior(target):
     """Between calls the planner carries what rows accepted per kind of drafter (the prior
     of the next call's rows). An online head (`learning`; also a merged drafter with one)
     starts every call from the neutral prior instead, and does not set the others' prior."""
-    from specdec_kernels.drafters import MergedDrafter
-    from specdec_kernels.planner import _LEARNED, Planner
+    from specdec_kernels.loop.drafters import MergedDrafter
+    from specdec_kernels.loop.planner import _LEARNED, Planner
 
     head = random_head(target, "eagle")
     frozen, online = eagle(target, False, head), eagle(target, True, head)

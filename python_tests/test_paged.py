@@ -15,7 +15,7 @@ import torch
 
 import specdec_kernels as sk
 from specdec_kernels import compact_kv_cache_, config, pack_tree_mask, tree_attention, tree_mask
-from specdec_kernels.reference.tree_attention import gather_pages
+from specdec_kernels.ops.reference.tree_attention import gather_pages
 
 from conftest import (INTERPRETER_SKIP, import_interpreted_kernels, randint, random_parents, requires_c, requires_cuda,
                       triton_interpret_env)
@@ -194,7 +194,7 @@ def test_attention_same_page_twice_in_a_row(gen):
 
 # ----------------------------------------------------------------------------- Triton (interpreter)
 
-TRITON_MODULE = "specdec_kernels.triton.tree_attention_paged"
+TRITON_MODULE = "specdec_kernels.ops.triton.tree_attention_paged"
 INTERPRETED = import_interpreted_kernels(TRITON_MODULE) if HAS_TRITON else None
 
 

@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import specdec_kernels as sk  # noqa: E402
-from specdec_kernels import hf  # noqa: E402
+from specdec_kernels.loop import hf  # noqa: E402
 from test_generate import (  # noqa: E402,F401
     fresh_planner_memory,
     draft,

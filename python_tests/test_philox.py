@@ -1,5 +1,5 @@
 """The C++ Philox (csrc/include/specdec/philox.h, shared by the CPU and CUDA verify) against
-the Python copy (`specdec_kernels.philox`), bit for bit, without a GPU.
+the Python copy (`specdec_kernels.ops.philox`), bit for bit, without a GPU.
 
 A small host program includes the header and prints the word and the uniform of each
 (seed, node, purpose, index) it reads; it is built with the host C++ compiler, and also with
@@ -15,7 +15,7 @@ import subprocess
 import pytest
 import torch
 
-from specdec_kernels import philox
+from specdec_kernels.ops import philox
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INCLUDE = os.path.join(ROOT, "csrc", "include")

@@ -10,10 +10,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import specdec_kernels as sk  # noqa: E402
-from specdec_kernels import cost_model as cm  # noqa: E402
-from specdec_kernels.drafters import Draft, first_nodes, keep_nodes  # noqa: E402
-from specdec_kernels import planner as planner_module  # noqa: E402
-from specdec_kernels.planner import AcceptanceModel, Planner, choose_counts  # noqa: E402
+from specdec_kernels.loop import cost_model as cm  # noqa: E402
+from specdec_kernels.loop.drafters import Draft, first_nodes, keep_nodes  # noqa: E402
+from specdec_kernels.loop import planner as planner_module  # noqa: E402
+from specdec_kernels.loop.planner import AcceptanceModel, Planner, choose_counts  # noqa: E402
 
 from test_generate import (  # noqa: E402
     SAMPLE_PROMPT, SAMPLE_ROWS, VOCAB, chi_square_pvalue, exact_pair_distribution, hf_greedy, left_pad,
@@ -183,7 +183,7 @@ def test_ngram_chain_scores_follow_the_match_length():
     for draft in (indexed, unindexed):
         assert draft.tree.tokens[0, 1:].tolist() == [1, 2, 3, 4] and draft.tree.tokens[1, 1:].tolist() == [6, 1, 2, 3]
         assert (draft.tree.parents[2, 1:] == -1).all()
-        expected = sk.drafters.match_scores(torch.tensor([3, 1, 0]), 4)
+        expected = sk.loop.drafters.match_scores(torch.tensor([3, 1, 0]), 4)
         assert torch.equal(draft.scores, expected)
     s = expected
     assert s[0, 1] > s[1, 1] and (s[:, 1:].diff(dim=1) <= 0).all() and (s[:, 0] == 1).all() and (s[2, 1:] == 0).all()
@@ -193,7 +193,7 @@ def test_ngram_chain_scores_follow_the_match_length():
 def test_suffix_match_lengths_and_long_matches():
     """How far an n-gram match really reaches back: a copy in progress scores far above a
     chance 4-gram (both drafter paths measure it the same way)."""
-    from specdec_kernels.drafters import suffix_match_lengths
+    from specdec_kernels.loop.drafters import suffix_match_lengths
     history = torch.tensor([[1, 2, 3, 4, 5, 9, 9, 1, 2, 3, 4, 0, 0], [7] * 13, [3, 1, 2, 5, 6, 8, 1, 2, 5, 0, 0, 0, 0]])
     lengths = torch.tensor([11, 5, 9])
     # Row 0: 1 2 3 4 occurred before, followed by 5; asking for 9 instead finds no such context.
@@ -211,7 +211,7 @@ def test_suffix_match_lengths_and_long_matches():
         if indexed:
             drafter.start(rows, lengths, 32)
         draft = drafter.propose(rows, lengths)
-        assert torch.equal(draft.scores, sk.drafters.match_scores(torch.tensor([12, 4]), 3))
+        assert torch.equal(draft.scores, sk.loop.drafters.match_scores(torch.tensor([12, 4]), 3))
         assert draft.scores[0, 1] > 0.9 > 0.8 > draft.scores[1, 1]
 
 
@@ -248,7 +248,7 @@ def test_drafters_honour_budgets(target, draft):
     calls = []
     handle = draft.register_forward_hook(lambda *args: calls.append(1))
     try:
-        with sk.hf.use_tree_attention(draft):
+        with sk.loop.hf.use_tree_attention(draft):
             model_drafter.start(history, lengths, 80)
             calls.clear()
             out = model_drafter.propose(history, lengths, budget=torch.tensor([0, 1, 2]))
@@ -291,7 +291,7 @@ def test_cost_model_interpolates_and_refreshes():
 def test_cost_model_key_names_the_attention_backend(target, monkeypatch):
     """A table measured with one tree-attention backend is not reused with another (on a GPU
     the reference, Triton and CUDA kernels cost very differently)."""
-    from specdec_kernels import _extension
+    from specdec_kernels.ops import _extension
 
     default = cm.identity(target)
     assert default["attention"] == _extension.available_backends("tree_attention", "cpu")[0]

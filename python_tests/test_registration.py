@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import specdec_kernels as sk
-from specdec_kernels import _extension
+from specdec_kernels.ops import _extension
 
 from conftest import HAS_C, randint, random_parents, requires_c
 from test_paged import paged_attention_samples, paged_compact_samples
@@ -612,7 +612,7 @@ def test_cuda_fallback_to_reference_warns_once():
     code = """
         import warnings, torch
         import specdec_kernels as sk
-        from specdec_kernels import _extension
+        from specdec_kernels.ops import _extension
         cuda = torch.device("cuda")
         ops = [op for op in _extension.OPS if "CUDA" not in _extension.COMPILED[op]]
         if not ops:
@@ -641,7 +641,8 @@ def test_cuda_fallback_warning_names_the_triton_switch_for_triton_ops():
     """For an op with a Triton kernel, turning the switch on removes the fallback (no warning)."""
     code = """
         import warnings, torch
-        from specdec_kernels import _extension, config
+        from specdec_kernels import config
+        from specdec_kernels.ops import _extension
         if "CUDA" in _extension.COMPILED["verify"] or not _extension.HAS_TRITON:
             print("SKIP compiled CUDA verify, or no triton")
             raise SystemExit

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import specdec_kernels as sk
-from specdec_kernels import _extension, pack_tree_mask, reference, tree_attention, tree_mask
+from specdec_kernels import pack_tree_mask, reference, tree_attention, tree_mask
+from specdec_kernels.ops import _extension
 
 from conftest import (HAS_CUDA, import_interpreted_kernels, interpreter_fixture, randint, random_parents, requires_cuda,
                       run_in_fresh_cpu_process)
@@ -29,7 +30,7 @@ from test_tree_attention import TOL, brute_attention, branch_oracle, make_case
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-KERNEL_MODULE = "specdec_kernels.triton.tree_attention"
+KERNEL_MODULE = "specdec_kernels.ops.triton.tree_attention"
 
 # The kernel keeps probabilities in the input dtype for the P @ V product (like flash
 # attention), so 16-bit outputs may differ from the reference by a little more than one
@@ -219,7 +220,7 @@ def test_kernels_compile_for_sm80_and_sm90():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run([sys.executable, "-m", "specdec_kernels.triton.compile_check"], cwd=root, env=env,
+    result = subprocess.run([sys.executable, "-m", "specdec_kernels.ops.triton.compile_check"], cwd=root, env=env,
                             capture_output=True, text=True, timeout=600)
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     assert result.returncode == 0, "\n".join(lines) + result.stderr[-3000:]
@@ -257,7 +258,7 @@ def test_package_works_without_triton():
         sys.modules["triton"] = None  # as if not installed
         import torch
         import specdec_kernels as sk
-        from specdec_kernels import _extension
+        from specdec_kernels.ops import _extension
         assert not _extension.HAS_TRITON
         assert "triton" not in sk.available_backends("tree_attention", "cuda")
         q = torch.randn(1, 2, 2, 16)

@@ -3,7 +3,7 @@
 The brute force below (`bf_verify_row`) is written from the rules in the module docstring of
 `specdec_kernels/reference/verify.py`, one row at a time, with plain Python floats (float64)
 and explicit loops over each node's children list. It reads the same counter-based random
-numbers (`specdec_kernels.philox.uniform`) as the implementation:
+numbers (`specdec_kernels.ops.philox.uniform`) as the implementation:
 
 * acceptance test of drafted node j: u = uniform(seed, node=j, PURPOSE_ACCEPT, index=0);
 * sampling at node i: exponential race, token = argmax_v w_v / (-log u_v) with
@@ -30,7 +30,7 @@ import torch
 
 import specdec_kernels
 from specdec_kernels import verify, verify_chain
-from specdec_kernels.philox import PURPOSE_ACCEPT, PURPOSE_SAMPLE, row_seeds, seeds_from_int, uniform
+from specdec_kernels.ops.philox import PURPOSE_ACCEPT, PURPOSE_SAMPLE, row_seeds, seeds_from_int, uniform
 
 from conftest import distinct_sibling_tokens, random_parents, randint, sibling_tokens
 

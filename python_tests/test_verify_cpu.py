@@ -228,7 +228,7 @@ def test_top_p_kept_sets_of_every_size(gen):
     """The kernel sorts only the largest probabilities, growing that prefix (256, 2048, 16384,
     all) until it passes the top-p boundary. Kept sets from a handful of tokens to most of a
     49152-token vocabulary, with ties at the top, must sample exactly as the reference's full sort."""
-    from specdec_kernels.sampling import target_probs
+    from specdec_kernels.ops.sampling import target_probs
 
     batch, vocab = 64, 49152
     scale = torch.logspace(0.7, -1.3, batch)  # peaked rows (few tokens kept) to flat rows (most kept)

@@ -25,14 +25,14 @@ import torch
 
 import specdec_kernels as sk
 from specdec_kernels import verify, verify_chain
-from specdec_kernels.sampling import target_probs
+from specdec_kernels.ops.sampling import target_probs
 
 from conftest import (boundary_tie_case, compare_verify, drafted_tree_case, import_interpreted_kernels, interpreter_fixture,
                       randint, requires_cuda, run_in_fresh_cpu_process)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-KERNEL_MODULE = "specdec_kernels.triton.verify"
+KERNEL_MODULE = "specdec_kernels.ops.triton.verify"
 
 
 INTERPRETED = import_interpreted_kernels(KERNEL_MODULE)

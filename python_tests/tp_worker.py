@@ -8,7 +8,7 @@ import sys
 import torch
 
 import specdec_kernels as sk
-from specdec_kernels import cost_model
+from specdec_kernels.loop import cost_model
 from transformers import AutoModelForCausalLM
 
 

@@ -15,17 +15,18 @@ Ops (one entry point each; `backend=` forces an implementation, None picks the b
 it is imported only when they run.)
 """
 
-from . import config, reference
-from ._extension import LOAD_ERROR, available_backends
-from .drafters import DraftModelDrafter, MergedDrafter, NgramDrafter
-from .generate import GenerateOutput, GenerateStats, generate
+from . import config
+from .ops import reference
+from .ops._extension import LOAD_ERROR, available_backends
+from .loop.drafters import DraftModelDrafter, MergedDrafter, NgramDrafter
+from .loop.generate import GenerateOutput, GenerateStats, generate
 from .heads import EagleDrafter, MedusaDrafter, default_drafter, train_draft_head
-from .kv_cache import compact_kv_cache_
-from .ngram import ngram_propose, ngram_propose_tree
-from .ngram_index import NgramIndex
-from .tree import TokenTree, pack_tree_mask, tree_mask
-from .tree_attention import tree_attention
-from .verify import VerifyOutput, verify, verify_chain
+from .ops.kv_cache import compact_kv_cache_
+from .ops.ngram import ngram_propose, ngram_propose_tree
+from .ops.ngram_index import NgramIndex
+from .ops.tree import TokenTree, pack_tree_mask, tree_mask
+from .ops.tree_attention import tree_attention
+from .ops.verify import VerifyOutput, verify, verify_chain
 
 __version__ = "0.1.0"
 

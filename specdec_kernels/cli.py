@@ -17,14 +17,10 @@ import time
 import torch
 
 from ._platform import cpu_name
+from .methods import (DRAFT_TREE_WIDTHS, METHODS, NEEDS_DRAFT_MODEL, NGRAM_TREE_WIDTH, first_difference, make_drafter,
+                      stop_ids)
 
-# `specdec generate --method`; "default": `heads.default_drafter` (the target's trained head
-# merged with n-gram drafts, or n-gram alone for a target without one)
-METHODS = ("default", "none", "ngram", "ngram-tree", "draft", "draft-tree", "merged")
 DEMO_METHODS = ("default", "ngram")  # `specdec demo --method`
-NEEDS_DRAFT_MODEL = frozenset({"draft", "draft-tree", "merged"})
-NGRAM_TREE_WIDTH = 3  # default --ngram-tree-width: continuations of an n-gram tree
-DRAFT_TREE_WIDTHS = (2, 2, 1)  # default --draft-tree-widths: a draft-model tree's children per depth
 DEMO_MAX_NEW_TOKENS = 128  # long enough for the n-gram drafts to pay off, short enough for ~1 min on 2 CPU cores
 
 
@@ -73,14 +69,6 @@ def _read_prompt_file(path: str) -> str:
             return f.read()
     except OSError as error:
         raise _fail(f"--prompt-file: {error}") from None
-
-
-def stop_ids(model, tokenizer):
-    """(eos, pad) that HF `generate` and ours are both given: the model's generation_config
-    eos id(s), and its pad id, else the tokenizer's."""
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    pad = getattr(model.generation_config, "pad_token_id", None)
-    return eos, pad if pad is not None else tokenizer.pad_token_id
 
 
 def cut_mark(new_tokens, max_new_tokens: int, eos) -> str:
@@ -164,18 +152,6 @@ def _hf_generate(model, input_ids, max_new_tokens, eos, pad, progress_desc=None,
     return out, time.perf_counter() - start
 
 
-def first_difference(a, b):
-    """Index of the first position where two token sequences (lists or 1-D tensors) differ; the
-    shorter one's length when one is a prefix of the other; None when they are identical."""
-    a = a.tolist() if isinstance(a, torch.Tensor) else list(a)
-    b = b.tolist() if isinstance(b, torch.Tensor) else list(b)
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return None if len(a) == len(b) else n
-
-
 def _print_stats(stats, seconds: float, new_tokens: int, indent: str = "  ") -> None:
     """Steps, tokens per step, acceptance per depth and the time split of one `generate` call."""
     print(f"{indent}steps: {stats.steps}, tokens per step: {stats.tokens_per_step:.2f}, "
@@ -249,10 +225,10 @@ def cmd_demo(args) -> int:
                                     prompt_lookup_num_tokens=args.hf_prompt_lookup)
         pl_new = pl_out.shape[1] - input_ids.shape[1]
         rows.append((f"HF prompt lookup (k={args.hf_prompt_lookup})", pl_new, pl_s, None, None))
-    print(f"[2] specdec_kernels.generate with drafter {name} ...", flush=True)
+    print(f"[2] specdec_kernels.loop.generate with drafter {name} ...", flush=True)
     progress = _ProgressStreamer(n, f"specdec {args.method}") if _streamer_kwargs(sk.generate, None) else None
     if progress is None:
-        print("    (no progress bar: specdec_kernels.generate has no streaming hook)", flush=True)
+        print("    (no progress bar: specdec_kernels.loop.generate has no streaming hook)", flush=True)
     start = time.perf_counter()
     ours = sk.generate(model, input_ids, drafter=drafter, max_new_tokens=n, eos_token_id=eos,
                        **_streamer_kwargs(sk.generate, progress))
@@ -301,47 +277,6 @@ def _parse_widths(text: str) -> tuple:
     return widths
 
 
-def make_drafter(method: str, *, draft_model=None, num_tokens=None, ngram_tree_width: int = NGRAM_TREE_WIDTH,
-                 draft_tree_widths=DRAFT_TREE_WIDTHS, target=None, head=None):
-    """The drafter of one of METHODS (None for "none"): the `specdec generate --method` choices,
-    also built by the e2e benchmark for its ours_* methods.
-
-    num_tokens: draft length of n-gram drafts (chains and trees) and of draft-model chains (None:
-    the drafter's default); ngram_tree_width: continuations of an n-gram tree (ngram-tree,
-    merged); draft_tree_widths: children per depth of a draft-model tree (draft-tree, merged).
-    draft_model is needed by draft, draft-tree and merged; target (and optionally head, a
-    head directory to use instead of the target's own) by default.
-    """
-    import specdec_kernels as sk
-
-    if method not in METHODS:
-        raise ValueError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
-    if method in NEEDS_DRAFT_MODEL and draft_model is None:
-        raise ValueError(f"draft_model: method {method!r} needs a draft model")
-    if method == "default":
-        if target is None:
-            raise ValueError("target: method 'default' needs the target (its trained head is looked up)")
-        from .heads import default_drafter
-
-        return default_drafter(target, head=head)
-    if head is not None:
-        raise ValueError(f"head: only method 'default' uses a head, not {method!r}")
-    k = {"num_tokens": num_tokens} if num_tokens is not None else {}
-    if method == "none":
-        return None
-    if method == "ngram":
-        return sk.NgramDrafter(**k)
-    if method == "ngram-tree":
-        return sk.NgramDrafter(tree_width=ngram_tree_width, **k)
-    if method == "draft":
-        return sk.DraftModelDrafter(draft_model, **k)
-    if method == "draft-tree":
-        return sk.DraftModelDrafter(draft_model, tree_widths=draft_tree_widths)
-    # merged: prompt lookup and the draft model's tree in one deduplicated tree
-    return sk.MergedDrafter([sk.NgramDrafter(tree_width=ngram_tree_width, **k),
-                             sk.DraftModelDrafter(draft_model, tree_widths=draft_tree_widths)])
-
-
 def cmd_generate(args) -> int:
     """One generation with the chosen drafter; streams text if the loop supports it, then stats."""
     sk = _generate_api()
@@ -375,7 +310,7 @@ def cmd_generate(args) -> int:
     streamer = _TextStreamer(tokenizer)
     stream = _streamer_kwargs(sk.generate, streamer)
     if not stream:
-        print("(specdec_kernels.generate has no streaming hook: the text is printed when it is done)", flush=True)
+        print("(specdec_kernels.loop.generate has no streaming hook: the text is printed when it is done)", flush=True)
     start = time.perf_counter()
     out = sk.generate(model, input_ids, drafter=drafter, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -406,7 +341,7 @@ def _version(dist: str) -> str:
 def cmd_info(args) -> int:
     """Versions, whether `_C` loaded, backends per op and device, the default model's state."""
     import specdec_kernels
-    from specdec_kernels import _extension
+    from specdec_kernels.ops import _extension
     from . import models
 
     print(f"specdec_kernels {specdec_kernels.__version__} ({os.path.dirname(specdec_kernels.__file__)})")
@@ -519,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     demo = sub.add_parser("demo", help="HF greedy decoding vs ours: speed and identical output",
-                          description="Runs HF generate(do_sample=False) and specdec_kernels.generate with "
+                          description="Runs HF generate(do_sample=False) and specdec_kernels.loop.generate with "
                                       "default_drafter (the model's trained draft head merged with n-gram drafts; "
                                       "n-gram alone for a model without a head) or n-gram drafts (--method ngram) on "
                                       "a code-edit prompt and checks that the outputs are identical.")

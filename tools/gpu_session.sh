@@ -290,7 +290,7 @@ setup() {
 cuda_kernels_built() {
   "$PY" - <<'EOF'
 import specdec_kernels as sk
-missing = [op for op in sk._extension.OPS if "cuda" not in sk.available_backends(op, "cuda")]
+missing = [op for op in sk.ops._extension.OPS if "cuda" not in sk.available_backends(op, "cuda")]
 why = sk.LOAD_ERROR or "the extension was built without them"
 raise SystemExit(f"build: no compiled CUDA kernel for {missing} ({why})" if missing else 0)
 EOF

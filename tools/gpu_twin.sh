@@ -5,7 +5,7 @@
 # call would send it. Then:
 #   * check that every op has a compiled CUDA kernel in the built _C (the build links and loads);
 #   * compile every Triton kernel configuration for sm_80/sm_90 with that Triton
-#     (python -m specdec_kernels.triton.compile_check; this checkout's Triton may differ);
+#     (python -m specdec_kernels.ops.triton.compile_check; this checkout's Triton may differ);
 #   * write .gpu_build/gpu_build.tgz with the stamp tools/gpu_session.sh checks, so the first
 #     device call restores the build in seconds instead of compiling (~2 min of device time);
 #   * with --tests, run the CPU test suite on that stack too.
@@ -57,10 +57,10 @@ PATH=$VENV/bin:$PATH SPECDEC_ENABLE_UNVERIFIED_CUDA=1 MAX_JOBS=${MAX_JOBS:-2} \
 echo "gpu_twin: built in $((SECONDS - start)) s"
 PYTHONPATH=$SRC "$PY" - <<'EOF'
 import specdec_kernels as sk
-missing = [op for op in sk._extension.OPS if "cuda" not in sk.available_backends(op, "cuda")]
+missing = [op for op in sk.ops._extension.OPS if "cuda" not in sk.available_backends(op, "cuda")]
 if sk.LOAD_ERROR or missing:
     raise SystemExit(f"gpu_twin: no compiled CUDA kernel for {missing} ({sk.LOAD_ERROR or 'built without them'})")
-print(f"gpu_twin: _C loads, every op ({len(sk._extension.OPS)}) has a compiled CUDA kernel")
+print(f"gpu_twin: _C loads, every op ({len(sk.ops._extension.OPS)}) has a compiled CUDA kernel")
 EOF
 
 # The build the first device call restores: the stamp is the one gpu_session.sh computes there.
@@ -71,7 +71,7 @@ tar -czf "$REPO/.gpu_build/gpu_build.tgz" specdec_kernels/_C*.so build/gpu_build
 echo "gpu_twin: wrote .gpu_build/gpu_build.tgz ($(du -h "$REPO/.gpu_build/gpu_build.tgz" | cut -f1), stamp $stamp)"
 
 echo "gpu_twin: Triton compile check (log: $TWIN/triton_compile_check.log)"
-if PYTHONPATH=$SRC "$PY" -m specdec_kernels.triton.compile_check > "$TWIN/triton_compile_check.log" 2>&1; then
+if PYTHONPATH=$SRC "$PY" -m specdec_kernels.ops.triton.compile_check > "$TWIN/triton_compile_check.log" 2>&1; then
   "$PY" - "$TWIN/triton_compile_check.log" <<'EOF'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]

@@ -59,8 +59,8 @@ def verify_step(device: str, dtype_name: str = "bfloat16", max_prefix: int = 700
     import torch
 
     import specdec_kernels as sk
-    from specdec_kernels.hf.attention import forward, prefill, use_tree_attention
-    from specdec_kernels.hf.cache import TreeKVCache
+    from specdec_kernels.loop.hf.attention import forward, prefill, use_tree_attention
+    from specdec_kernels.loop.hf.cache import TreeKVCache
 
     batch, num_nodes, capacity = 4, 24, 1024
     model = _llama(device, getattr(torch, dtype_name), vocab)
@@ -300,7 +300,7 @@ def main(argv=None) -> int:
     import specdec_kernels as sk
 
     if args.device == "cuda":
-        missing = [op for op in sk._extension.OPS if "cuda" not in sk.available_backends(op, "cuda")]
+        missing = [op for op in sk.ops._extension.OPS if "cuda" not in sk.available_backends(op, "cuda")]
         if missing:
             print(f"graph_checks: note: no compiled CUDA kernel for {missing}: those ops run their Triton or reference "
                   "implementation here")

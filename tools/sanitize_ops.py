@@ -553,7 +553,7 @@ def run_ops(device: str, seed: int = 0, quick: bool = False) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("sanitize_ops: --device cuda needs a CUDA GPU (torch.cuda.is_available() is False)")
         return 2
-    missing = [op for op in sk._extension.OPS if device not in sk.available_backends(op, device)]
+    missing = [op for op in sk.ops._extension.OPS if device not in sk.available_backends(op, device)]
     if missing and device == "cuda":
         print(f"sanitize_ops: no compiled CUDA kernel for {missing} ({sk.LOAD_ERROR or 'the extension was built without them'}); "
               "build with SPECDEC_ENABLE_UNVERIFIED_CUDA=1 (tools/gpu_session.sh build)")

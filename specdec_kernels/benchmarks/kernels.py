@@ -34,13 +34,13 @@ def load_benchmark(name: str):
 
 def cpu_skip_reason(name: str):
     """Why `name` is not run on a CPU-only machine (None: it runs)."""
-    import specdec_kernels as sk
+    from ..ops._extension import available_backends
 
     if name == "ngram":
         return None
     # verify and tree_attention time GPU kernels only: run without a GPU, their main() would
     # refuse (status 2) unless --smoke, whose interpreted numbers are not results.
-    if "cpu" in sk.available_backends(name, "cpu"):
+    if "cpu" in available_backends(name, "cpu"):
         return "the benchmark measures GPU kernels only (no CPU mode yet for the compiled CPU kernel)"
     return ("GPU only: on the CPU there is only the plain-torch reference, and Triton-interpreter timings "
             "are not results")

@@ -52,8 +52,10 @@ def _tiny_model():
 @torch.inference_mode()
 def measure(model, counts=COUNTS, rounds: int = 7) -> list:
     """Rows of the results JSON: per token count, the median microseconds of ours and of F.linear, and the floor."""
-    from .. import config, hf, small_linear
-    from ..cost_model import _time_forward
+    from . import config
+    from ..loop import hf
+    from ..ops import small_linear
+    from ..loop.cost_model import _time_forward
 
     weight_bytes = sum(w.numel() * w.element_size() for w in small_linear.linear_weights(model))
     floor_us = 1e6 * weight_bytes / read_bandwidth()

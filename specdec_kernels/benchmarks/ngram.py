@@ -17,7 +17,7 @@ Methods (one decoding step = one draft for each of B rows of history length L):
               on the same threads.
   hf          transformers' PromptLookupCandidateGenerator.get_candidates, its real code,
               one row at a time (it supports batch size 1); only if transformers imports.
-  reference   specdec_kernels.reference (torch ops, one row at a time).
+  reference   specdec_kernels.ops.reference (torch ops, one row at a time).
   floor       one full read of the batch (torch max-reduction, the faster of 1 thread and
               all threads): a full scan cannot beat it; early-exit rows can.
 
@@ -44,10 +44,12 @@ import time
 import numpy as np
 import torch
 
-import specdec_kernels as sk
-from specdec_kernels import reference
-from specdec_kernels._platform import cpu_name
-from specdec_kernels.ngram_index import NgramIndex
+from .. import config
+from .._platform import cpu_name
+from ..ops import reference
+from ..ops._extension import available_backends
+from ..ops.ngram import ngram_propose
+from ..ops.ngram_index import NgramIndex
 
 from . import common
 
@@ -76,7 +78,7 @@ except Exception:  # noqa: BLE001  (any import failure just drops the peer)
 
 def load_corpus():
     """List of prompts, each a list of word ids (one shared word -> id map)."""
-    from specdec_kernels.workloads import data_dir
+    from ..workloads import data_dir
 
     folder = data_dir()
     if folder is None:
@@ -247,10 +249,10 @@ def bench_config(docs, batch, length, workload, policy, args, rng):
            "peers_us": {}, "peers_best_us": {}, "checked": [], "rotated_copies": len(copies)}
     budget = args.budget
 
-    drafts, lens = sk.ngram_propose(tokens, lengths, **kw, backend="cpu")
+    drafts, lens = ngram_propose(tokens, lengths, **kw, backend="cpu")
     row["hit_rate"] = float((lens > 0).float().mean())
     row["bytes"], row["flops"] = int(tokens_np.nbytes), 0  # the floor: the batch read once
-    record(row, "ours", timeit(lambda t: sk.ngram_propose(t, lengths, **kw, backend="cpu"), budget, copies))
+    record(row, "ours", timeit(lambda t: ngram_propose(t, lengths, **kw, backend="cpu"), budget, copies))
     # The read floor: the faster of a 1-thread and an all-threads reduction (on a loaded
     # machine the threaded one can lose whole scheduler slices).
     threads = torch.get_num_threads()
@@ -299,11 +301,11 @@ def bench_config(docs, batch, length, workload, policy, args, rng):
     # Ours on the GPU: the CUDA kernel where _C has one, on the same device copies as unfold,
     # checked against the C++ drafts; timed as generate calls it (input value checks off).
     if args.cuda_ours:
-        c_drafts, c_lens = sk.ngram_propose(base, dev_lengths, **kw, backend="cuda")
+        c_drafts, c_lens = ngram_propose(base, dev_lengths, **kw, backend="cuda")
         assert torch.equal(c_drafts.cpu(), drafts) and torch.equal(c_lens.cpu(), lens), "CUDA kernel differs"
         row["checked"].append("ours_cuda")
-        with sk.config.value_checks(False):
-            timing = common.time_cuda(lambda i: sk.ngram_propose(dev_copies[i], dev_lengths, **kw, backend="cuda"),
+        with config.value_checks(False):
+            timing = common.time_cuda(lambda i: ngram_propose(dev_copies[i], dev_lengths, **kw, backend="cuda"),
                                       n_sets=len(dev_copies), reps=args.cuda_reps, warmup=3, device=device)
         row["ours_cuda_us"], row["ours_cuda_best_us"] = timing.median_us, timing.best_us
         # The GPU read floor: one max-reduction over the batch on the device.
@@ -453,7 +455,7 @@ def sweep(args) -> int:
     # The unfold peer runs where a GPU serving engine would run it: on the GPU when there is one;
     # so does our CUDA kernel where _C has it (ours_cuda_us, beside the C++ ours_us).
     args.unfold_device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    args.cuda_ours = args.unfold_device.type == "cuda" and "cuda" in sk.available_backends("ngram_propose", "cuda")
+    args.cuda_ours = args.unfold_device.type == "cuda" and "cuda" in available_backends("ngram_propose", "cuda")
     if args.out is None:
         args.out = (os.path.join("/tmp", "bench_ngram_smoke.json") if args.smoke
                     else str(common.results_dir() / f"ngram_{common.device_slug(args.unfold_device)}.json"))

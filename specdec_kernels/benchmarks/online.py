@@ -99,8 +99,8 @@ class _Arm:
         self.name, self.drafter, self.memory = name, drafter, {}
 
     def generate(self, target, ids, max_new_tokens):
-        from .. import generate
-        from .. import planner as planner_module
+        from ..loop import generate
+        from ..loop import planner as planner_module
 
         saved = dict(planner_module._LEARNED)
         planner_module._LEARNED.clear()
@@ -262,7 +262,7 @@ def run_args(args) -> int:
     from ..heads import default_drafter
 
     warm = load_workload(args.workloads[0])[HELD_OUT:HELD_OUT + 1] or load_workload(args.workloads[0])[:1]
-    from .. import generate
+    from ..loop import generate
 
     generate(target, warm[0].input_ids(tokenizer), drafter=default_drafter(target), max_new_tokens=16)
     rows, learners = [], {}

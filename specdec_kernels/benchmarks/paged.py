@@ -43,6 +43,8 @@ import time
 
 import torch
 
+from ..ops.tree import pack_tree_mask, tree_mask
+
 from . import common
 
 SHAPES_CPU = {"smollm2-135m": (9, 3, 64)}
@@ -77,8 +79,6 @@ def random_parents(batch, num_nodes, gen):
 
 def make_inputs(batch, num_nodes, prefix, q_heads, kv_heads, head_dim, page_size, dtype, device, gen):
     """Dense caches of prefix + T tokens per row and the same tokens in a shuffled page pool."""
-    import specdec_kernels as sk
-
     tokens = prefix + num_nodes
     pages_per_row = -(-tokens // page_size)
     cache_len = pages_per_row * page_size
@@ -92,7 +92,7 @@ def make_inputs(batch, num_nodes, prefix, q_heads, kv_heads, head_dim, page_size
     k_pool[order] = k.reshape(num_pages, page_size, kv_heads, head_dim)
     v_pool[order] = v.reshape(num_pages, page_size, kv_heads, head_dim)
     table = order.view(batch, pages_per_row).to(torch.int32)
-    mask = sk.pack_tree_mask(sk.tree_mask(random_parents(batch, num_nodes, gen)))
+    mask = pack_tree_mask(tree_mask(random_parents(batch, num_nodes, gen)))
     seqlens = torch.full((batch,), prefix, dtype=torch.int32)
     to = lambda x: x.to(device)  # noqa: E731
     return tuple(map(to, (q, k, v, k_pool, v_pool, mask, seqlens, table)))
@@ -132,7 +132,7 @@ E2E_METHODS = {"dense": "ours_ngram", "paged": "ours_ngram_paged"}
 
 def run_e2e(args, device) -> dict:
     """The --e2e comparison (see the module docstring); returns the result to write."""
-    from ..cli import stop_ids
+    from ..methods import stop_ids
     from ..models import load_model
     from ..workloads import load_workload
     from .e2e.runner import PAGED, SEED, make_batches, run_method
@@ -204,12 +204,14 @@ def main(argv=None) -> int:
         result = run_e2e(args, device)
         common.write_json(result, args.out or str(common.results_dir() / f"paged_e2e_{common.device_slug(device)}.json"))
         return 0
-    import specdec_kernels as sk
-    from specdec_kernels import config, reference
+    from .. import config
+    from ..ops import reference
+    from ..ops._extension import available_backends
+    from ..ops.tree_attention import tree_attention
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    backend = sk.available_backends("tree_attention_paged", device.type)[0]
+    backend = available_backends("tree_attention_paged", device.type)[0]
     gen = torch.Generator().manual_seed(0)
     if args.smoke:
         configs = [dict(shape="tiny", heads=(4, 2, 16), B=2, T=5, prefix=40)]
@@ -235,8 +237,8 @@ def main(argv=None) -> int:
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         with config.value_checks(False):
             calls = {
-                "dense": lambda: sk.tree_attention(q, k, v, mask, seqlens, scale=scale),
-                "paged": lambda: sk.tree_attention(q, k_pool, v_pool, mask, seqlens, block_table=table, scale=scale),
+                "dense": lambda: tree_attention(q, k, v, mask, seqlens, scale=scale),
+                "paged": lambda: tree_attention(q, k_pool, v_pool, mask, seqlens, block_table=table, scale=scale),
             }
             for name, call in calls.items():
                 err = (call().float() - expected.float()).abs().max().item()

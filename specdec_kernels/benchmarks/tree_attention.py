@@ -50,7 +50,7 @@ BATCHES = (1, 8, 32)
 ARGS = None  # the parsed command line (set by main)
 PEERS_SKIPPED = {}  # peer -> why it cannot run here (set by main; written to the results)
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-sk = _extension = pack_tree_mask = reference = tree_mask = None  # imported by main (after TRITON_INTERPRET is set)
+config = tree_attention = _extension = pack_tree_mask = reference = tree_mask = None  # imported by main (after TRITON_INTERPRET is set)
 
 
 def parse_args(argv=None):
@@ -70,16 +70,17 @@ def parse_args(argv=None):
 def _import_package():
     """Import the package's ops into this module's globals. On a CPU-only --smoke run the
     Triton interpreter is switched on first (the kernel module is imported lazily, on first use)."""
-    global sk, _extension, pack_tree_mask, reference, tree_mask
+    global config, tree_attention, _extension, pack_tree_mask, reference, tree_mask
     if ARGS.smoke and not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
-    import specdec_kernels
-    from specdec_kernels import _extension as extension
-    from specdec_kernels import pack_tree_mask as pack
-    from specdec_kernels import reference as ref
-    from specdec_kernels import tree_mask as mask
+    from .. import config as package_config
+    from ..ops import _extension as extension
+    from ..ops import reference as ref
+    from ..ops.tree import pack_tree_mask as pack
+    from ..ops.tree import tree_mask as mask
+    from ..ops.tree_attention import tree_attention as op
 
-    sk, _extension, pack_tree_mask, reference, tree_mask = specdec_kernels, extension, pack, ref, mask
+    config, tree_attention, _extension, pack_tree_mask, reference, tree_mask = package_config, op, extension, pack, ref, mask
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -121,7 +122,7 @@ def dense_visibility(bool_mask, seqlens, cache_len):
 def method_ours(backend):
     def build(q, k, v, bool_mask, seqlens, scale):
         packed = pack_tree_mask(bool_mask)
-        return lambda: sk.tree_attention(q, k, v, packed, seqlens, scale=scale, backend=backend)
+        return lambda: tree_attention(q, k, v, packed, seqlens, scale=scale, backend=backend)
 
     return build
 
@@ -196,7 +197,7 @@ def methods():
 
 
 def _available():
-    found = sk.available_backends("tree_attention", DEVICE.type)
+    found = _extension.available_backends("tree_attention", DEVICE.type)
     if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and _extension.HAS_TRITON:
         found = ["triton"] + found  # --smoke only
     return found
@@ -272,7 +273,7 @@ def run_config(cfg, hardware, gen):
                 raise AssertionError(f"max abs error {err:.3g} > {tol}")
             # Timed as `generate` calls the op: without the input value checks, whose host sync
             # would be timed as ours.
-            with sk.config.value_checks(False):
+            with config.value_checks(False):
                 times[name] = common.time_kernel(lambda _: fn(), DEVICE, reps=reps, warmup=3, flush_l2=True).median_us
         except Exception as error:  # a peer that cannot run this config is reported, not fatal
             row["errors"][name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"

@@ -43,6 +43,10 @@ from pathlib import Path
 import torch
 
 from . import common
+from .. import config
+from ..ops import _extension
+from ..ops._extension import available_backends
+from ..ops.verify import verify
 
 BATCHES = (1, 8, 64, 256)
 VOCABS = (32000, 128256, 151936)
@@ -204,7 +208,7 @@ def configs(args):
             for kind, size in (("chain", 4), ("tree", 16)) for b in BATCHES for m in ("greedy", "sampled")]
 
 
-def run_config(sk, cfg, ours, args, bandwidth, device, gen):
+def run_config(cfg, ours, args, bandwidth, device, gen):
     """One row of the results: ours checked against the reference, then every method timed."""
     logits, tokens, parents, draft_probs, temperature = make_inputs(
         cfg["B"], cfg["kind"], cfg["size"], cfg["V"], cfg["mode"], device, gen)
@@ -213,7 +217,7 @@ def run_config(sk, cfg, ours, args, bandwidth, device, gen):
     copies = 1 if device.type != "cuda" else max(1, min(8, -(-ROTATE_BYTES // per_copy)))
     inputs = [(logits, draft_probs)] + [(logits.clone(), None if draft_probs is None else draft_probs.clone())
                                         for _ in range(copies - 1)]
-    ref = sk.verify(logits, tokens, parents, draft_probs=draft_probs, temperature=temperature, seed=seed,
+    ref = verify(logits, tokens, parents, draft_probs=draft_probs, temperature=temperature, seed=seed,
                     backend="reference")
     row = {"config": {"B": cfg["B"], "tree": f"{cfg['kind']}{cfg['size']}", "T": logits.shape[1], "V": cfg["V"],
                       "mode": cfg["mode"], "dtype": str(logits.dtype).replace("torch.", ""),
@@ -224,7 +228,7 @@ def run_config(sk, cfg, ours, args, bandwidth, device, gen):
     times = {}
 
     def ours_fn(backend):
-        return lambda i: sk.verify(inputs[i % copies][0], tokens, parents, draft_probs=inputs[i % copies][1],
+        return lambda i: verify(inputs[i % copies][0], tokens, parents, draft_probs=inputs[i % copies][1],
                                    temperature=temperature, seed=seed, backend=backend)
 
     methods = [(name, ours_fn(name)) for name in ours]
@@ -255,7 +259,7 @@ def run_config(sk, cfg, ours, args, bandwidth, device, gen):
             # (and, with draft probs, a pass over every checked row) would be timed as ours. L2 is
             # flushed as well: a call reads only the visited nodes' rows, a fraction of its copy,
             # and 8 copies of a small batch are a few MB, so rotation alone can leave them in L2.
-            with sk.config.value_checks(False):
+            with config.value_checks(False):
                 times[name] = common.time_kernel(fn, device, reps=reps, n_sets=copies, warmup=WARMUP,
                                                  flush_l2=True).median_us
         except Exception as error:  # a method that cannot run this config is reported, not fatal
@@ -336,11 +340,8 @@ def main(argv=None) -> int:
         print("bench_verify measures GPU kernels and needs a CUDA GPU; none is visible here. "
               "Use --smoke to run a tiny config under the Triton interpreter (numbers not recorded).", file=sys.stderr)
         return 2
-    import specdec_kernels as sk
-    from specdec_kernels import _extension
-
     device = torch.device("cuda" if has_cuda else "cpu")
-    ours = [b for b in ("cuda", "triton") if b in sk.available_backends("verify", device.type)]
+    ours = [b for b in ("cuda", "triton") if b in available_backends("verify", device.type)]
     if device.type == "cpu" and _extension.HAS_TRITON:
         module = _extension.triton_kernel("verify").__module__
         if sys.modules[module].interpreted():
@@ -376,7 +377,7 @@ def main(argv=None) -> int:
     todo = configs(args)
     rows = []
     for i, cfg in enumerate(todo, 1):
-        row = run_config(sk, cfg, ours, args, bandwidth, device, gen)
+        row = run_config(cfg, ours, args, bandwidth, device, gen)
         rows.append(row)
         common.write_rows(result, rows, out, planned=len(todo), complete=False)
         c = row["config"]

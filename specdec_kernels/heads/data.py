@@ -29,7 +29,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..drafters import Drafter
+from ..loop.drafters import Drafter
 from .common import lm_head_weight
 
 _MARK = "\u2063SPECDEC_USER\u2063"  # stands for the user turn when cutting the chat template
@@ -108,7 +108,7 @@ def _writer(target, dtype):
 
 # Which decoding loop wrote a cache's texts (kept in the cache settings: another writer would
 # continue a cache with other samples, so such a cache is refused or restarted).
-WRITER = "specdec_kernels.generate"
+WRITER = "specdec_kernels.loop.generate"
 
 
 class _FeatureRecorder(Drafter):
@@ -165,7 +165,7 @@ def _write(model, rows: List[List[int]], *, max_new_tokens: int, temperature: fl
     Returns each row's new tokens up to and including its first eos; with `features`, also
     each row's features (fp16 [n - 1, H] for its n prompt + new tokens: the writer's own LM
     head inputs, recorded while it wrote, so no second forward is needed)."""
-    from ..generate import generate
+    from ..loop.generate import generate
 
     device = next(model.parameters()).device
     pad = eos[0] if eos else 0
@@ -361,7 +361,7 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
         source, so a work folder keeps each."""
     from tqdm import tqdm
 
-    from ..hf.attention import _decoder
+    from ..loop.hf_attention import _decoder
 
     for name, value in (("batch_size", batch_size), ("feature_batch_tokens", feature_batch_tokens),
                         ("max_new_tokens", max_new_tokens)):

@@ -29,11 +29,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..drafters import Draft, Drafter, MergedDrafter, NgramDrafter, root_tokens, trimmed
-from ..small_linear import choose_small_linear_rows, linear_weights, routed_linear, small_linears
-from ..sampling import target_probs
-from ..tree import TokenTree
-from ..trie import merge_scored_trees
+from ..loop.drafters import Draft, Drafter, MergedDrafter, NgramDrafter, root_tokens, trimmed
+from ..ops.small_linear import choose_small_linear_rows, linear_weights, routed_linear, small_linears
+from ..ops.sampling import target_probs
+from ..ops.tree import TokenTree
+from ..ops.trie import merge_scored_trees
 from .common import check_target, input_embedding, lm_head_weight, read_head, text_config
 from .modules import EagleHead, MedusaHeads
 from .online import OnlineLearner, OnlineOptions, training_copy

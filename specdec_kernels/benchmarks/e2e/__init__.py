@@ -1,4 +1,4 @@
-"""End-to-end decoding: HF `generate` against `specdec_kernels.generate` on the four workloads.
+"""End-to-end decoding: HF `generate` against `specdec_kernels.loop.generate` on the four workloads.
 
     specdec bench e2e                                   # default model, short run
     specdec bench e2e --full                            # more prompts, longer outputs

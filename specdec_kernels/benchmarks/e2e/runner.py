@@ -8,8 +8,9 @@ import time
 
 import torch
 
-from ...cli import first_difference, make_drafter, stop_ids
-from ...generate import _sync, eos_ids as target_eos_ids
+from ...methods import first_difference, make_drafter, stop_ids
+from ...loop.cost_model import device_clock
+from ...loop.generate import eos_ids as target_eos_ids
 
 METHODS = ("hf", "hf_prompt_lookup", "hf_assisted", "ours_plain", "ours_ngram", "ours_ngram_fixed", "ours_ngram_tree",
            "ours_draft", "ours_draft_tree", "ours_ngram_paged", "ours_eagle", "ours_default", "ours_eagle_fixed",
@@ -37,7 +38,7 @@ NGRAM_TOKENS, NGRAM_FIXED_TOKENS, NGRAM_TREE_WIDTH = 16, 10, 3
 DRAFT_TOKENS, DRAFT_TREE_WIDTHS = 4, (2, 2, 1)
 SEED = 1234
 
-# Our methods as `specdec generate` methods (cli.make_drafter) with the benchmark's settings; all
+# Our methods as `specdec generate` methods (methods.make_drafter) with the benchmark's settings; all
 # run with the adaptive planner (generate's default) except the *_fixed ones (adaptive=False).
 OURS = {
     "ours_plain": ("none", {}),
@@ -117,7 +118,7 @@ def new_token_counts(sequences, prompt_len, eos_ids, max_new_tokens):
 def head_drafter(method, model):
     """The drafter of a learned-head method (HEAD_METHODS) for `model` (built once per head
     found), or None (but for ours_default) when the model has no trained EAGLE head."""
-    from ...drafters import NgramDrafter
+    from ...loop.drafters import NgramDrafter
     from ...heads import EagleDrafter, HeadNgramDrafter, default_drafter
     from ...heads.drafters import find_head
 
@@ -150,10 +151,10 @@ def drafter(method, draft, model=None):
 
 def run_method(method, model, draft, input_ids, mask, *, max_new_tokens, temperature, eos, pad, seed):
     """One timed call: (sequences [B, L + new], seconds, GenerateStats or None)."""
-    import specdec_kernels as sk
+    from ...loop.generate import generate
 
     chosen = None if method.startswith("hf") else drafter(method, draft, model)  # built before the clock starts
-    start = _sync(input_ids.device)
+    start = device_clock(input_ids.device)
     if method.startswith("hf"):
         kwargs = dict(do_sample=False) if temperature == 0 else dict(do_sample=True, temperature=temperature, top_k=0,
                                                                      top_p=1.0)
@@ -167,11 +168,11 @@ def run_method(method, model, draft, input_ids, mask, *, max_new_tokens, tempera
                                        pad_token_id=pad, **kwargs)
         stats = None
     else:
-        out = sk.generate(model, input_ids, drafter=chosen, max_new_tokens=max_new_tokens,
+        out = generate(model, input_ids, drafter=chosen, max_new_tokens=max_new_tokens,
                           temperature=temperature, seed=seed, eos_token_id=eos, attention_mask=mask,
                           adaptive=not split_method(method)[0].endswith("_fixed"), kv_page_size=PAGED.get(method))
         sequences, stats = out.sequences, out.stats
-    return sequences, _sync(input_ids.device) - start, stats
+    return sequences, device_clock(input_ids.device) - start, stats
 
 
 def kernel_share(method, model, draft, input_ids, mask, *, max_new_tokens, temperature, eos, pad, seed):

@@ -85,7 +85,7 @@ def identity(model) -> dict:
     """The key a cost measurement is valid for (model, device, dtype, format, and the backend
     tree attention runs on that device: on a GPU the reference, Triton and CUDA kernels cost
     very differently, so a table measured with one is not reused with another)."""
-    from . import _extension
+    from ..ops import _extension
 
     param = next(model.parameters())
     device_type = "cpu" if param.is_cpu else param.device.type
@@ -272,28 +272,34 @@ def _from_rank0(cost: "CostModel", model) -> "CostModel":
 
 def default_path(key: dict) -> Path:
     """Where the measurement for `key` is cached."""
-    from .models import cache_dir
+    from ..models import cache_dir
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in key["model"])[:60]
     return cache_dir() / "cost_models" / f"{safe}-{key['dtype']}-{digest}.json"
 
 
+def device_clock(device: torch.device) -> float:
+    """perf_counter after the device's queued work is done (CUDA: synchronize)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def _time_forward(model, cache, num_tokens: int, prefix: int) -> float:
     """Seconds of one forward of a `num_tokens` chain after `prefix` cached tokens (the cache's
     contents do not change the cost; nothing is prefilled)."""
     from . import hf
-    from .generate import _sync
-    from .tree import tree_mask
+    from ..ops.tree import tree_mask
 
     device = cache.seqlens.device
     tokens = torch.zeros(1, num_tokens, dtype=torch.int64, device=device)  # any ids cost the same
     depth = torch.arange(num_tokens, device=device)
     mask = tree_mask(depth[None, :] - 1)
     cache.set_lengths(torch.tensor([prefix], device=device))
-    start = _sync(device)
+    start = device_clock(device)
     hf.forward(model, cache, tokens, prefix + depth[None, :], mask)
-    return _sync(device) - start
+    return device_clock(device) - start
 
 
 @torch.inference_mode()
@@ -311,7 +317,9 @@ def calibrate(model, *, grid: Sequence[int] = GRID, prefix: int = CAL_PREFIX, lo
     On a CPU (not tensor-parallel) the choice of few-row linears comes first
     (`small_linear.choose_small_linear_rows` on the target's weights) and the table is timed with it.
     """
-    from . import config, hf, small_linear
+    from .. import config
+    from . import hf
+    from ..ops import small_linear
 
     if repeats < 1:
         raise ValueError(f"repeats: expected >= 1, got {repeats}")

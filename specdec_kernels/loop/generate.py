@@ -15,13 +15,14 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from . import config
+from .. import config
 from .drafters import Drafter, Sampling, upkeep_seconds
 from .logits_processing import TreeLogitsProcessor, sampling_settings
-from .philox import row_seeds
-from .small_linear import small_linears
+from ..ops.philox import row_seeds
+from ..ops.small_linear import small_linears
 from .planner import Planner
-from .verify import verify
+from .cost_model import device_clock
+from ..ops.verify import verify
 
 _GOLDEN = 0x9E3779B97F4A7C15  # step -> seed offset (odd 64-bit constant)
 
@@ -114,13 +115,6 @@ def _left_align(input_ids: torch.Tensor, lengths: torch.Tensor, capacity: int) -
     src = (prompt_len - lengths)[:, None] + j
     tokens = input_ids.long().gather(1, src.clamp(max=prompt_len - 1))
     return torch.where(j[None, :] < lengths[:, None], tokens, 0)
-
-
-def _sync(device: torch.device) -> float:
-    """perf_counter after the device's queued work is done (CUDA: synchronize)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 class _Rows:
@@ -298,7 +292,7 @@ def generate(
             n-grams, bad words, min length / new tokens, suppressed tokens) is applied to every
             tree node with the node's own path as context, so greedy output stays identical to
             HF `generate` with the same settings; settings that cannot be applied exactly raise
-            ValueError naming them (`specdec_kernels.logits_processing`).
+            ValueError naming them (`specdec_kernels.loop.logits_processing`).
         timing: split stats.time_total into draft / verify / accept. On a GPU that costs a
             device synchronisation per phase and step, so it is off unless asked for.
         kv_page_size: None (default): the target's KV cache is dense, [B, S, Hkv, D] per layer.
@@ -344,7 +338,7 @@ def generate(
     rows = _Rows(_left_align(input_ids, lengths, capacity), lengths, seeds, max_new_tokens)
     num_accepted_counts = torch.zeros(1 + drafter.max_nodes, dtype=torch.int64)  # [n]: (step, row) pairs accepting n drafts
     max_depth = 0
-    clock = _sync if timing else (lambda device: time.perf_counter())
+    clock = device_clock if timing else (lambda device: time.perf_counter())
     # The loop builds every op input itself: re-reading them would cost a host sync per op call
     # on GPU (one per layer per step) and about 0.2 ms per tree-attention call on CPU.
     # Few-row linears by our CPU kernel where the cost model found it faster (specdec_kernels/small_linear.py).

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from . import config, philox  # philox imports this module back: use philox.row_seeds at call time
+from .. import config
 
 Tensor = torch.Tensor
 INT_DTYPES = (torch.int32, torch.int64)
@@ -374,13 +374,13 @@ def _filled(value, batch, dtype, device) -> Tensor:
     return torch.full((batch,), value, dtype=dtype, device=device)
 
 
-def sampling(target_logits, temperature, top_k, top_p, seed, batch):
+def sampling(target_logits, temperature, top_k, top_p, batch):
     """The per-row sampling arguments of `verify` / `verify_chain` -> (fp32 temperature,
-    int64 top_k, fp32 top_p, int64 seed), each [B] on target_logits' device."""
+    int64 top_k, fp32 top_p), each [B] on target_logits' device. (The seed becomes per-row
+    seeds by `philox.row_seeds`, which checks it.)"""
     temperature = per_row("temperature", temperature, batch, target_logits, torch.float32, default=1.0)
     top_k = per_row("top_k", top_k, batch, target_logits, torch.int64, default=0, integral=True)
     top_p = per_row("top_p", top_p, batch, target_logits, torch.float32, default=1.0)
-    seed = philox.row_seeds(seed, batch, target_logits.device)
     if checking_values():
         if not torch.isfinite(temperature).all() or (temperature < 0).any():
             fail("temperature", "expected finite values >= 0 (0 = greedy)")
@@ -388,12 +388,12 @@ def sampling(target_logits, temperature, top_k, top_p, seed, batch):
             fail("top_k", "expected values >= 0 (0 = off)")
         if not ((top_p > 0) & (top_p <= 1)).all():
             fail("top_p", "expected values in (0, 1] (1 = off)")
-    return temperature, top_k, top_p, seed
+    return temperature, top_k, top_p
 
 
-def verify(target_logits, tree_tokens, parents, draft_probs, temperature, top_k, top_p, seed):
-    """`verify(...)` -> the arguments of the `verify` op: (target_logits, int64 tree_tokens,
-    int64 [B, T] parents, draft_probs, temperature, top_k, top_p, seed)."""
+def verify(target_logits, tree_tokens, parents, draft_probs, temperature, top_k, top_p):
+    """`verify(...)` -> the arguments of the `verify` op but the seed: (target_logits, int64
+    tree_tokens, int64 [B, T] parents, draft_probs, temperature, top_k, top_p)."""
     batch, num_nodes, vocab = _target_logits(target_logits)
     tensor("tree_tokens", tree_tokens, 2, INT_DTYPES)
     if tree_tokens.shape != (batch, num_nodes):
@@ -426,7 +426,7 @@ def verify(target_logits, tree_tokens, parents, draft_probs, temperature, top_k,
             has_children = torch.zeros(batch, num_nodes + 1, dtype=torch.bool, device=rows.device)
             has_children.scatter_(1, torch.where(drafted, rows, num_nodes), True)
             draft_prob_values(draft_probs, has_children[:, :num_nodes])
-    sampled = sampling(target_logits, temperature, top_k, top_p, seed, batch)
+    sampled = sampling(target_logits, temperature, top_k, top_p, batch)
     return (target_logits, as_dtype(tree_tokens, torch.int64), rows, draft_probs) + sampled
 
 

@@ -32,7 +32,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from ..tree_attention import tree_attention
+from ...ops.tree_attention import tree_attention
 
 NAME = "specdec_tree"
 TREE_MASK_KWARG = "specdec_tree_mask"

@@ -56,8 +56,8 @@ def tree_attention(
     zero weight; a query whose every score is -inf gets NaN, a softmax over nothing).
     """
     if block_table is not None:
-        from . import _paged
+        from . import paged
 
-        return _paged.tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, block_table, scale, backend)
+        return paged.tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, block_table, scale, backend)
     args = _checks.tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale)
     return dispatch("tree_attention", backend, q, *args)

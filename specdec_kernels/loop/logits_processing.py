@@ -143,7 +143,7 @@ class TreeLogitsProcessor:
         Raises ValueError naming every setting that cannot be applied exactly."""
         refused = refused_settings(generation_config)
         if refused:
-            raise ValueError("generation_config: specdec_kernels.generate cannot apply these settings exactly: "
+            raise ValueError("generation_config: specdec_kernels.loop.generate cannot apply these settings exactly: "
                              + ", ".join(refused))
         get = lambda name: getattr(generation_config, name, None)  # noqa: E731
         processor = cls(prompt_ids, attention_mask, eos_ids, vocab_size,

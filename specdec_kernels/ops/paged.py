@@ -17,7 +17,7 @@ from ._extension import dispatch
 
 
 def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, block_table, scale: Optional[float], backend):
-    """`specdec_kernels.tree_attention` with block_table (see its docstring).
+    """`specdec_kernels.ops.tree_attention` with block_table (see its docstring).
 
     Like `_checks.tree_attention`, the common case costs plain comparisons: each helper that
     builds a message runs only once its rule is broken (on a small CPU call the checks are

@@ -32,7 +32,7 @@ from typing import List, Optional
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..kv_cache import compact_kv_cache_
+from ...ops.kv_cache import compact_kv_cache_
 
 
 class _TreeKVLayer(CacheLayerMixin):

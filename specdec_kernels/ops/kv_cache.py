@@ -41,9 +41,9 @@ def compact_kv_cache_(
         checks on, a path that breaks these rules gets a ValueError naming the argument.
     """
     if block_table is not None:
-        from . import _paged
+        from . import paged
 
-        return _paged.compact_kv_cache_(caches, cache_seqlens, accepted_nodes, num_accepted, block_table, backend)
+        return paged.compact_kv_cache_(caches, cache_seqlens, accepted_nodes, num_accepted, block_table, backend)
     args = _checks.compact_kv_cache_(caches, cache_seqlens, accepted_nodes, num_accepted)
     new_lens = dispatch("compact_kv_cache_", backend, cache_seqlens, *args)
     return new_lens if new_lens.dtype == cache_seqlens.dtype else new_lens.to(cache_seqlens.dtype)

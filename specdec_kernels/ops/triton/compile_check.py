@@ -1,6 +1,6 @@
 """Compile the Triton kernels for sm_80 and sm_90 without a GPU (triton's bundled ptxas).
 
-    python -m specdec_kernels.triton.compile_check          # prints one JSON line per config
+    python -m specdec_kernels.ops.triton.compile_check          # prints one JSON line per config
 
 The interpreter cannot catch GPU code-generation problems (types, layouts, shared memory),
 so this lowers every configuration the tree_attention and verify wrappers launch to a cubin

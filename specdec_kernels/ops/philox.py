@@ -15,7 +15,7 @@ product into 16-bit halves so nothing overflows.
 
 import torch
 
-from . import _checks  # (it imports this module back; only used at call time)
+from . import _checks
 
 MASK32 = 0xFFFFFFFF
 PHILOX_M0 = 0xD2511F53

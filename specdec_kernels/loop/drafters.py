@@ -27,10 +27,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from ._extension import COMPILED
-from .ngram import ngram_propose, ngram_propose_tree
-from .ngram_index import NgramIndex
-from .tree import TokenTree, tree_mask
+from ..ops._extension import COMPILED
+from ..ops.ngram import ngram_propose, ngram_propose_tree
+from ..ops.ngram_index import NgramIndex
+from ..ops.tree import TokenTree, tree_mask
 
 
 @dataclass
@@ -138,7 +138,7 @@ def upkeep_seconds(drafter) -> float:
 
 
 class Drafter:
-    """Interface of a drafter used by `specdec_kernels.generate`.
+    """Interface of a drafter used by `specdec_kernels.loop.generate`.
 
     Attributes:
         max_nodes: most drafted nodes per row and step (the tree has T <= 1 + max_nodes nodes).
@@ -423,7 +423,7 @@ class DraftModelDrafter(Drafter):
             # Confidence of a greedy child: its probability under the draft at temperature 1.
             chosen = torch.softmax(logits, dim=-1).gather(-1, top.indices)
             return top.indices.reshape(batch, -1), chosen.reshape(batch, -1), None
-        from .sampling import target_probs
+        from ..ops.sampling import target_probs
 
         flat = logits.reshape(-1, vocab)
         n = flat.shape[0]

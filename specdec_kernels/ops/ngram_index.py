@@ -20,7 +20,7 @@ Per id the index keeps the first and latest end position that is followed by a t
 current suffix's id then gives the earliest / latest match directly.
 
 Backends: "cpu" is the compiled class `torch.classes.specdec.NgramIndex` (rows of one call
-split over threads, GIL released); "python" is `specdec_kernels.reference.NgramIndex`, the
+split over threads, GIL released); "python" is `specdec_kernels.ops.reference.NgramIndex`, the
 same algorithm in plain Python, used when specdec_kernels._C is unavailable (slow, but the
 same results). Both take the arguments this wrapper checks and normalises once.
 Memory: about 40 bytes per distinct n-gram (<= max_n per token) plus 8 bytes per token.

@@ -8,7 +8,7 @@ __all__ = ["interpreted", "tree_attention_paged"]
 
 def tree_attention_paged(q, k_cache, v_cache, tree_mask, cache_seqlens, block_table, scale: float, *,
                          num_splits=None):
-    """Same normalised arguments and result as `specdec_kernels.reference.tree_attention_paged`:
+    """Same normalised arguments and result as `specdec_kernels.ops.reference.tree_attention_paged`:
     k/v_cache [num_pages, page_size, Hkv, D], block_table int32 [B, P] (validated by the
     caller). `num_splits` overrides the split heuristic (tests)."""
     return tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale, num_splits=num_splits,

@@ -3,11 +3,11 @@
 Two ways, both returning what `model.generate` returns by default (the sequences tensor):
 
     # 1. transformers' custom-generate mechanism, from the directory shipped in this package
-    out = model.generate(input_ids, custom_generate=specdec_kernels.hf.CUSTOM_GENERATE_DIR,
+    out = model.generate(input_ids, custom_generate=specdec_kernels.integrations.hf.CUSTOM_GENERATE_DIR,
                          trust_remote_code=True, max_new_tokens=64, drafter=sk.NgramDrafter())
 
     # 2. the one-line helper, with the same arguments
-    out = specdec_kernels.hf.speculative_generate(model, input_ids, max_new_tokens=64)
+    out = specdec_kernels.integrations.hf.speculative_generate(model, input_ids, max_new_tokens=64)
 
 Arguments follow `model.generate`: `inputs`/`input_ids`, `attention_mask`, `generation_config`,
 `streamer` and generation-config fields as keywords (`max_new_tokens`, `do_sample`,
@@ -30,10 +30,10 @@ def speculative_generate(model, inputs=None, **kwargs):
     """`model.generate(...)` with our draft -> tree-verify -> accept loop: same arguments, same
     result (the sequences tensor [B, L + new]); greedy output identical to `model.generate`.
 
-    See the module docstring; `specdec_kernels.generate` documents `drafter`, `seed` and
+    See the module docstring; `specdec_kernels.loop.generate` documents `drafter`, `seed` and
     `adaptive`, and which generation-config settings are applied.
     """
-    from ..generate import generate
+    from ...loop.generate import generate
 
     refused = [name for name in _REFUSED if kwargs.get(name) not in (None, [], ())]
     if kwargs.get("synced_gpus"):

@@ -1,10 +1,10 @@
 """Verification (batched rejection sampling over chains and token trees) in Triton, from logits.
 
-Same rules and the same random numbers as `specdec_kernels.reference.verify` (its module
+Same rules and the same random numbers as `specdec_kernels.ops.reference.verify` (its module
 docstring is the contract): greedy rows take the argmax (lowest id on ties); deterministic
 drafts sample y ~ p with the exponential race and move to the child holding y; drafts with
 probabilities run SpecInfer multi-step speculative sampling over the children in index order;
-the uniforms are Philox4x32-10 draws keyed exactly like `specdec_kernels.philox.uniform`, so on the
+the uniforms are Philox4x32-10 draws keyed exactly like `specdec_kernels.ops.philox.uniform`, so on the
 same inputs this kernel emits the same tokens as the reference, up to floating-point rounding
 of the probabilities (a decision that sits within a few ulps of its threshold may go the other
 way; the tests measure how rarely).
@@ -90,7 +90,7 @@ def interpreted() -> bool:
 
 @triton.jit
 def _philox_word0(k0, k1, c0, c1, c2, c3):
-    """Word 0 of Philox4x32-10 (uint32 counters and key), as `specdec_kernels.philox.philox4x32_10`."""
+    """Word 0 of Philox4x32-10 (uint32 counters and key), as `specdec_kernels.ops.philox.philox4x32_10`."""
     M0: tl.constexpr = 0xD2511F53
     M1: tl.constexpr = 0xCD9E8D57
     W0: tl.constexpr = 0x9E3779B9
@@ -108,7 +108,7 @@ def _philox_word0(k0, k1, c0, c1, c2, c3):
 
 @triton.jit
 def _uniform(k0, k1, node, PURPOSE: tl.constexpr, index):
-    """fp32 uniforms in (0, 1) of (seed, node, purpose, index): `specdec_kernels.philox.uniform`."""
+    """fp32 uniforms in (0, 1) of (seed, node, purpose, index): `specdec_kernels.ops.philox.uniform`."""
     zero = k0 * 0  # uint32 scalar
     word = _philox_word0(k0, k1, zero + index, zero + node, zero + PURPOSE, zero)
     return ((word >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
@@ -431,7 +431,7 @@ def _verify_kernel(
 def launch_config(vocab: int):
     """(BLOCK_V, num_warps): 2048-token blocks over 4 warps, 16 tokens per thread.
 
-    Chosen from `python -m specdec_kernels.triton.compile_check verify` (ptxas register and
+    Chosen from `python -m specdec_kernels.ops.triton.compile_check verify` (ptxas register and
     spill counts, no GPU timing yet): wider programs (8-16 warps) get capped at 64-80 registers
     by ptxas and spill 24-100 bytes in the Philox / bisection loops; 2048 x 4 warps compiles
     without spills except 16 bytes on sm_80 with fp32/fp16 logits and no draft probabilities.
@@ -440,7 +440,7 @@ def launch_config(vocab: int):
 
 
 def verify(target_logits, tree_tokens, parents, draft_probs, temperature, top_k, top_p, seed):
-    """Same normalised arguments and result as `specdec_kernels.reference.verify`.
+    """Same normalised arguments and result as `specdec_kernels.ops.reference.verify`.
 
     target_logits [B, T, V] fp32/bf16/fp16 (contiguous last dim); tree_tokens int64 [B, T];
     parents int [B, T] (any strides, e.g. a broadcast [T]); draft_probs [B, T, V] or None;
@@ -453,7 +453,7 @@ def verify(target_logits, tree_tokens, parents, draft_probs, temperature, top_k,
     if device.type != "cuda" and not is_interpreted:
         raise RuntimeError(
             "backend='triton' on CPU tensors runs only under the Triton interpreter: set TRITON_INTERPRET=1 "
-            "before specdec_kernels.triton is first imported"
+            "before specdec_kernels.ops.triton is first imported"
         )
     if target_logits.stride(-1) != 1:
         target_logits = target_logits.contiguous()

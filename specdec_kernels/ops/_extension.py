@@ -18,7 +18,8 @@ import warnings
 
 import torch
 
-from . import config, reference
+from .. import config
+from . import reference
 
 OPS = (
     "tree_mask",
@@ -71,7 +72,7 @@ COMPILED = {op: _compiled_keys(op) for op in OPS}
 @functools.lru_cache(maxsize=None)
 def triton_kernel(op: str):
     """The Triton implementation of `op` (imports triton and the kernel module on first use)."""
-    return getattr(importlib.import_module(f"specdec_kernels.triton.{op}"), op)
+    return getattr(importlib.import_module(f"specdec_kernels.ops.triton.{op}"), op)
 
 
 def _triton_by_default(op: str) -> bool:

@@ -2,7 +2,7 @@
 
 These ops rescan each history (the compiled CPU kernel: one SIMD pass per row, rows over
 threads). A serving loop that appends a few tokens per step can use
-`specdec_kernels.ngram_index.NgramIndex` instead: the same drafts without the rescan.
+`specdec_kernels.ops.ngram_index.NgramIndex` instead: the same drafts without the rescan.
 """
 
 from typing import Optional

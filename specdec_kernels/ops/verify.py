@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from . import _checks
+from . import _checks, philox
 from ._extension import dispatch
 
 Scalar = Union[int, float]
@@ -49,7 +49,7 @@ def verify(
             node's token must be in [0, V), the root's in [0, V) or -1 (no token, as
             `ngram_propose_tree` returns for an empty history; the root is not read);
             ValueError otherwise, with value checks on. Padding nodes may hold anything.
-        parents: int [B, T] or [T]; see `specdec_kernels.tree`.
+        parents: int [B, T] or [T]; see `specdec_kernels.ops.tree`.
         draft_probs: [B, T, V] or None. Given: the children of node i were drawn
             independently from draft_probs[b, i] (siblings may repeat). None: the children
             are deterministic proposals and siblings must be distinct. The row of every
@@ -70,8 +70,9 @@ def verify(
         distributed exactly as sequential sampling from the warped target; greedy rows emit
         the target's argmax chain (lowest id on ties).
     """
-    args = _checks.verify(target_logits, tree_tokens, parents, draft_probs, temperature, top_k, top_p, seed)
-    return VerifyOutput(*dispatch("verify", backend, target_logits, *args))
+    args = _checks.verify(target_logits, tree_tokens, parents, draft_probs, temperature, top_k, top_p)
+    seed = philox.row_seeds(seed, args[0].shape[0], target_logits.device)
+    return VerifyOutput(*dispatch("verify", backend, target_logits, *args, seed))
 
 
 def verify_chain(
@@ -98,7 +99,8 @@ def verify_chain(
         VerifyOutput with T = K + 1, as `verify` on the chain tree.
     """
     batch, k, vocab = _checks.verify_chain(target_logits, draft_tokens, draft_probs)
-    sampling = _checks.sampling(target_logits, temperature, top_k, top_p, seed, batch)
+    sampling = _checks.sampling(target_logits, temperature, top_k, top_p, batch)
+    seed = philox.row_seeds(seed, batch, target_logits.device)
     # The chain as a tree: node i + 1 is draft i; the root token is not read by verify.
     tree_tokens = torch.cat([draft_tokens.new_zeros(batch, 1), draft_tokens], dim=1).to(torch.int64)
     parents = torch.arange(-1, k, device=draft_tokens.device).expand(batch, -1)
@@ -106,5 +108,5 @@ def verify_chain(
     if draft_probs is not None:
         # Node i's children (draft i) were drawn from draft_probs[:, i]; the last node has none.
         tree_draft_probs = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, vocab)], dim=1)
-    args = (target_logits, tree_tokens, parents, tree_draft_probs) + sampling
+    args = (target_logits, tree_tokens, parents, tree_draft_probs) + sampling + (seed,)
     return VerifyOutput(*dispatch("verify", backend, target_logits, *args))

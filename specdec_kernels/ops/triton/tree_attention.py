@@ -260,7 +260,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, num_m_blocks: int, rows: in
 
 def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale: float, *, num_splits=None,
                    block_table=None) -> torch.Tensor:
-    """Same normalised arguments and result as `specdec_kernels.reference.tree_attention`.
+    """Same normalised arguments and result as `specdec_kernels.ops.reference.tree_attention`.
 
     q [B, T, Hq, D]; k/v_cache [B, S, Hkv, D] (any strides, contiguous last dim); tree_mask
     bool [B, T, T] (stride-0 batch fine) or packed int64 [B, T, ceil(T/64)]; cache_seqlens
@@ -283,7 +283,7 @@ def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale: float, 
     if q.device.type != "cuda" and not is_interpreted:
         raise RuntimeError(
             "backend='triton' on CPU tensors runs only under the Triton interpreter: set TRITON_INTERPRET=1 "
-            "before specdec_kernels.triton is first imported"
+            "before specdec_kernels.ops.triton is first imported"
         )
     out = torch.empty((batch, num_nodes, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     compute_dtype = q.dtype

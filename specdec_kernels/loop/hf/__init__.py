@@ -1,0 +1,13 @@
+"""The loop's adapter to Hugging Face transformers models (needs the optional `hf` extra).
+
+`register()` / `use_tree_attention(model)`: our tree attention as the `specdec_tree`
+attention implementation; `TreeKVCache`: a preallocated ragged KV cache for `past_key_values`;
+`forward(...)` / `prefill(...)`: one tree or prefill forward through a model and a `TreeKVCache`.
+(`specdec_kernels.integrations.hf` is the other direction: our loop behind `model.generate`.)
+"""
+
+from .attention import NAME, forward, prefill, register, specdec_tree_attention, specdec_tree_mask, use_tree_attention
+from .cache import TreeKVCache
+
+__all__ = ["NAME", "TreeKVCache", "forward", "prefill", "register", "specdec_tree_attention", "specdec_tree_mask",
+           "use_tree_attention"]
