@@ -19,7 +19,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 
 from specdec_kernels.integrations import vllm as integ
 

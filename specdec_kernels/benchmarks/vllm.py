@@ -101,15 +101,28 @@ def _plan(args, tokenizer):
     return plan
 
 
+def _kv_bytes_per_token(model_dir: str) -> int:
+    """fp32 K and V of one token over all layers, from the checkpoint's config.json."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return int(config["num_hidden_layers"]) * 2 * int(heads) * int(head_dim) * 4
+
+
 def _vllm_job(method, model_dir, plan, args):
+    """The engine of one vLLM method: rows for the largest concurrency, KV for the largest
+    group of requests in flight (+25%), context for the longest prompt."""
     base = method.split("_", 1)[1]
     kind, k = ("ngram", int(base[len("ngram"):])) if base.startswith("ngram") else (base, args.k)
-    runs = [{"name": f"{w}|{c}", "prompts": prompts, "max_tokens": args.max_new_tokens,
-             "concurrency": c, "repeats": args.repeats} for (w, c), prompts in plan.items()]
     most = max(args.concurrency)
     longest = max(len(p) for prompts in plan.values() for p in prompts)
-    engine = {"max_num_seqs": max(most, 1), "max_model_len": longest + args.max_new_tokens + args.k + 8}
-    return {"model": model_dir, "method": kind, "k": k, "engine": engine, "runs": runs}
+    per_token = _kv_bytes_per_token(model_dir)
+    in_flight = max(sum(len(p) + args.max_new_tokens + args.k + 16 for p in prompts[i: i + c])
+                    for (_, c), prompts in plan.items() for i in range(0, len(prompts), c))
+    engine = {"max_num_seqs": max(most, 1), "max_model_len": longest + args.max_new_tokens + args.k + 16,
+              "kv_cache_bytes": max(int(in_flight * per_token * 1.25), 256 << 20)}
+    return {"model": model_dir, "method": kind, "k": k, "engine": engine,
+            "warmup_prompt": next(iter(plan.values()))[0]}
 
 
 def _time_generate(model, tokenizer, prompts, concurrency, args):
@@ -188,41 +201,63 @@ def run_args(args) -> int:
     path = out_dir / f"{args.name}.json"
     rows, tokens = [], {}
     planned = len(plan) * len(args.methods)
-    for method in args.methods:
-        if method == "generate":
-            model, _ = load_model(model_dir)
-            for (workload, c), prompts in plan.items():
-                if c > args.generate_max_concurrency:
+    vllm_methods = [m for m in args.methods if m in VLLM_METHODS]
+    if vllm_methods and python is None:
+        print(f"{', '.join(vllm_methods)}: skipped, no vLLM venv (tools/vllm_env.sh)", flush=True)
+        vllm_methods = []
+    model = None
+    if "generate" in args.methods:
+        model, _ = load_model(model_dir)
+        # untimed: the planner's cost model is measured on first use (then cached)
+        first = next(iter(plan.values()))[:1]
+        _time_generate(model, tokenizer, first, 1, argparse.Namespace(k=args.k, max_new_tokens=8))
+    workers = {}
+    try:
+        for method in vllm_methods:  # all engines up first, so every row's methods run back to back
+            workers[method] = Worker(_vllm_job(method, model_dir, plan, args), python=python)
+            print(f"{method}: engine up in {workers[method].init_seconds:.1f} s", flush=True)
+        methods = [m for m in args.methods if m in workers or (m == "generate" and model is not None)]
+        for (workload, c), prompts in plan.items():
+            passes = {m: [] for m in methods}
+            for rep in range(args.repeats):
+                order = methods[rep % len(methods):] + methods[: rep % len(methods)]  # rotate who goes first
+                for method in order:
+                    if method == "generate":
+                        if c > args.generate_max_concurrency:
+                            continue
+                        seconds, new, lat, outs = _time_generate(model, tokenizer, prompts, c, args)
+                        passes[method].append({"seconds": seconds, "new_tokens": new, "latencies": lat,
+                                               "tokens": outs})
+                    else:
+                        run = {"name": f"{workload}|{c}", "prompts": prompts, "max_tokens": args.max_new_tokens,
+                               "concurrency": c}
+                        passes[method].append(workers[method].request(run))
+            for method, reps in passes.items():
+                if not reps:
                     continue
-                seconds, new, lat, outs = _time_generate(model, tokenizer, prompts, c, args)
-                rows.append(_row(method, workload, c, prompts, seconds, new, lat, args))
-                tokens[(method, workload, c)] = outs
-                print(f"{method:>13} {workload:>16} c={c:<3} {new / seconds:7.1f} tok/s", flush=True)
-                common.write_rows(result, rows, path, planned=planned, complete=False)
-            del model
-            continue
-        if python is None:
-            print(f"{method}: skipped, no vLLM venv (tools/vllm_env.sh)", flush=True)
-            continue
-        got = call_worker(_vllm_job(method, model_dir, plan, args), python=python)
-        for run in got["runs"]:
-            workload, c = run["name"].split("|")
-            c = int(c)
-            reps = run["repeats"]
-            best = sorted(reps, key=lambda r: r["seconds"])[len(reps) // 2]
-            extra = {"init_seconds": got["init_seconds"], "spec_metrics": best["spec_metrics"]}
-            sm = best["spec_metrics"]
-            if sm.get("spec_decode_num_draft_tokens"):
-                extra["acceptance"] = sm.get("spec_decode_num_accepted_tokens", 0) / sm["spec_decode_num_draft_tokens"]
-            if best.get("proposer"):
-                p = best["proposer"]
-                extra["proposer"] = p
-                extra["proposer_share"] = p["propose_seconds"] / best["seconds"] if best["seconds"] else None
-            rows.append(_row(method, workload, c, plan[(workload, c)], best["seconds"], best["new_tokens"],
-                             best["latencies"], args, **extra))
-            tokens[(method, workload, c)] = run["tokens"]
-            print(f"{method:>13} {workload:>16} c={c:<3} {rows[-1]['tokens_per_s']:7.1f} tok/s", flush=True)
-        common.write_rows(result, rows, path, planned=planned, complete=False)
+                best = sorted(reps, key=lambda r: r["seconds"])[len(reps) // 2]  # the median pass
+                extra = {"repeats": len(reps), "seconds_all": [r["seconds"] for r in reps]}
+                if method in workers:
+                    extra["init_seconds"] = workers[method].init_seconds
+                    sm = best.get("spec_metrics") or {}
+                    extra["spec_metrics"] = sm
+                    if sm.get("spec_decode_num_draft_tokens"):
+                        extra["acceptance"] = sm.get("spec_decode_num_accepted_tokens", 0) / \
+                            sm["spec_decode_num_draft_tokens"]
+                    if best.get("proposer"):
+                        prop = best["proposer"]
+                        extra["proposer"] = prop
+                        extra["proposer_share"] = prop["propose_seconds"] / best["seconds"] if best["seconds"] else None
+                rows.append(_row(method, workload, c, prompts, best["seconds"], best["new_tokens"],
+                                 best["latencies"], args, **extra))
+                tokens[(method, workload, c)] = best["tokens"]
+                print(f"{method:>13} {workload:>16} c={c:<3} {rows[-1]['tokens_per_s']:7.1f} tok/s", flush=True)
+            common.write_rows(result, rows, path, planned=planned, complete=False)
+        for method, worker in workers.items():
+            result.setdefault("proposer_stats", {})[method] = worker.request("stats").get("proposer_stats")
+    finally:
+        for worker in workers.values():
+            worker.close()
     failed = _compare(rows, tokens)
     _add_ratios(rows)
     _print(rows, args)
@@ -389,57 +424,142 @@ def _latency(output, start: float, end: float) -> float:
     return end - start
 
 
-def run_worker(job: dict) -> dict:
-    """Run `job["runs"]` on one engine; each run: prompts (token ids), max_tokens, concurrency,
-    repeats. Returns per run the tokens of every request and per repeat the timings."""
+def _run_once(llm, run: dict) -> dict:
+    """One timed pass of `run` (prompts as token ids, max_tokens (int or per prompt), concurrency:
+    groups of that many requests submitted together): tokens, seconds, latencies, counters."""
+    from vllm import SamplingParams
+
+    prompts, concurrency = run["prompts"], int(run["concurrency"])
+    limits = run["max_tokens"] if isinstance(run["max_tokens"], list) else [run["max_tokens"]] * len(prompts)
+    params = [SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=bool(run.get("ignore_eos")))
+              for m in limits]
+    before, metrics_before = _proposer_stats(), _spec_metrics(llm)
+    outs, latencies = [], []
+    t0 = time.perf_counter()
+    for begin in range(0, len(prompts), concurrency):
+        group = [{"prompt_token_ids": p} for p in prompts[begin: begin + concurrency]]
+        g0 = time.perf_counter()
+        got = llm.generate(group, params[begin: begin + concurrency], use_tqdm=False)
+        g1 = time.perf_counter()
+        for o in got:
+            outs.append(list(o.outputs[0].token_ids))
+            latencies.append(_latency(o, g0, g1))
+    seconds = time.perf_counter() - t0
+    after, metrics_after = _proposer_stats(), _spec_metrics(llm)
+    spec = {k: metrics_after.get(k, 0) - metrics_before.get(k, 0) for k in metrics_after
+            if isinstance(metrics_after.get(k), (int, float))}
+    proposer = None
+    if after is not None:
+        proposer = {k: (after[k] - (before or {}).get(k, 0)) for k in
+                    ("steps", "decode_rows", "drafted", "verified", "accepted", "propose_seconds",
+                     "step_seconds", "timed_steps") if isinstance(after.get(k), (int, float))}
+        proposer["token_cost_ratio"] = after.get("token_cost_ratio")
+    return {"name": run.get("name"), "concurrency": concurrency, "tokens": outs, "seconds": seconds,
+            "new_tokens": sum(len(o) for o in outs), "latencies": latencies, "spec_metrics": spec,
+            "proposer": proposer}
+
+
+def _start(job: dict):
     from vllm import SamplingParams
 
     start = time.perf_counter()
     llm = _engine(job)
-    result = {"method": job["method"], "k": job.get("k"), "init_seconds": time.perf_counter() - start, "runs": []}
+    init = time.perf_counter() - start
     warm = SamplingParams(temperature=0.0, max_tokens=8)
-    llm.generate([{"prompt_token_ids": job["runs"][0]["prompts"][0]}], warm, use_tqdm=False)  # first-call costs
+    llm.generate([{"prompt_token_ids": job["warmup_prompt"]}], warm, use_tqdm=False)  # first-call costs
+    return llm, init
+
+
+def run_worker(job: dict) -> dict:
+    """Run `job["runs"]` on one engine, each `repeats` times in a row. Returns per run the
+    tokens of every request (first repeat) and per repeat the timings."""
+    job = dict(job, warmup_prompt=job["runs"][0]["prompts"][0])
+    llm, init = _start(job)
+    result = {"method": job["method"], "k": job.get("k"), "init_seconds": init, "runs": []}
     for run in job["runs"]:
-        prompts, concurrency = run["prompts"], int(run["concurrency"])
-        limits = run["max_tokens"] if isinstance(run["max_tokens"], list) else [run["max_tokens"]] * len(prompts)
-        params = [SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=bool(run.get("ignore_eos")))
-                  for m in limits]
-        repeats = []
-        tokens = None
-        for _ in range(int(run.get("repeats", 1))):
-            before = _proposer_stats()
-            metrics_before = _spec_metrics(llm)
-            outs, latencies = [], []
-            t0 = time.perf_counter()
-            for begin in range(0, len(prompts), concurrency):
-                group = [{"prompt_token_ids": p} for p in prompts[begin: begin + concurrency]]
-                g0 = time.perf_counter()
-                got = llm.generate(group, params[begin: begin + concurrency], use_tqdm=False)
-                g1 = time.perf_counter()
-                for o in got:
-                    outs.append(list(o.outputs[0].token_ids))
-                    latencies.append(_latency(o, g0, g1))
-            seconds = time.perf_counter() - t0
-            after = _proposer_stats()
-            metrics_after = _spec_metrics(llm)
-            spec = {k: metrics_after.get(k, 0) - metrics_before.get(k, 0) for k in metrics_after
-                    if isinstance(metrics_after.get(k), (int, float))}
-            proposer = None
-            if after is not None:
-                proposer = {k: (after[k] - (before or {}).get(k, 0)) for k in
-                            ("steps", "decode_rows", "drafted", "verified", "accepted", "propose_seconds",
-                             "step_seconds", "timed_steps") if isinstance(after.get(k), (int, float))}
-                proposer["token_cost_ratio"] = after.get("token_cost_ratio")
-            repeats.append({"seconds": seconds, "new_tokens": sum(len(o) for o in outs),
-                            "latencies": latencies, "spec_metrics": spec, "proposer": proposer})
-            if tokens is None:
-                tokens = outs
-            elif tokens != outs:
-                repeats[-1]["differs_from_first_repeat"] = True
-        result["runs"].append({"name": run.get("name"), "concurrency": concurrency, "tokens": tokens,
+        repeats = [_run_once(llm, run) for _ in range(int(run.get("repeats", 1)))]
+        tokens = repeats[0]["tokens"]
+        for rep in repeats:
+            if rep.pop("tokens") != tokens:
+                rep["differs_from_first_repeat"] = True
+        result["runs"].append({"name": run.get("name"), "concurrency": int(run["concurrency"]), "tokens": tokens,
                                "repeats": repeats})
     result["proposer_stats"] = _proposer_stats()
     return result
+
+
+SENTINEL = "@@SPECDEC@@ "
+
+
+def _serve_main(job_path: str) -> int:
+    """Persistent worker: build the engine, then one run per line of stdin (JSON), each answered
+    by a SENTINEL line of JSON on stdout; "quit" ends it. Lets the driver interleave methods."""
+    job = json.loads(Path(job_path).read_text())
+    llm, init = _start(job)
+    print(SENTINEL + json.dumps({"ready": True, "init_seconds": init}), flush=True)
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        if line == "quit":
+            break
+        try:
+            if line == "stats":
+                answer = {"proposer_stats": _proposer_stats()}
+            else:
+                answer = _run_once(llm, json.loads(line))
+        except Exception as error:  # reported to the driver, which fails the row
+            answer = {"error": repr(error)}
+        print(SENTINEL + json.dumps(answer), flush=True)
+    return 0
+
+
+class Worker:
+    """A persistent vLLM worker process in the venv (one engine, one method)."""
+
+    def __init__(self, job: dict, *, python: Optional[Path] = None, log=None):
+        python = python or venv_python()
+        if python is None:
+            raise RuntimeError("no vLLM venv: run tools/vllm_env.sh (or set SPECDEC_VLLM_VENV)")
+        self.tmp = tempfile.TemporaryDirectory(prefix="specdec-vllm-")
+        job_path = Path(self.tmp.name) / "job.json"
+        job_path.write_text(json.dumps(job))
+        self.log_path = Path(self.tmp.name) / "worker.log"
+        self._log = open(self.log_path, "w")
+        env = dict(os.environ, **WORKER_ENV)
+        env.pop("PYTHONPATH", None)
+        self.proc = subprocess.Popen([str(python), "-m", "specdec_kernels.benchmarks.vllm", "--serve", str(job_path)],
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     text=True, cwd=self.tmp.name)
+        self.ready = self._answer()
+        self.init_seconds = self.ready.get("init_seconds")
+
+    def _answer(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(SENTINEL):
+                return json.loads(line[len(SENTINEL):])
+        self._log.flush()
+        tail = self.log_path.read_text()[-4000:]
+        raise RuntimeError(f"vLLM worker exited (status {self.proc.wait()}):\n{tail}")
+
+    def request(self, message) -> dict:
+        self.proc.stdin.write((message if isinstance(message, str) else json.dumps(message)) + "\n")
+        self.proc.stdin.flush()
+        answer = self._answer()
+        if "error" in answer:
+            raise RuntimeError(f"vLLM worker: {answer['error']}")
+        return answer
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired, BrokenPipeError):
+            self.proc.kill()
+        self._log.close()
+        self.tmp.cleanup()
 
 
 def call_worker(job: dict, *, timeout: float = 3600, python: Optional[Path] = None) -> dict:
@@ -471,4 +591,6 @@ def _worker_main(job_path: str, out_path: str) -> int:
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "--worker":
         sys.exit(_worker_main(sys.argv[2], sys.argv[3]))
+    if len(sys.argv) >= 2 and sys.argv[1] == "--serve":
+        sys.exit(_serve_main(sys.argv[2]))
     sys.exit(main())
