@@ -4,17 +4,19 @@ workloads at batch 1 and with several concurrent requests.
 
 vLLM lives in its own virtual environment (`tools/vllm_env.sh`; found at $SPECDEC_VLLM_VENV,
 default ~/.cache/specdec_kernels/vllm-venv). This module runs in the main environment: it builds
-the prompts (token ids, with our tokenizer), times our `generate` in-process, and runs each vLLM
-method in one worker process of the venv's Python (`python -m specdec_kernels.benchmarks.vllm
---worker job.json out.json`: one engine per method, every run of that method in it; the engine
-runs in the worker's own process, VLLM_ENABLE_V1_MULTIPROCESSING=0, so our proposer's counters
-can be read). The worker half imports vLLM; the rest of the package never does.
+the prompts (token ids, with our tokenizer), times our `generate` in-process, and keeps one
+persistent worker process per vLLM method in the venv (`python -m specdec_kernels.benchmarks.vllm
+--serve job.json`: one engine, built once, runs sent over stdin), so each (workload, concurrency)
+row runs every method back to back, the order rotated per repeat. The engine runs inside the
+worker's process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so our proposer's counters can be read.
+Only the worker half imports vLLM.
 
-Throughput: generated tokens / wall seconds of the whole `LLM.generate` call (all requests
-submitted at once: `concurrency` requests in flight). Latency: per request, seconds from
-submission to its last token (vLLM's RequestOutput.metrics where present, else the call's time).
-Greedy identity: every method's tokens are compared with vLLM plain's (and ours with HF's in the
-e2e benchmark); a mismatch is reported in the row ("identical": false), never hidden.
+Throughput: generated tokens / wall seconds of the `LLM.generate` calls (`concurrency` requests
+submitted together; at concurrency 1 the prompts one after another). Latency: per request,
+seconds from entering vLLM's queue to its last token (vLLM's RequestStateStats). Greedy
+identity: every vLLM method's tokens are compared with vLLM plain's (a difference is marked in
+the row and makes the command exit 1); our generate runs transformers' kernels, so its agreement
+with vLLM is reported but not required.
 """
 
 import argparse
@@ -78,6 +80,8 @@ def add_arguments(parser):
     parser.add_argument("--max-new-tokens", type=int, default=SHORT["max_new_tokens"])
     parser.add_argument("--methods", type=_csv(str), default=METHODS, help=f"comma-separated of {', '.join(METHODS)}")
     parser.add_argument("--k", type=int, default=10, help="vllm_ours: num_speculative_tokens (default 10)")
+    parser.add_argument("--specdec", type=json.loads, default=None, metavar="JSON",
+                        help='vllm_ours: our proposer\'s settings (additional_config["specdec"]), e.g. \'{"max_n": 8}\'')
     parser.add_argument("--generate-max-concurrency", type=int, default=8,
                         help="our generate runs batches up to this size (default 8; larger rows are skipped)")
     parser.add_argument("--repeats", type=int, default=1, help="timed passes per row, median reported (default 1)")
@@ -122,7 +126,7 @@ def _vllm_job(method, model_dir, plan, args):
     engine = {"max_num_seqs": max(most, 1), "max_model_len": longest + args.max_new_tokens + args.k + 16,
               "kv_cache_bytes": max(int(in_flight * per_token * 1.25), 256 << 20)}
     return {"model": model_dir, "method": kind, "k": k, "engine": engine,
-            "warmup_prompt": next(iter(plan.values()))[0]}
+            "warmup_prompt": next(iter(plan.values()))[0], "specdec": args.specdec if kind == "ours" else None}
 
 
 def _time_generate(model, tokenizer, prompts, concurrency, args):
@@ -258,6 +262,10 @@ def run_args(args) -> int:
     finally:
         for worker in workers.values():
             worker.close()
+    dump = os.environ.get("SPECDEC_VLLM_DUMP_TOKENS")
+    if dump:  # prompts and every method's tokens, for offline analysis (not part of the results)
+        Path(dump).write_text(json.dumps({"plan": {f"{w}|{c}": p for (w, c), p in plan.items()},
+                                          "tokens": {"|".join(map(str, k)): v for k, v in tokens.items()}}))
     failed = _compare(rows, tokens)
     _add_ratios(rows)
     _print(rows, args)
