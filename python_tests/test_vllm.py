@@ -400,3 +400,31 @@ def test_real_vllm_greedy_identity_acceptance_and_row_reuse(real_prompts):
     assert spec.get("spec_decode_num_accepted_tokens", 0) > 0
     assert results["ours_2rows"]["proposer_stats"]["new_requests"] >= 5
     print("lengths", lengths, "acceptance", stats["acceptance_rate"])
+
+
+def test_bench_report_without_vllm(tmp_path, capsys):
+    """The benchmark's bookkeeping on made-up rows: ratios, identity marks, fastest settings,
+    the tables and the JSON shape (no vLLM, no timing)."""
+    import argparse
+
+    from specdec_kernels.benchmarks import vllm as bench
+
+    args = argparse.Namespace(workloads=("code_edit",), methods=bench.METHODS, max_new_tokens=8)
+    rows, tokens = [], {}
+    for method, tps, out in (("vllm_plain", 10.0, [[1, 2]]), ("vllm_ngram5", 20.0, [[1, 2]]),
+                             ("vllm_ngram10", 15.0, [[1, 2]]), ("vllm_ours", 25.0, [[1, 3]]), ("generate", 12.0, [[1, 2]])):
+        rows.append(bench._row(method, "code_edit", 1, [[0]], 1.0, tps, [1.0], args, tokens_per_cpu_s=tps / 2))
+        tokens[(method, "code_edit", 1)] = out
+    assert bench._compare(rows, tokens) is True  # vllm_ours differs from vllm_plain
+    bench._add_ratios(rows)
+    by = {r["config"]["method"]: r for r in rows}
+    assert by["vllm_ours"]["identical_to_vllm_plain"] is False and by["vllm_ngram5"]["identical_to_vllm_plain"]
+    assert by["vllm_ours"]["ratio_vs_vllm_plain"] == 2.5 and by["vllm_ours"]["ratio_vs_best_vllm_ngram"] == 1.25
+    assert by["generate"]["cpu_ratio_vs_vllm_plain"] == 1.2
+    assert bench._fastest(rows) == {"code_edit|1": {"method": "vllm_ours", "tokens_per_s": 25.0}}
+    bench._print(rows, args)
+    assert "DIFF" in capsys.readouterr().out
+    assert bench.method_config("ngram", 5)["num_speculative_tokens"] == 5
+    assert bench.method_config("ours", 7) == integ.speculative_config(7)
+    with pytest.raises(ValueError):
+        bench.method_config("eagle")

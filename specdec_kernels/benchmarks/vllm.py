@@ -131,7 +131,7 @@ def _vllm_job(method, model_dir, plan, args):
 
 def _time_generate(model, tokenizer, prompts, concurrency, args):
     """Our loop (n-gram drafter, adaptive) over `prompts` in batches of `concurrency`:
-    (seconds, new tokens, per-request latencies, token lists)."""
+    (seconds, new tokens, per-request latencies, token lists, CPU seconds of this process)."""
     import torch
 
     from ..loop.drafters import NgramDrafter
@@ -140,7 +140,7 @@ def _time_generate(model, tokenizer, prompts, concurrency, args):
 
     eos, pad = stop_ids(model, tokenizer)
     eos_ids = torch.tensor(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else None
-    total, outs, latencies = 0.0, [], []
+    total, cpu, outs, latencies = 0.0, 0.0, [], []
     for begin in range(0, len(prompts), concurrency):
         group = prompts[begin: begin + concurrency]
         width = max(len(p) for p in group)
@@ -149,11 +149,12 @@ def _time_generate(model, tokenizer, prompts, concurrency, args):
         for b, p in enumerate(group):
             ids[b, width - len(p):] = torch.tensor(p)
             mask[b, width - len(p):] = 1
-        start = time.perf_counter()
+        start, cpu0 = time.perf_counter(), time.process_time()
         out = generate(model, ids, drafter=NgramDrafter(num_tokens=args.k), max_new_tokens=args.max_new_tokens,
                        eos_token_id=eos, attention_mask=mask, adaptive=True)
         seconds = time.perf_counter() - start
         total += seconds
+        cpu += time.process_time() - cpu0
         for row in out.sequences[:, width:]:
             row = row.tolist()
             if eos_ids is not None:
@@ -163,7 +164,17 @@ def _time_generate(model, tokenizer, prompts, concurrency, args):
                         break
             outs.append(row)
             latencies.append(seconds)
-    return total, sum(len(o) for o in outs), latencies, outs
+    return total, sum(len(o) for o in outs), latencies, outs, cpu
+
+
+def torch_threads(method) -> int:
+    """Threads the method computes with: vLLM's CPU worker drops torch to 1 thread unless
+    OMP_NUM_THREADS is set; our generate uses torch's default (all cores)."""
+    import torch
+
+    if method == "generate":
+        return torch.get_num_threads()
+    return int(os.environ.get("OMP_NUM_THREADS", 1))
 
 
 def _row(method, workload, c, prompts, seconds, new_tokens, latencies, args, **extra):
@@ -229,9 +240,9 @@ def run_args(args) -> int:
                     if method == "generate":
                         if c > args.generate_max_concurrency:
                             continue
-                        seconds, new, lat, outs = _time_generate(model, tokenizer, prompts, c, args)
+                        seconds, new, lat, outs, cpu = _time_generate(model, tokenizer, prompts, c, args)
                         passes[method].append({"seconds": seconds, "new_tokens": new, "latencies": lat,
-                                               "tokens": outs})
+                                               "tokens": outs, "cpu_seconds": cpu})
                     else:
                         run = {"name": f"{workload}|{c}", "prompts": prompts, "max_tokens": args.max_new_tokens,
                                "concurrency": c}
@@ -240,7 +251,10 @@ def run_args(args) -> int:
                 if not reps:
                     continue
                 best = sorted(reps, key=lambda r: r["seconds"])[len(reps) // 2]  # the median pass
-                extra = {"repeats": len(reps), "seconds_all": [r["seconds"] for r in reps]}
+                extra = {"repeats": len(reps), "seconds_all": [r["seconds"] for r in reps],
+                         "cpu_seconds": best.get("cpu_seconds"),
+                         "tokens_per_cpu_s": best["new_tokens"] / best["cpu_seconds"] if best.get("cpu_seconds") else None,
+                         "threads": torch_threads(method)}
                 if method in workers:
                     extra["init_seconds"] = workers[method].init_seconds
                     sm = best.get("spec_metrics") or {}
@@ -272,6 +286,7 @@ def run_args(args) -> int:
     result["fastest_vllm_settings"] = _fastest(rows)
     common.write_rows(result, rows, path, planned=planned, complete=True)
     _plot(rows, out_dir / f"{args.name}.png", args)
+    _plot(rows, out_dir / f"{args.name}_cpu.png", args, "tokens_per_cpu_s", "tokens per CPU-second")
     return 1 if failed else 0
 
 
@@ -310,10 +325,14 @@ def _add_ratios(rows):
         key = (r["config"]["workload"], r["config"]["concurrency"])
         if r["config"]["method"].startswith("vllm_ngram") and r["tokens_per_s"]:
             best_ngram[key] = max(best_ngram.get(key, 0), r["tokens_per_s"])
+    plain_cpu = {(r["config"]["workload"], r["config"]["concurrency"]): r.get("tokens_per_cpu_s") for r in rows
+                 if r["config"]["method"] == "vllm_plain"}
     for r in rows:
         key = (r["config"]["workload"], r["config"]["concurrency"])
         if plain.get(key) and r["tokens_per_s"]:
             r["ratio_vs_vllm_plain"] = r["tokens_per_s"] / plain[key]
+        if plain_cpu.get(key) and r.get("tokens_per_cpu_s"):
+            r["cpu_ratio_vs_vllm_plain"] = r["tokens_per_cpu_s"] / plain_cpu[key]
         if best_ngram.get(key) and r["tokens_per_s"]:
             r["ratio_vs_best_vllm_ngram"] = r["tokens_per_s"] / best_ngram[key]
 
@@ -332,6 +351,13 @@ def _fastest(rows) -> dict:
 
 
 def _print(rows, args):
+    _print_metric(rows, args, "tokens_per_s", "ratio_vs_vllm_plain", "tokens/s (wall)")
+    _print_metric(rows, args, "tokens_per_cpu_s", "cpu_ratio_vs_vllm_plain",
+                  "tokens per CPU-second of the method's process (robust to other load; vLLM computes on 1 "
+                  "thread, our generate on torch's default)")
+
+
+def _print_metric(rows, args, field, ratio, label):
     from . import common
 
     methods = [m for m in args.methods if any(r["config"]["method"] == m for r in rows)]
@@ -343,28 +369,28 @@ def _print(rows, args):
         for m in methods:
             row = next((r for r in rows if r["config"]["method"] == m and r["config"]["workload"] == workload
                         and r["config"]["concurrency"] == c), None)
-            if row is None or not row["tokens_per_s"]:
+            if row is None or not row.get(field):
                 line.append("-")
                 continue
-            cell = f"{row['tokens_per_s']:.1f}"
-            if row.get("ratio_vs_vllm_plain") and m != "vllm_plain":
-                cell += f" ({row['ratio_vs_vllm_plain']:.2f}x)"
+            cell = f"{row[field]:.1f}"
+            if row.get(ratio) and m != "vllm_plain":
+                cell += f" ({row[ratio]:.2f}x)"
             if row.get("identical_to_vllm_plain") is False and m.startswith("vllm_"):
                 cell += " DIFF"
             line.append(cell)
         table.append(line)
-    print(f"tokens/s, greedy, {args.max_new_tokens} new tokens (ratio: vs vllm_plain in the same run)")
+    print(f"{label}, greedy, {args.max_new_tokens} new tokens (ratio: vs vllm_plain in the same run)")
     common.print_table(["workload", "conc."] + methods, table)
 
 
-def _plot(rows, path, args):
+def _plot(rows, path, args, field="tokens_per_s", ylabel="tokens/s (wall)"):
     from . import common
 
     panels = []
     for workload in args.workloads:
         series = {}
         for m in args.methods:
-            pts = sorted((r["config"]["concurrency"], r["tokens_per_s"]) for r in rows
+            pts = sorted((r["config"]["concurrency"], r.get(field)) for r in rows
                          if r["config"]["method"] == m and r["config"]["workload"] == workload)
             if pts:
                 series[m] = dict(pts)
@@ -372,7 +398,7 @@ def _plot(rows, path, args):
         if xs:
             panels.append((workload, xs, {m: [s.get(x) for x in xs] for m, s in series.items()}))
     if panels:
-        common.plot_panels(path, panels, xlabel="concurrent requests", ylabel="tokens/s",
+        common.plot_panels(path, panels, xlabel="concurrent requests", ylabel=ylabel,
                            title=f"vLLM CPU, SmolLM2-135M fp32, greedy, {args.max_new_tokens} new tokens")
 
 
@@ -443,7 +469,7 @@ def _run_once(llm, run: dict) -> dict:
               for m in limits]
     before, metrics_before = _proposer_stats(), _spec_metrics(llm)
     outs, latencies = [], []
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for begin in range(0, len(prompts), concurrency):
         group = [{"prompt_token_ids": p} for p in prompts[begin: begin + concurrency]]
         g0 = time.perf_counter()
@@ -452,7 +478,7 @@ def _run_once(llm, run: dict) -> dict:
         for o in got:
             outs.append(list(o.outputs[0].token_ids))
             latencies.append(_latency(o, g0, g1))
-    seconds = time.perf_counter() - t0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
     after, metrics_after = _proposer_stats(), _spec_metrics(llm)
     spec = {k: metrics_after.get(k, 0) - metrics_before.get(k, 0) for k in metrics_after
             if isinstance(metrics_after.get(k), (int, float))}
@@ -463,6 +489,7 @@ def _run_once(llm, run: dict) -> dict:
                      "step_seconds", "timed_steps") if isinstance(after.get(k), (int, float))}
         proposer["token_cost_ratio"] = after.get("token_cost_ratio")
     return {"name": run.get("name"), "concurrency": concurrency, "tokens": outs, "seconds": seconds,
+            "cpu_seconds": cpu_seconds,
             "new_tokens": sum(len(o) for o in outs), "latencies": latencies, "spec_metrics": spec,
             "proposer": proposer}
 
