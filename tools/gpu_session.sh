@@ -96,10 +96,14 @@ for override in $(tr ',' ' ' <<< "${STAGE_SECONDS:-}"); do
 done
 stage_kind() { case $1 in sanitize:*) echo sanitize ;; *) echo "$1" ;; esac; }
 
-# What a build of _C depends on: the C++/CUDA sources, setup.py, torch's version, the arch list.
+# What a build of _C depends on: the C++/CUDA sources, setup.py, torch's version (or
+# STAMP_TORCH_VERSION: gpu_prepare.sh checks the committed build for the machine's torch
+# without that torch here), the arch list.
 source_stamp() {
   { find csrc -type f | sort | xargs sha256sum; sha256sum setup.py
-    "$PY" -c "import torch; print(torch.__version__)"; echo "$TORCH_CUDA_ARCH_LIST"; } | sha256sum | cut -c1-16
+    if [ -n "${STAMP_TORCH_VERSION:-}" ]; then echo "$STAMP_TORCH_VERSION"
+    else "$PY" -c "import torch; print(torch.__version__)"; fi
+    echo "$TORCH_CUDA_ARCH_LIST"; } | sha256sum | cut -c1-16
 }
 
 # Call 2's stages from call 1's summary.txt: build, the stages of CALL1 that FAILED there, then
