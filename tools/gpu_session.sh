@@ -84,7 +84,7 @@ CALL2_EXTRA=(bench:wide e2e:llama)
 # workers (Triton compiles most of it); one sanitizer run over tools/sanitize_ops.py ~1-2 min;
 # the goal benchmarks ~1-2 min (FlexAttention's compile, numba's JIT); graphs: one capture and
 # seven compiled functions, each stopped at --check-timeout. Rehearsed on a CPU: docs/gpu.md.
-declare -A NEED=([build]=20 [test]=90 [sanitize]=60 [bench:goal]=60 [graphs]=60 [bench:wide]=60 [e2e:llama]=60 [e2e]=150)
+declare -A NEED=([build]=20 [test]=60 [sanitize]=60 [bench:goal]=60 [graphs]=60 [bench:wide]=60 [e2e:llama]=60 [e2e]=150)
 declare -A MAX=([build]=300 [test]=210 [sanitize]=130 [bench:goal]=150 [graphs]=150 [bench:wide]=300 [e2e:llama]=200 [e2e]=480)
 # STAGE_SECONDS="KIND=NEED/MAX,..." overrides them (e.g. "test=90/300"; the tests use it to
 # scale the deadline logic down to seconds).
@@ -333,10 +333,10 @@ fake_stage() {
 }
 
 # limited LOG CMD...: CMD under `timeout` (the stage's limit), output to LOG and stdout.
-# LIMIT_SIGNAL (default TERM) is what it gets at the limit; SIGKILL 10 s later.
+# LIMIT_SIGNAL (default TERM) is what it gets at the limit; SIGKILL LIMIT_GRACE (10) s later.
 limited() {
   local log=$1; shift
-  timeout --signal="${LIMIT_SIGNAL:-TERM}" --kill-after=10 "$STAGE_LIMIT" "$@" 2>&1 | tee -a "$LOGS/$log"
+  timeout --signal="${LIMIT_SIGNAL:-TERM}" --kill-after="${LIMIT_GRACE:-10}" "$STAGE_LIMIT" "$@" 2>&1 | tee -a "$LOGS/$log"
   return "${PIPESTATUS[0]}"
 }
 
@@ -479,7 +479,7 @@ EOF
 }
 
 stage_build() {
-  local stamp so
+  local stamp so checked=0
   stamp=$(source_stamp)
   so=$(find specdec_kernels -maxdepth 1 -name '_C*.so' | head -1)
   if [ -n "$so" ] && [ "$(cat build/gpu_build_stamp 2>/dev/null)" = "$stamp" ]; then
@@ -488,7 +488,7 @@ stage_build() {
       && tar -xzf .gpu_build/gpu_build.tgz && cuda_kernels_built; then
     # (made by an earlier call, or by tools/gpu_twin.sh on another machine: one that does not
     # load here is rebuilt below)
-    STAGE_NOTE="restored from .gpu_build (stamp $stamp)"
+    STAGE_NOTE="restored from .gpu_build (stamp $stamp)"; checked=1
   else
     [ -f .gpu_build/gpu_build.tgz ] && echo "build: .gpu_build/gpu_build.tgz has stamp" \
       "$(tar -xzOf .gpu_build/gpu_build.tgz build/gpu_build_stamp 2>/dev/null || echo '?'), these sources $stamp (or it does not load): compiling"
@@ -505,7 +505,7 @@ stage_build() {
   "$PY" -m specdec_kernels info 2>&1 | tee "$LOGS/info.txt"
   # The point of the session: fail loudly if the CUDA kernels did not make it into _C
   # (SPECDEC_GPU_SESSION_CPU_DRYRUN=1 lets a machine without a GPU walk through the stages).
-  cuda_kernels_built || [ "${SPECDEC_GPU_SESSION_CPU_DRYRUN:-0}" = 1 ] || return 1
+  [ "$checked" = 1 ] || cuda_kernels_built || [ "${SPECDEC_GPU_SESSION_CPU_DRYRUN:-0}" = 1 ] || return 1
 }
 
 # The GPU test cases (tools/pytest_gpu_only.py) in parallel: pytest-xdist workers where it is
@@ -520,14 +520,20 @@ stage_test() {
     all) ;;
     *) STAGE_NOTE="TESTS=$TESTS: expected gpu, all or not-passed"; return 2 ;;
   esac
-  # A test still running after PYTEST_TIMEOUT fails alone instead of taking the stage's limit
-  # (the thread method also stops one stuck inside a CUDA call: its worker is replaced).
-  "$PY" -c "import pytest_timeout" 2>/dev/null && args+=(--timeout="${PYTEST_TIMEOUT:-120}" --timeout-method=thread)
-  local workers=${PYTEST_WORKERS:-12}
+  local workers=${PYTEST_WORKERS:-12} xdist=0 timeout=()
+  "$PY" -c "import xdist" 2>/dev/null && xdist=1
+  # A test still running after PYTEST_TIMEOUT fails alone instead of taking the stage's limit.
+  # Under xdist the thread method also stops one stuck inside a CUDA call (its worker exits and
+  # is replaced); without xdist that would end the whole process, so the signal method.
+  if "$PY" -c "import pytest_timeout" 2>/dev/null; then
+    timeout=(--timeout="${PYTEST_TIMEOUT:-120}" --timeout-method="$([ "$xdist" = 1 ] && echo thread || echo signal)")
+  fi
+  args+=("${timeout[@]}")
   # SIGINT at the limit: pytest stops as on Ctrl-C and still writes its -ra list and junit.xml.
-  if "$PY" -c "import xdist" 2>/dev/null; then
+  if [ "$xdist" = 1 ]; then
     how="$workers xdist workers"
-    OMP_NUM_THREADS=1 PYTHONPATH=$ROOT/tools:$PYTHONPATH LIMIT_SIGNAL=INT limited tests.log \
+    # (30 s of grace: xdist's controller gathers its workers' reports before writing junit.xml)
+    OMP_NUM_THREADS=1 PYTHONPATH=$ROOT/tools:$PYTHONPATH LIMIT_SIGNAL=INT LIMIT_GRACE=30 limited tests.log \
       "$PY" -m pytest python_tests "${args[@]}" -n "$workers" --junitxml="$OUT/junit.xml"
     rc=$?
     sed -n '/short test summary info/,$p' "$LOGS/tests.log" > "$OUT/tests_summary.txt"
@@ -608,7 +614,7 @@ stage_bench_goal() {
   local rc=$?
   "$PY" tools/goal_report.py "$RESULTS" > "$LOGS/goals.txt" 2>&1
   cat "$LOGS/goals.txt" >> "$SUMMARY"
-  STAGE_NOTE="(goal ratios: the goal lines below)"
+  STAGE_NOTE="(the goal lines above: each goal's measured ratio)"
   return "$rc"
 }
 
