@@ -340,13 +340,17 @@ limited() {
   return "${PIPESTATUS[0]}"
 }
 
-# compute-sanitizer: COMPUTE_SANITIZER, else on PATH, else in the CUDA toolkit.
+# compute-sanitizer: COMPUTE_SANITIZER, else on PATH, else in a CUDA toolkit (CUDA_HOME, beside
+# nvcc, /usr/local/cuda*, /opt/nvidia/*): the machine's image has it, where is not recorded.
 sanitizer_path() {
   if [ -n "${COMPUTE_SANITIZER:-}" ]; then [ -x "$COMPUTE_SANITIZER" ] && echo "$COMPUTE_SANITIZER"; return; fi
   command -v compute-sanitizer && return
-  local cuda=${CUDA_HOME:-/usr/local/cuda} path
-  for path in "$cuda/bin/compute-sanitizer" "$cuda/compute-sanitizer/compute-sanitizer"; do
-    [ -x "$path" ] && echo "$path" && return
+  local cuda=${CUDA_HOME:-/usr/local/cuda} nvcc_dir path
+  nvcc_dir=$(dirname "$(readlink -f "$(command -v nvcc || echo /nonexistent)")")
+  for path in "$cuda/bin/compute-sanitizer" "$cuda/compute-sanitizer/compute-sanitizer" "$nvcc_dir/compute-sanitizer" \
+      "$nvcc_dir/../compute-sanitizer/compute-sanitizer" /usr/local/cuda*/bin/compute-sanitizer \
+      /usr/local/cuda*/compute-sanitizer/compute-sanitizer /opt/nvidia/*/compute-sanitizer /opt/nvidia/*/*/compute-sanitizer; do
+    [ -x "$path" ] && [ -f "$path" ] && echo "$path" && return
   done
   return 1
 }
@@ -624,11 +628,14 @@ stage_bench_wide() {
 }
 
 # The random Llama-3-8B (Llama-3-8B's shapes, random bf16 weights; no model carry): what share
-# of a step our kernels take at that size, greedy and batch 8.
-E2E_LLAMA_DEFAULT_ARGS="--workloads code_edit,chat --batch-sizes 1,8 --prompts-per-workload 8 --temperatures 0
-  --methods hf,ours_plain,ours_ngram"
+# of a step our kernels take at that size, greedy, batch 1 and 8, on the issue's workload
+# (code edit: n-gram drafts); rows are written as they finish, so a cut run keeps the first.
+E2E_LLAMA_DEFAULT_ARGS="--workloads code_edit --batch-sizes 1,8 --prompts-per-workload 8 --temperatures 0
+  --methods hf,ours_ngram,ours_plain"
 
 stage_e2e_llama() {
+  # (Llama-3-8B's shapes need the GPU: a dry run on a CPU skips it rather than fail it.)
+  if ! nvidia-smi -L 2>/dev/null | grep -q GPU; then STAGE_NOTE="no CUDA GPU here (nvidia-smi -L)"; return 75; fi
   # shellcheck disable=SC2086  # a list of options
   limited e2e_llama.log "$PY" -m specdec_kernels bench e2e --model llama3-8b-random --out-dir "$RESULTS" \
     --no-progress ${E2E_LLAMA_ARGS:-$E2E_LLAMA_DEFAULT_ARGS}
@@ -666,7 +673,7 @@ sanitizer_probe
 note "sanitizer: $SANITIZER_STATUS: $SANITIZER_REASON ($((SECONDS - START))s)"
 setup
 TREE_STAMP=$(tree_stamp)
-note "setup: $MODEL_STATUS"
+note "setup: $MODEL_STATUS ($((SECONDS - START))s from the start)"
 pack_logs
 for stage in "${stages[@]}"; do
   if [ "$stage" != build ] && grep -q "^build .*FAILED" "$SUMMARY"; then
