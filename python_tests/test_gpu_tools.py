@@ -568,3 +568,34 @@ def test_module_paths_the_gpu_tools_use_exist():
     assert {"specdec_kernels.ops.triton.compile_check", "specdec_kernels.loop.hf.attention"} <= found
     missing = [module for module in sorted(found) if importlib.util.find_spec(module) is None]
     assert not missing, f"tools/ name modules that no longer exist: {missing}"
+
+
+FAKE_LIBCUDA = r"""
+#include <stddef.h>
+/* The driver calls of gpu_session.sh's sanitizer probe, each checking what it is given. */
+int cuInit(unsigned flags) { return flags == 0 ? 0 : 1; }
+int cuDeviceGet(int *dev, int ordinal) { *dev = ordinal; return 0; }
+int cuDevicePrimaryCtxRetain(void **ctx, int dev) { *ctx = (void *)0x10; return dev == 0 ? 0 : 101; }
+int cuCtxSetCurrent(void *ctx) { return ctx == (void *)0x10 ? 0 : 201; }
+int cuMemAlloc_v2(unsigned long long *ptr, size_t size) { *ptr = 0x1000; return size == (1 << 20) ? 0 : ALLOC_RESULT; }
+int cuMemsetD8_v2(unsigned long long ptr, unsigned char value, size_t n) { return ptr == 0x1000 && value == 0 && n == (1 << 20) ? 0 : 1; }
+int cuMemFree_v2(unsigned long long ptr) { return ptr == 0x1000 ? 0 : 1; }
+"""
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build a stand-in CUDA driver")
+@pytest.mark.parametrize("alloc_result", [0, 999])
+def test_sanitizer_probe_program_against_a_stand_in_driver(tmp_path, alloc_result):
+    """The probe's ctypes calls (types, pointers, sizes) against a fake libcuda.so.1; error 999
+    at the first allocation (what gVisor gave under compute-sanitizer) fails it, naming the call."""
+    with open(os.path.join(TOOLS, "gpu_session.sh")) as f:
+        probe = re.search(r"^SANITIZER_PROBE_PY='\n(.*?)^'$", f.read(), re.S | re.M).group(1)
+    source = tmp_path / "fake.c"
+    source.write_text(FAKE_LIBCUDA.replace("size == (1 << 20) ? 0 : ALLOC_RESULT", f"size == (1 << 20) ? {alloc_result} : 2"))
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "libcuda.so.1"), str(source)], check=True)
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, LD_LIBRARY_PATH=str(tmp_path)))
+    if alloc_result == 0:
+        assert run.returncode == 0 and "sanitizer probe: ok" in run.stdout, run.stderr
+    else:
+        assert run.returncode == 1 and "cuMemAlloc returned CUDA error 999" in run.stderr
