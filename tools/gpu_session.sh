@@ -22,13 +22,19 @@
 #           which leaves ~270-300 s: enough for call 2 to start (>= 240 s). Stage order is the
 #           issue's priority: the GPU tests, memcheck, the goal benchmarks, the graph/compile
 #           checks, then racecheck, synccheck, initcheck, each as far as the deadline allows.
-#   call 2  a fresh machine (call 1's went back), DEADLINE_S = budget_left_s - 150 (its start
-#           and the transfers), timeout_s = DEADLINE_S + 30: the stages call 1 did not pass
+#   call 2  a fresh machine (call 1's went back), DEADLINE_S = budget_left_s - 170 (a start of
+#           up to 2 min, packing, transfers), timeout_s = DEADLINE_S + 20: what call 1 did not pass
 #           (FAILED first, then SKIPPED / PARTIAL / never reached), after the fix; its test
 #           stage reruns only the cases that did not pass in call 1 (--not-passed-in its
 #           junit.xml); then, as time allows, the wider benchmark sweep and the random
 #           Llama-3-8B end-to-end run (no model carry). The default model's e2e (three model
 #           carries: `e2e`) does not fit this window: a later one, after the kernels are proven.
+# The calls (docs/gpu.md: before, between and after them):
+#   tools/gpu_prepare.sh                                            # here: .data, the build's stamp
+#   run "SPECDEC_COMMIT=<sha> DEADLINE_S=500 tools/gpu_session.sh call1" carry [".data"] timeout_s 540; give_back
+#   tools/gpu_session.sh record <files_at> call1; fix; commit       # here, no machine held
+#   run "SPECDEC_COMMIT=<sha> DEADLINE_S=<budget_left_s - 170> tools/gpu_session.sh call2" carry [".data"]
+#       timeout_s <DEADLINE_S + 20>; give_back; tools/gpu_session.sh record <files_at> call2
 # compute-sanitizer works on the Firecracker machines and refuses the device on gVisor ones
 # (kernel 4.4.0; the device tool's KINDS.md): the first seconds of every call decide which
 # (sanitizer_probe) and a refused machine skips the sanitize stages at once, saying why, so the
@@ -617,7 +623,7 @@ stage_bench_goal() {
   limited bench_goal.log "$PY" -m specdec_kernels bench kernels --goal --out-dir "$RESULTS"
   local rc=$?
   "$PY" tools/goal_report.py "$RESULTS" > "$LOGS/goals.txt" 2>&1
-  cat "$LOGS/goals.txt" >> "$SUMMARY"
+  tee -a "$SUMMARY" < "$LOGS/goals.txt"
   STAGE_NOTE="(the goal lines above: each goal's measured ratio)"
   return "$rc"
 }
