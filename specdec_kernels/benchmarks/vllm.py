@@ -84,6 +84,10 @@ def add_arguments(parser):
                         help='vllm_ours: our proposer\'s settings (additional_config["specdec"]), e.g. \'{"max_n": 8}\'')
     parser.add_argument("--generate-max-concurrency", type=int, default=8,
                         help="our generate runs batches up to this size (default 8; larger rows are skipped)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="threads of every method: OMP_NUM_THREADS of the vLLM workers (vLLM's CPU ops are "
+                             "OpenMP; it already drops torch to 1 thread) and torch.set_num_threads for our generate "
+                             "(default 1: on a shared VM, OpenMP barriers over busy cores cost vLLM ms per op)")
     parser.add_argument("--repeats", type=int, default=1, help="timed passes per row, median reported (default 1)")
     parser.add_argument("--smoke", action="store_true", help="code_edit, 1 prompt, 16 tokens, concurrency 1,2")
     parser.add_argument("--out-dir", default=None, help="results folder (default bench/results of the checkout)")
@@ -167,16 +171,6 @@ def _time_generate(model, tokenizer, prompts, concurrency, args):
     return total, sum(len(o) for o in outs), latencies, outs, cpu
 
 
-def torch_threads(method) -> int:
-    """Threads the method computes with: vLLM's CPU worker drops torch to 1 thread unless
-    OMP_NUM_THREADS is set; our generate uses torch's default (all cores)."""
-    import torch
-
-    if method == "generate":
-        return torch.get_num_threads()
-    return int(os.environ.get("OMP_NUM_THREADS", 1))
-
-
 def _row(method, workload, c, prompts, seconds, new_tokens, latencies, args, **extra):
     return {"config": {"workload": workload, "concurrency": c, "method": method, "prompts": len(prompts),
                        "max_new_tokens": args.max_new_tokens},
@@ -221,6 +215,9 @@ def run_args(args) -> int:
         print(f"{', '.join(vllm_methods)}: skipped, no vLLM venv (tools/vllm_env.sh)", flush=True)
         vllm_methods = []
     model = None
+    import torch
+
+    torch.set_num_threads(args.threads)
     if "generate" in args.methods:
         model, _ = load_model(model_dir)
         # untimed: the planner's cost model is measured on first use (then cached)
@@ -229,7 +226,7 @@ def run_args(args) -> int:
     workers = {}
     try:
         for method in vllm_methods:  # all engines up first, so every row's methods run back to back
-            workers[method] = Worker(_vllm_job(method, model_dir, plan, args), python=python)
+            workers[method] = Worker(_vllm_job(method, model_dir, plan, args), python=python, threads=args.threads)
             print(f"{method}: engine up in {workers[method].init_seconds:.1f} s", flush=True)
         methods = [m for m in args.methods if m in workers or (m == "generate" and model is not None)]
         for (workload, c), prompts in plan.items():
@@ -254,7 +251,7 @@ def run_args(args) -> int:
                 extra = {"repeats": len(reps), "seconds_all": [r["seconds"] for r in reps],
                          "cpu_seconds": best.get("cpu_seconds"),
                          "tokens_per_cpu_s": best["new_tokens"] / best["cpu_seconds"] if best.get("cpu_seconds") else None,
-                         "threads": torch_threads(method)}
+                         "threads": args.threads}
                 if method in workers:
                     extra["init_seconds"] = workers[method].init_seconds
                     sm = best.get("spec_metrics") or {}
@@ -353,8 +350,7 @@ def _fastest(rows) -> dict:
 def _print(rows, args):
     _print_metric(rows, args, "tokens_per_s", "ratio_vs_vllm_plain", "tokens/s (wall)")
     _print_metric(rows, args, "tokens_per_cpu_s", "cpu_ratio_vs_vllm_plain",
-                  "tokens per CPU-second of the method's process (robust to other load; vLLM computes on 1 "
-                  "thread, our generate on torch's default)")
+                  f"tokens per CPU-second of the method's process ({args.threads} thread(s) each)")
 
 
 def _print_metric(rows, args, field, ratio, label):
@@ -552,7 +548,7 @@ def _serve_main(job_path: str) -> int:
 class Worker:
     """A persistent vLLM worker process in the venv (one engine, one method)."""
 
-    def __init__(self, job: dict, *, python: Optional[Path] = None, log=None):
+    def __init__(self, job: dict, *, python: Optional[Path] = None, threads: int = 1):
         python = python or venv_python()
         if python is None:
             raise RuntimeError("no vLLM venv: run tools/vllm_env.sh (or set SPECDEC_VLLM_VENV)")
@@ -561,7 +557,7 @@ class Worker:
         job_path.write_text(json.dumps(job))
         self.log_path = Path(self.tmp.name) / "worker.log"
         self._log = open(self.log_path, "w")
-        env = dict(os.environ, **WORKER_ENV)
+        env = dict(os.environ, **WORKER_ENV, OMP_NUM_THREADS=str(threads))
         env.pop("PYTHONPATH", None)
         self.proc = subprocess.Popen([str(python), "-m", "specdec_kernels.benchmarks.vllm", "--serve", str(job_path)],
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
@@ -597,7 +593,7 @@ class Worker:
         self.tmp.cleanup()
 
 
-def call_worker(job: dict, *, timeout: float = 3600, python: Optional[Path] = None) -> dict:
+def call_worker(job: dict, *, timeout: float = 3600, python: Optional[Path] = None, threads: int = 1) -> dict:
     """Run `job` in the vLLM venv (RuntimeError with the worker's output tail when it fails)."""
     python = python or venv_python()
     if python is None:
@@ -605,7 +601,7 @@ def call_worker(job: dict, *, timeout: float = 3600, python: Optional[Path] = No
     with tempfile.TemporaryDirectory(prefix="specdec-vllm-") as tmp:
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job_path.write_text(json.dumps(job))
-        env = dict(os.environ, **WORKER_ENV)
+        env = dict(os.environ, **WORKER_ENV, OMP_NUM_THREADS=str(threads))
         env.pop("PYTHONPATH", None)
         proc = subprocess.run([str(python), "-m", "specdec_kernels.benchmarks.vllm", "--worker", str(job_path),
                                str(out_path)], env=env, capture_output=True, text=True, timeout=timeout,
