@@ -409,7 +409,7 @@ def test_bench_report_without_vllm(tmp_path, capsys):
 
     from specdec_kernels.benchmarks import vllm as bench
 
-    args = argparse.Namespace(workloads=("code_edit",), methods=bench.METHODS, max_new_tokens=8)
+    args = argparse.Namespace(workloads=("code_edit",), methods=bench.METHODS, max_new_tokens=8, threads=1)
     rows, tokens = [], {}
     for method, tps, out in (("vllm_plain", 10.0, [[1, 2]]), ("vllm_ngram5", 20.0, [[1, 2]]),
                              ("vllm_ngram10", 15.0, [[1, 2]]), ("vllm_ours", 25.0, [[1, 3]]), ("generate", 12.0, [[1, 2]])):
