@@ -33,6 +33,7 @@ by someone else), it delegates to transformers' SDPA mask so results stay correc
 """
 
 import contextlib
+import contextvars
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -45,6 +46,11 @@ NAME = "specdec_tree"
 TREE_MASK_KWARG = "specdec_tree_mask"
 SEQLENS_KWARG = "specdec_cache_seqlens"
 BLOCK_TABLE_KWARG = "specdec_block_table"
+# The same metadata for the forward in progress (set by `forward`): some models' decoder
+# layers do not hand their forward kwargs on to attention (StableLM in transformers 5), and
+# without the tree mask the attention would fall back to SDPA over every slot of the ragged
+# cache, scratch included: a silent wrong answer. Kwargs win when both are there.
+_TREE_STATE = contextvars.ContextVar("specdec_tree_state", default={})
 
 
 def specdec_tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -62,6 +68,8 @@ def specdec_tree_attention(module, query, key, value, attention_mask, scaling=No
     Returns:
         (attn_output [B, T, Hq, Dv], None), as transformers expects.
     """
+    if TREE_MASK_KWARG not in kwargs and BLOCK_TABLE_KWARG not in kwargs:
+        kwargs = {**kwargs, **_TREE_STATE.get()}
     tree_mask = kwargs.get(TREE_MASK_KWARG)
     block_table = kwargs.get(BLOCK_TABLE_KWARG)
     window, softcap = _layer_options(kwargs)
@@ -185,9 +193,13 @@ def forward(model, cache, tokens, position_ids, tree_mask=None, logits_to_keep=0
         extra[BLOCK_TABLE_KWARG] = block_table
     args = dict(input_ids=tokens.clamp(min=0),  # padding nodes (-1) become token 0; their outputs are never used
                 position_ids=position_ids, past_key_values=cache, use_cache=True, **extra)
-    if not return_hidden:
-        return model(logits_to_keep=logits_to_keep, **args).logits.float()
-    last, hidden = _hidden(model, args, return_hidden)
+    state = _TREE_STATE.set(extra)
+    try:
+        if not return_hidden:
+            return model(logits_to_keep=logits_to_keep, **args).logits.float()
+        last, hidden = _hidden(model, args, return_hidden)
+    finally:
+        _TREE_STATE.reset(state)
     kept = last if logits_to_keep == 0 else last[:, -logits_to_keep:]
     return model.get_output_embeddings()(kept).float(), hidden
 

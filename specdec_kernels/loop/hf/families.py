@@ -29,8 +29,6 @@ from typing import Optional
 # transformers' layer types whose state is not a growing list of keys and values.
 RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "mamba2",
                                    "recurrent", "ssm"})
-UNSUPPORTED_LAYER_TYPES = {"chunked_attention": "chunked attention (local attention in fixed chunks, Llama 4) is not "
-                                                "implemented in tree attention"}
 
 
 def _text_config(config):
@@ -57,23 +55,34 @@ def family(model_or_config) -> str:
     return f"{name} ({cls})"
 
 
+# Why a family is refused, by kind (the coverage table in docs/models.md quotes these).
+REASONS = {
+    "recurrent layers": ("recurrent layers (linear attention / state-space): their state is one summary of all "
+                         "tokens so far, so the nodes of a token tree cannot share it, and a chain would need the "
+                         "state rolled back to the accepted length after each verification, which this loop does "
+                         "not do"),
+    "attention interface": ("its attention is computed in the model's own code, not through transformers' attention "
+                            "interface (AttentionInterface), so tree attention cannot be plugged in and the tree mask "
+                            "would never reach it"),
+    "chunked attention": ("chunked attention (local attention in fixed chunks, Llama 4) is not implemented in tree "
+                          "attention"),
+}
+
+
 def unsupported_reason(model) -> Optional[str]:
-    """None if the loop can run `model` (a transformers causal LM), else why not."""
+    """None if the loop can run `model` (a transformers causal LM), else why not (one of
+    REASONS, with the details of this model)."""
     types = layer_types(model.config)
     recurrent = sorted({t for t in types if t in RECURRENT_LAYER_TYPES})
     if recurrent:
-        return (f"it has recurrent layers (layer types {recurrent}): their state is one summary of all tokens so far, "
-                "so the nodes of a token tree cannot share it, and a chain would need the state rolled back to the "
-                "accepted length after each verification, which this loop does not do")
-    for layer_type, why in UNSUPPORTED_LAYER_TYPES.items():
-        if layer_type in types:
-            return why
+        return f"{REASONS['recurrent layers']} (layer types {recurrent})"
+    if "chunked_attention" in types:
+        return REASONS["chunked attention"]
     module = sys.modules.get(type(model).__module__)
     decoder = getattr(model, "model", None) or getattr(model, "transformer", None)
     modules = [module] + ([sys.modules.get(type(decoder).__module__)] if decoder is not None else [])
     if module is not None and not any(hasattr(m, "ALL_ATTENTION_FUNCTIONS") for m in modules if m is not None):
-        return ("its attention is computed in the model's own code, not through transformers' attention interface "
-                "(AttentionInterface), so tree attention cannot be plugged in and the tree mask would never reach it")
+        return REASONS["attention interface"]
     return None
 
 
