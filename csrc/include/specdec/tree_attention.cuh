@@ -722,7 +722,6 @@ __global__ void __launch_bounds__(kTreeAttnSimtWarps * 32) tree_attention_simt_k
   const int head = idx % p.num_q_heads;
   const int kv_head = head / p.group;
   const int dim = p.head_dim;
-  const int value_dim = p.value_dim;
 
   const Elem* q = static_cast<const Elem*>(p.q) + b * p.q_stride_b + node * p.q_stride_t + head * p.q_stride_h;
   const Elem* k = static_cast<const Elem*>(p.k) + (kPaged ? 0 : b * p.k_stride_b) + kv_head * p.k_stride_h;
@@ -756,15 +755,17 @@ __global__ void __launch_bounds__(kTreeAttnSimtWarps * 32) tree_attention_simt_k
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
       const int d = lane + 32 * i;
-      if (d < value_dim) acc[i] = acc[i] * alpha + prob * Ops::to_float(vr[d]);
+      if (d < p.value_dim) acc[i] = acc[i] * alpha + prob * Ops::to_float(vr[d]);
     }
   };
   const int64_t prefix_len = clamp_prefix(p.seqlens[b], p.cache_len, p.num_nodes);
-  // Sliding window: this node sits at L_b + depth and sees keys after position - window.
-  const int depth = p.window > 0 ? node_depth(p, b, node) : 0;
+  // Sliding window: this node sits at L_b + depth and sees keys after position - window, so
+  // prefix keys from L_b + depth - window + 1 and ancestors of depth >= depth - window + 1.
+  int min_depth = -1;  // every ancestor (depths are >= 0)
   int64_t first = 0;
   if (p.window > 0) {
-    first = prefix_len + depth - p.window + 1;
+    min_depth = node_depth(p, b, node) - p.window + 1;
+    first = prefix_len + min_depth;
     first = first < 0 ? 0 : first;
   }
   for (int64_t key = first; key < prefix_len; ++key) attend(key);
@@ -775,7 +776,7 @@ __global__ void __launch_bounds__(kTreeAttnSimtWarps * 32) tree_attention_simt_k
     while (word != 0) {  // uniform over the warp: every lane reads the same word
       const int j = __ffsll(static_cast<long long>(word)) - 1;
       word &= word - 1;
-      if (p.window > 0 && depth - node_depth(p, b, j0 + j) >= p.window) continue;
+      if (min_depth > 0 && node_depth(p, b, j0 + j) < min_depth) continue;
       attend(prefix_len + j0 + j);
     }
   }
@@ -784,7 +785,7 @@ __global__ void __launch_bounds__(kTreeAttnSimtWarps * 32) tree_attention_simt_k
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int d = lane + 32 * i;
-    if (d < value_dim) out[d] = Ops::from_float(acc[i] * inv);
+    if (d < p.value_dim) out[d] = Ops::from_float(acc[i] * inv);
   }
 }
 
