@@ -85,8 +85,9 @@ def add_arguments(parser):
     parser.add_argument("--generate-max-concurrency", type=int, default=8,
                         help="our generate runs batches up to this size (default 8; larger rows are skipped)")
     parser.add_argument("--threads", type=int, default=1,
-                        help="threads of every method: OMP_NUM_THREADS of the vLLM workers (vLLM's CPU ops are "
-                             "OpenMP; it already drops torch to 1 thread) and torch.set_num_threads for our generate "
+                        help="threads of every method: OMP_NUM_THREADS and NUMBA_NUM_THREADS of the vLLM workers "
+                             "(vLLM's CPU ops are OpenMP regions; it drops torch to 1 thread, but its n-gram proposer's "
+                             "numba pool raises OpenMP's count again) and torch.set_num_threads for our generate "
                              "(default 1: on a shared VM, OpenMP barriers over busy cores cost vLLM ms per op)")
     parser.add_argument("--repeats", type=int, default=1, help="timed passes per row, median reported (default 1)")
     parser.add_argument("--smoke", action="store_true", help="code_edit, 1 prompt, 16 tokens, concurrency 1,2")
@@ -557,7 +558,7 @@ class Worker:
         job_path.write_text(json.dumps(job))
         self.log_path = Path(self.tmp.name) / "worker.log"
         self._log = open(self.log_path, "w")
-        env = dict(os.environ, **WORKER_ENV, OMP_NUM_THREADS=str(threads))
+        env = dict(os.environ, **WORKER_ENV, OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads))
         env.pop("PYTHONPATH", None)
         self.proc = subprocess.Popen([str(python), "-m", "specdec_kernels.benchmarks.vllm", "--serve", str(job_path)],
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
@@ -601,7 +602,7 @@ def call_worker(job: dict, *, timeout: float = 3600, python: Optional[Path] = No
     with tempfile.TemporaryDirectory(prefix="specdec-vllm-") as tmp:
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job_path.write_text(json.dumps(job))
-        env = dict(os.environ, **WORKER_ENV, OMP_NUM_THREADS=str(threads))
+        env = dict(os.environ, **WORKER_ENV, OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads))
         env.pop("PYTHONPATH", None)
         proc = subprocess.run([str(python), "-m", "specdec_kernels.benchmarks.vllm", "--worker", str(job_path),
                                str(out_path)], env=env, capture_output=True, text=True, timeout=timeout,
