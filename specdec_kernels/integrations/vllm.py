@@ -16,7 +16,7 @@ target's distribution). None of our kernels run inside vLLM. This class only dra
 - a per-request draft length from our acceptance model (`loop.planner.AcceptanceModel`: decayed
   acceptance per depth, learned from how many of its drafts each request accepted, read from
   the tokens vLLM hands back) and a step-cost model of vLLM (seconds = c0 + c1 * tokens in the
-  step, fitted online from the time between calls, prior `token_cost`): each step the drafts go
+  step, fitted online from the CPU time between calls, prior `token_cost`): each step the drafts go
   where they maximise the batch's expected tokens per second, and a request whose drafts do not
   pay gets none (plain decoding) until its estimate recovers (counts decay toward the prior);
 - optional extra draft sources (`add_source`): the hook for the cross-request suffix cache
@@ -103,6 +103,8 @@ class ProposerSettings:
     check: after every step, compare every row's index history with vLLM's tokens (slow;
         tests): a mismatch raises RuntimeError.
     stats_path: write `stats()` of every proposer as JSON there when the process exits.
+    clock: what the step-cost model measures between calls: "cpu" (this process's CPU time;
+        robust to other load on a shared host; vLLM's CPU build) or "wall" (GPU engines).
     """
 
     min_n: int = 1
@@ -115,6 +117,7 @@ class ProposerSettings:
     min_gain: float = 0.01
     check: bool = False
     stats_path: str = ""
+    clock: str = "cpu"
 
     def __post_init__(self):
         for name in ("min_n", "max_n"):
@@ -125,6 +128,8 @@ class ProposerSettings:
             raise ValueError(f"min_n: expected min_n <= max_n, got {self.min_n} > {self.max_n}")
         if self.max_n > 64:
             raise ValueError(f"max_n: expected max_n <= 64, got {self.max_n}")
+        if self.clock not in ("cpu", "wall"):
+            raise ValueError(f"clock: expected 'cpu' or 'wall', got {self.clock!r}")
         if self.policy not in ("earliest", "latest"):
             raise ValueError(f"policy: expected 'earliest' or 'latest', got {self.policy!r}")
         if not 0.0 < self.token_cost <= 10.0:
@@ -337,7 +342,7 @@ class SpecdecProposer:
         rows = len(sampled_token_ids)
         if rows > self.max_rows:
             raise ValueError(f"sampled_token_ids: {rows} rows, more than max_num_seqs={self.max_rows}")
-        self._observe_step_time(start, sampled_token_ids)
+        self._observe_step_time(time.process_time() if self.settings.clock == "cpu" else start, sampled_token_ids)
         self._step += 1
         lengths = np.asarray(num_tokens_no_spec[:rows], dtype=np.int64)
         slots = self._assign_slots(rows, lengths, token_ids_cpu)
@@ -536,8 +541,13 @@ class SpecdecProposer:
         return drafts
 
     def _observe_step_time(self, now: float, sampled_token_ids) -> None:
-        """The time since the last call is the step vLLM just ran, planned with _last_tokens
-        tokens; only pure decode steps with the same rows count (a prefill's tokens are unknown)."""
+        """The CPU time of this process since the last call is the step vLLM just ran, planned
+        with _last_tokens tokens; only pure decode steps with the same rows count (a prefill's
+        tokens are unknown). CPU time, not wall time: on a shared host, other processes' load
+        stretched wall steps at random and the fit with them (c1 / c0 came out 0.46 at 8
+        requests, so we drafted too little); threads add CPU time in proportion, and only the
+        ratio c1 / c0 is used. On a GPU the forward need not show in host CPU time: there
+        use clock="wall"."""
         last, tokens = self._last_call, self._last_tokens
         self._last_call = now
         if last is None or tokens is None or tokens == 0:
