@@ -249,12 +249,18 @@ def test_gemma2_final_logit_softcapping_is_in_the_logits():
 
 
 def test_table_is_current():
-    """docs/models.md holds what tools/model_table.py prints from FAMILIES."""
+    """docs/models.md and README's short table hold what tools/model_table.py prints from FAMILIES."""
     result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "model_table.py")], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     with open(os.path.join(ROOT, "docs", "models.md")) as f:
         assert f.read() == result.stdout, "docs/models.md is stale: python tools/model_table.py > docs/models.md"
+    summary = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "model_table.py"), "--summary"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+    assert summary.returncode == 0, summary.stderr[-2000:]
+    with open(os.path.join(ROOT, "README.md")) as f:
+        assert "<!-- generated: python tools/model_table.py --summary -->\n" + summary.stdout in f.read(), \
+            "README's supported-models table is stale: paste python tools/model_table.py --summary"
 
 
 @pytest.mark.parametrize("with_mask", [False, True])

@@ -1,6 +1,7 @@
 """Print the supported-families table (markdown) from the coverage test's list.
 
     python tools/model_table.py > docs/models.md
+    python tools/model_table.py --summary    # the short form in README's "Supported models"
 
 The rows are python_tests/test_model_coverage.py's FAMILIES (the families that test runs
 against HF `generate` or checks are refused), the reasons the package's own
@@ -45,5 +46,19 @@ def table() -> str:
     return HEADER + "".join(rows)
 
 
+def summary() -> str:
+    """The short table of README: the families that work in one row, the refused ones grouped
+    by their reason."""
+    works = [family.name for family in FAMILIES if family.refused is None]
+    refused = {}
+    for family in FAMILIES:
+        if family.refused is not None:
+            refused.setdefault(family.refused, []).append(family.name)
+    rows = [f"| works (greedy == HF `generate`) | {', '.join(works)} |\n"]
+    rows += [f"| refused: {REASONS[reason].split(':')[0].split(',')[0]} | {', '.join(names)} |\n"
+             for reason, names in refused.items()]
+    return "| status | families |\n| --- | --- |\n" + "".join(rows)
+
+
 if __name__ == "__main__":
-    sys.stdout.write(table())
+    sys.stdout.write(summary() if sys.argv[1:] == ["--summary"] else table())
