@@ -64,7 +64,7 @@ def qwen3_next_config(vocab=VOCAB, hidden=32, layers=2):
                                         shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                         linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
-                                        linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"][:layers],
+                                        linear_value_head_dim=8, layer_types=(["linear_attention", "full_attention"] * layers)[:layers],
                                         max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=0,
                                         tie_word_embeddings=False)
 
@@ -95,7 +95,7 @@ def write_checkpoint(folder, layout, seed=0, num_mtp=1, logit_scale=1.0, vocab=V
     # The blocks: decoder layers N .. N + num_mtp - 1 of a deeper model of the same class, in
     # the checkpoint format transformers writes.
     deep_config = make_config(vocab=vocab, hidden=hidden, layers=n + num_mtp)
-    if layout == "qwen3_next":
+    if layout == "qwen3_next":  # (the MTP block is a full-attention layer)
         deep_config.layer_types = list(config.layer_types) + ["full_attention"] * num_mtp
     deep = cls(deep_config)
     deep.save_pretrained(folder / "deep")
@@ -133,9 +133,10 @@ def write_checkpoint(folder, layout, seed=0, num_mtp=1, logit_scale=1.0, vocab=V
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """{layout: (target, mtp tensors, folder)} for the layouts that run in our loop."""
+    """{layout: (target, mtp tensors, folder)}; Qwen3-Next (a hybrid of linear and full
+    attention layers, which our loop cannot run) is only loaded and stepped."""
     out = {}
-    for layout in ("mimo", "deepseek"):
+    for layout in ("mimo", "deepseek", "qwen3_next"):
         folder = tmp_path_factory.mktemp(layout)
         target, mtp = write_checkpoint(folder, layout, logit_scale=4.0)
         out[layout] = (target, mtp, folder)
@@ -206,6 +207,36 @@ def block(W, p, x, positions, cfg):
     return x + out
 
 
+def block_qwen3_next(W, p, x, positions, cfg):
+    """Qwen3-Next's full-attention decoder layer (zero-centred norms, gated attention, softmax
+    router with a sigmoid-gated shared expert) on x [T, H] with causal attention."""
+    eps, heads, kv, hd = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    t = x.shape[0]
+    h = rms(x, W[p + "input_layernorm.weight"], eps, centred=True)
+    q, gate = lin(W, p + "self_attn.q_proj", h).view(t, heads, 2 * hd).chunk(2, dim=-1)
+    q = rms(q, W[p + "self_attn.q_norm.weight"], eps, centred=True)
+    k = rms(lin(W, p + "self_attn.k_proj", h).view(t, kv, hd), W[p + "self_attn.k_norm.weight"], eps, centred=True)
+    v = lin(W, p + "self_attn.v_proj", h).view(t, kv, hd)
+    rot = int(hd * cfg.rope_parameters["partial_rotary_factor"])
+    q, k = rope(q, positions, cfg.rope_parameters["rope_theta"], rot), rope(k, positions, cfg.rope_parameters["rope_theta"], rot)
+    k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+    scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(hd)
+    scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
+    attn = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+    x = x + lin(W, p + "self_attn.o_proj", attn)
+    h = rms(x, W[p + "post_attention_layernorm.weight"], eps, centred=True)
+    mlp = lambda q_, z: lin(W, q_ + "down_proj", torch.nn.functional.silu(lin(W, q_ + "gate_proj", z)) * lin(W, q_ + "up_proj", z))  # noqa: E731
+    probs = (h @ W[p + "mlp.gate.weight"].double().T).softmax(-1)
+    weights, top = probs.topk(cfg.num_experts_per_tok, dim=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.sigmoid(lin(W, p + "mlp.shared_expert_gate", h)) * mlp(p + "mlp.shared_expert.", h)
+    for i in range(t):
+        for j in range(top.shape[1]):
+            out[i] = out[i] + weights[i, j] * mlp(p + f"mlp.experts.{int(top[i, j])}.", h[i : i + 1])[0]
+    return x + out
+
+
 def reference_mtp(target, W, layout, hidden, tokens, positions, k=0):
     """The published MTP forward of layer k over entries (hidden[i], tokens[i]) at
     positions[i] with causal attention: (what the layer returns, fed deeper; logits)."""
@@ -219,6 +250,12 @@ def reference_mtp(target, W, layout, hidden, tokens, positions, k=0):
         x = lin(W, p + "eh_proj", torch.cat([rms(emb, W[p + "enorm.weight"], eps), rms(hidden, W[p + "hnorm.weight"], eps)], -1))
         x = block(W, p, x, positions, cfg)
         return x, rms(x, W[p + "shared_head.norm.weight"], eps) @ W[p + "shared_head.head.weight"].double().T
+    if layout == "qwen3_next":  # no position-0 zeroing; one set of norms and fc for all layers
+        emb = target.model.embed_tokens.weight.detach().double()[tokens]
+        x = lin(W, "mtp.fc", torch.cat([rms(emb, W["mtp.pre_fc_norm_embedding.weight"], eps, centred=True),
+                                        rms(hidden, W["mtp.pre_fc_norm_hidden.weight"], eps, centred=True)], -1))
+        x = rms(block_qwen3_next(W, p, x, positions, cfg), W["mtp.norm.weight"], eps, centred=True)
+        return x, x @ lm_head.T
     x = lin(W, p + "input_proj", torch.cat([rms(hidden, W[p + "hidden_layernorm.weight"], eps),
                                             rms(emb, W[p + "token_layernorm.weight"], eps)], -1))
     x = rms(block(W, p, x, positions, cfg), W[p + "final_layernorm.weight"], eps)
@@ -247,7 +284,7 @@ def start_drafter(drafter, target, prompts):
 # ----------------------------------------------------------------------------- loading
 
 
-@pytest.mark.parametrize("layout", ["mimo", "deepseek"])
+@pytest.mark.parametrize("layout", ["mimo", "deepseek", "qwen3_next"])
 def test_loader_reads_every_mtp_weight(checkpoints, layout):
     target, mtp, folder = checkpoints[layout]
     drafter = MtpDrafter(target)  # the directory the target was loaded from
@@ -255,10 +292,10 @@ def test_loader_reads_every_mtp_weight(checkpoints, layout):
     assert sorted(drafter.head.loaded_keys) == sorted(mtp)  # every MTP key read, nothing else
     layer = drafter.head.layers[0]
     prefix = mtp_prefix(layout, target.config.num_hidden_layers, 0)
-    proj = "eh_proj" if layout == "deepseek" else "input_proj"
-    assert torch.equal(layer.proj.weight, mtp[prefix + proj + ".weight"])
+    proj = {"deepseek": prefix + "eh_proj", "mimo": prefix + "input_proj", "qwen3_next": "mtp.fc"}[layout]
+    assert torch.equal(layer.proj.weight, mtp[proj + ".weight"])
     assert torch.equal(layer.block.self_attn.q_proj.weight, mtp[prefix + "self_attn.q_proj.weight"])
-    if layout == "deepseek":  # per-expert linears fused as transformers keeps them
+    if layout != "mimo":  # per-expert linears fused as transformers keeps them
         gate_up = layer.block.mlp.experts.gate_up_proj
         assert torch.equal(gate_up[2], torch.cat([mtp[prefix + "mlp.experts.2.gate_proj.weight"],
                                                   mtp[prefix + "mlp.experts.2.up_proj.weight"]]))
@@ -295,7 +332,7 @@ def test_loader_errors(tmp_path, checkpoints):
 # ----------------------------------------------------------------------------- the forward
 
 
-@pytest.mark.parametrize("layout", ["mimo", "deepseek"])
+@pytest.mark.parametrize("layout", ["mimo", "deepseek", "qwen3_next"])
 def test_one_step_and_chain_equal_the_published_forward(checkpoints, layout):
     """Ragged batch: the root's children carry the MTP layer's probabilities at the last
     entry; a greedy chain of 3 feeds each draft back (with the layer's output), as the
