@@ -31,7 +31,7 @@ TORCH_LIBRARY(specdec, m) {
   m.def("pack_tree_mask(Tensor mask) -> Tensor");
   m.def(
       "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tree_mask, Tensor cache_seqlens, "
-      "float scale) -> Tensor");
+      "float scale, int window=0, float softcap=0.) -> Tensor");
   m.def(
       "verify(Tensor target_logits, Tensor tree_tokens, Tensor parents, Tensor? draft_probs, "
       "Tensor temperature, Tensor top_k, Tensor top_p, Tensor seed) -> (Tensor, Tensor, Tensor)");
@@ -61,7 +61,7 @@ TORCH_LIBRARY(specdec, m) {
   // Paged KV caches: k/v (every cache) [num_pages, page_size, H, D], block_table int32 [B, P].
   m.def(
       "tree_attention_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tree_mask, Tensor cache_seqlens, "
-      "Tensor block_table, float scale) -> Tensor");
+      "Tensor block_table, float scale, int window=0, float softcap=0.) -> Tensor");
   m.def(
       "compact_kv_cache_paged_(Tensor(a!)[] caches, Tensor cache_seqlens, Tensor accepted_nodes, "
       "Tensor num_accepted, Tensor block_table) -> Tensor");

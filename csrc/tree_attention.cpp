@@ -25,17 +25,20 @@ struct DenseKernel;  // tag of this kernel's thread_local scratch (cpu_glue::thr
 
 template <typename Storage, typename TorchScalar>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tree_mask,
-         const int32_t* lengths, double scale, at::Tensor& out) {
+         const int32_t* lengths, double scale, int64_t window, double softcap, at::Tensor& out) {
   cpu::TreeAttentionProblem<Storage> p;
-  cpu_glue::fill_problem<Storage, TorchScalar>(p, q, k, v, tree_mask, lengths, scale, out);
+  cpu_glue::fill_problem<Storage, TorchScalar>(p, q, k, v, tree_mask, lengths, scale, window, softcap, out);
   cpu_glue::run_split<DenseKernel>(p, q.size(0), q.options());
 }
 
 at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                              const at::Tensor& tree_mask, const at::Tensor& cache_seqlens, double scale) {
+                              const at::Tensor& tree_mask, const at::Tensor& cache_seqlens, double scale,
+                              int64_t window, double softcap) {
   const at::Tensor mask =
       check_tree_attention_args(q, k_cache, v_cache, tree_mask, cache_seqlens, at::Device(at::kCPU));
-  at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous, like every backend
+  check_window_softcap(kOp, window, softcap);
+  // [B, T, Hq, Dv], contiguous like every backend
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v_cache.size(3)}, q.options());
   if (out.numel() == 0) return out;
   // The kernel reads keys up to L_b + T - 1, so the bounds are checked here (B reads).
   const at::Tensor lengths = cache_seqlens.contiguous();
@@ -48,11 +51,13 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, co
                 cache_len, ")");
   }
   switch (q.scalar_type()) {
-    case at::kFloat: run<float, float>(q, k_cache, v_cache, mask, length_data, scale, out); break;
+    case at::kFloat: run<float, float>(q, k_cache, v_cache, mask, length_data, scale, window, softcap, out); break;
     case at::kBFloat16:
-      run<cpu::BFloat16Bits, at::BFloat16>(q, k_cache, v_cache, mask, length_data, scale, out);
+      run<cpu::BFloat16Bits, at::BFloat16>(q, k_cache, v_cache, mask, length_data, scale, window, softcap, out);
       break;
-    default: run<cpu::HalfBits, at::Half>(q, k_cache, v_cache, mask, length_data, scale, out); break;
+    default:
+      run<cpu::HalfBits, at::Half>(q, k_cache, v_cache, mask, length_data, scale, window, softcap, out);
+      break;
   }
   return out;
 }

@@ -6,13 +6,15 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <cstdint>
 
 #include "checks.h"
 
 namespace specdec {
 
-// Checks q [B, T, Hq, D], k_cache / v_cache [B, S, Hkv, D] (q's dtype, Hq a multiple of Hkv),
+// Checks q [B, T, Hq, D], k_cache [B, S, Hkv, D], v_cache [B, S, Hkv, Dv] (q's dtype, Hq a
+// multiple of Hkv; Dv may differ from D),
 // tree_mask ([B, T, T] / [T, T] bool or [B, T, ceil(T/64)] / [T, ceil(T/64)] packed int64)
 // and cache_seqlens (int32 [B]), all on `device`, each with a contiguous last dim where the
 // kernels read rows. Returns the mask as [B, T, *]: a 2-D mask, shared by every row, is
@@ -42,8 +44,10 @@ inline at::Tensor check_tree_attention_args(const at::Tensor& q, const at::Tenso
   const int64_t num_nodes = q.size(1);
   check_size(op, "k_cache", k_cache, 0, batch, "B (q.size(0))");
   check_size(op, "k_cache", k_cache, 3, q.size(3), "D (q.size(3))");
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have k_cache's shape ", k_cache.sizes(),
-              ", got ", v_cache.sizes());
+  TORCH_CHECK(v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == k_cache.size(1) &&
+                  v_cache.size(2) == k_cache.size(2),
+              op, ": v_cache must be [B, S, Hkv, Dv] with k_cache's B, S, Hkv ", k_cache.sizes(), ", got ",
+              v_cache.sizes());
   const int64_t num_kv_heads = k_cache.size(2);
   TORCH_CHECK(num_kv_heads > 0 && q.size(2) % num_kv_heads == 0, op, ": query heads (", q.size(2),
               ") must be a multiple of KV heads (", num_kv_heads, ")");
@@ -57,6 +61,13 @@ inline at::Tensor check_tree_attention_args(const at::Tensor& q, const at::Tenso
   check_last_dim_contiguous(op, "k_cache", k_cache);
   check_last_dim_contiguous(op, "v_cache", v_cache);
   return mask;
+}
+
+// window (a sliding window, 0: none) and softcap (0: none), shared by every tree attention glue.
+inline void check_window_softcap(const char* op, int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0, op, ": window must be >= 1, or 0 for no sliding window, got ", window);
+  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), op,
+              ": softcap must be a finite value > 0, or 0 for no soft-capping, got ", softcap);
 }
 
 }  // namespace specdec

@@ -46,10 +46,11 @@ inline int64_t parallel_threads() {
 // ([B, S, Hkv, D] caches, or [num_pages, page_size, Hkv, D] pools whose dim 0 is then the
 // page stride), the tree mask (bool, or int64 packed), the prefix lengths and the output.
 // Storage is the kernel's element type, TorchScalar the torch type it matches bit for bit.
+// window (0: none) and softcap (0: none) as the op's schema takes them.
 template <typename Storage, typename TorchScalar>
 void fill_problem(cpu::TreeAttentionProblem<Storage>& p, const at::Tensor& q, const at::Tensor& k,
                   const at::Tensor& v, const at::Tensor& tree_mask, const int32_t* lengths, double scale,
-                  at::Tensor& out) {
+                  int64_t window, double softcap, at::Tensor& out) {
   static_assert(sizeof(Storage) == sizeof(TorchScalar), "storage type must match the torch type bit for bit");
   p.q = reinterpret_cast<const Storage*>(q.const_data_ptr<TorchScalar>());
   p.q_stride_b = q.stride(0);
@@ -76,12 +77,16 @@ void fill_problem(cpu::TreeAttentionProblem<Storage>& p, const at::Tensor& q, co
   p.num_q_heads = q.size(2);
   p.num_kv_heads = k.size(2);
   p.head_dim = q.size(3);
+  p.value_dim = v.size(3);
   p.scale = static_cast<float>(scale);
+  p.window = window;
+  p.softcap = static_cast<float>(softcap);
   p.out = reinterpret_cast<Storage*>(out.mutable_data_ptr<TorchScalar>());
 }
 
 // Runs problem `p` (a cpu::TreeAttentionProblem, dense or paged) for `batch` rows. One unit
-// per (row, KV head). With fewer units than threads to keep busy, each row's keys are split
+// per (row, KV head), over keys first_key(b) .. num_keys(b) - 1 (all of them without a
+// sliding window). With fewer units than threads to keep busy, each row's keys are split
 // into `parts` equal ranges (merged afterwards), so that units * parts is a multiple of the
 // thread count: at::parallel_for hands out equal contiguous blocks. Partial results are
 // fp32 tensors with `options`' device. Kernel: the calling kernel's tag (its thread_scratch).
@@ -90,7 +95,7 @@ void run_split(const Problem& p, int64_t batch, const at::TensorOptions& options
   const int64_t units = batch * p.num_kv_heads;
   const int64_t threads = parallel_threads();
   int64_t max_keys = 0;
-  for (int64_t b = 0; b < batch; ++b) max_keys = std::max(max_keys, p.num_keys(b));
+  for (int64_t b = 0; b < batch; ++b) max_keys = std::max(max_keys, p.num_keys(b) - p.first_key(b));
   int64_t parts = units >= 4 * threads ? 1 : threads / std::gcd(units, threads);
   parts = std::max<int64_t>(1, std::min(parts, max_keys / kMinChunkKeys));
 
@@ -99,7 +104,7 @@ void run_split(const Problem& p, int64_t batch, const at::TensorOptions& options
       cpu::TreeAttentionScratch& scratch = thread_scratch<Kernel>();
       for (int64_t u = begin; u < end; ++u) {
         const int64_t b = u / p.num_kv_heads;
-        cpu::attend_keys(p, b, u % p.num_kv_heads, 0, p.num_keys(b), scratch);
+        cpu::attend_keys(p, b, u % p.num_kv_heads, p.first_key(b), p.num_keys(b), scratch);
         cpu::write_output(p, b, u % p.num_kv_heads, scratch);
       }
     });
@@ -115,7 +120,7 @@ void run_split(const Problem& p, int64_t batch, const at::TensorOptions& options
       const int64_t u = task / parts;
       const int64_t b = u / p.num_kv_heads;
       // A short row may leave its last ranges empty: max -inf, weight 0 in the merge.
-      const int64_t first = std::min(p.num_keys(b), (task % parts) * chunk);
+      const int64_t first = std::min(p.num_keys(b), p.first_key(b) + (task % parts) * chunk);
       const int64_t last = std::min(p.num_keys(b), first + chunk);
       cpu::attend_keys(p, b, u % p.num_kv_heads, first, last, scratch);
       cpu::save_partial(p, scratch, partial_data + task * size);

@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "checks_paged.h"
+#include "tree_attention_checks.h"
 #include "tree_attention_cpu_common.h"
 #include "specdec/tree_attention.h"
 
@@ -54,8 +55,10 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
               "got shape ",
               k_cache.sizes());
   check_size(kOp, "k_cache", k_cache, 3, q.size(3), "D (q.size(3))");
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), kOp, ": v_cache must have k_cache's shape ", k_cache.sizes(),
-              ", got ", v_cache.sizes());
+  TORCH_CHECK(v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == k_cache.size(1) &&
+                  v_cache.size(2) == k_cache.size(2),
+              kOp, ": v_cache must be a [num_pages, page_size, Hkv, Dv] pool with k_cache's first three dims ",
+              k_cache.sizes(), ", got ", v_cache.sizes());
   const int64_t num_kv_heads = k_cache.size(2);
   TORCH_CHECK(num_kv_heads > 0 && q.size(2) % num_kv_heads == 0, kOp, ": query heads (", q.size(2),
               ") must be a multiple of KV heads (", num_kv_heads, ")");
@@ -73,9 +76,10 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 
 template <typename Storage, typename TorchScalar>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tree_mask,
-         const int32_t* lengths, const at::Tensor& table, double scale, at::Tensor& out) {
+         const int32_t* lengths, const at::Tensor& table, double scale, int64_t window, double softcap,
+         at::Tensor& out) {
   cpu::TreeAttentionProblem<Storage> p;
-  cpu_glue::fill_problem<Storage, TorchScalar>(p, q, k, v, tree_mask, lengths, scale, out);
+  cpu_glue::fill_problem<Storage, TorchScalar>(p, q, k, v, tree_mask, lengths, scale, window, softcap, out);
   p.block_table = table.const_data_ptr<int32_t>();
   p.block_table_stride = table.stride(0);
   p.page_size = k.size(1);
@@ -91,9 +95,11 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
 
 at::Tensor tree_attention_paged_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                     const at::Tensor& tree_mask, const at::Tensor& cache_seqlens,
-                                    const at::Tensor& block_table, double scale) {
+                                    const at::Tensor& block_table, double scale, int64_t window, double softcap) {
   check_inputs(q, k_cache, v_cache, tree_mask, cache_seqlens, block_table);
-  at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous, like every backend
+  check_window_softcap(kOp, window, softcap);
+  // [B, T, Hq, Dv], contiguous like every backend
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2), v_cache.size(3)}, q.options());
   if (out.numel() == 0) return out;
   // The kernel reads every position below L_b + T through the table, so each page id it
   // will use is checked here (about (L_b + T) / page_size reads per row).
@@ -103,11 +109,16 @@ at::Tensor tree_attention_paged_cpu(const at::Tensor& q, const at::Tensor& k_cac
   check_block_table_pages(kOp, table.const_data_ptr<int32_t>(), table.stride(0), table.size(1), length_data, q.size(0),
                           q.size(1), k_cache.size(1), k_cache.size(0));
   switch (q.scalar_type()) {
-    case at::kFloat: run<float, float>(q, k_cache, v_cache, tree_mask, length_data, table, scale, out); break;
-    case at::kBFloat16:
-      run<cpu::BFloat16Bits, at::BFloat16>(q, k_cache, v_cache, tree_mask, length_data, table, scale, out);
+    case at::kFloat:
+      run<float, float>(q, k_cache, v_cache, tree_mask, length_data, table, scale, window, softcap, out);
       break;
-    default: run<cpu::HalfBits, at::Half>(q, k_cache, v_cache, tree_mask, length_data, table, scale, out); break;
+    case at::kBFloat16:
+      run<cpu::BFloat16Bits, at::BFloat16>(q, k_cache, v_cache, tree_mask, length_data, table, scale, window, softcap,
+                                           out);
+      break;
+    default:
+      run<cpu::HalfBits, at::Half>(q, k_cache, v_cache, tree_mask, length_data, table, scale, window, softcap, out);
+      break;
   }
   return out;
 }

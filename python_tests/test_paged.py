@@ -80,13 +80,14 @@ def ragged_prefix(gen, batch, max_prefix, page_size, shared):
 
 
 def attention_case(gen, *, batch, num_nodes, q_heads, kv_heads, head_dim, dtype, page_size, shared=True,
-                   max_prefix=90):
-    """Dense inputs (q, k, v, parents, prefix) and their paged form (k_pool, v_pool, table)."""
+                   max_prefix=90, value_dim=None):
+    """Dense inputs (q, k, v, parents, prefix) and their paged form (k_pool, v_pool, table);
+    value_dim: the values' head dim (default head_dim)."""
     prefix, shared_tokens = ragged_prefix(gen, batch, max_prefix, page_size, shared)
     num_tokens = prefix + num_nodes
     cache_len = int(num_tokens.max()) + 2
     k = torch.randn(batch, cache_len, kv_heads, head_dim, generator=gen).to(dtype)
-    v = torch.randn(batch, cache_len, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(batch, cache_len, kv_heads, value_dim or head_dim, generator=gen).to(dtype)
     q = torch.randn(batch, num_nodes, q_heads, head_dim, generator=gen).to(dtype)
     k[:, :shared_tokens] = k[:1, :shared_tokens]
     v[:, :shared_tokens] = v[:1, :shared_tokens]
@@ -95,16 +96,17 @@ def attention_case(gen, *, batch, num_nodes, q_heads, kv_heads, head_dim, dtype,
     return q, k, v, parents, prefix.to(torch.int32), k_pool, v_pool, table
 
 
-def check_attention(q, k, v, mask, prefix, k_pool, v_pool, table, backends, scale=None):
-    """Each paged backend against the dense reference and the dense op of the same backend."""
-    dense_ref = tree_attention(q, k, v, mask, prefix, scale=scale, backend="reference")
+def check_attention(q, k, v, mask, prefix, k_pool, v_pool, table, backends, scale=None, **options):
+    """Each paged backend against the dense reference and the dense op of the same backend
+    (options: window, softcap)."""
+    dense_ref = tree_attention(q, k, v, mask, prefix, scale=scale, backend="reference", **options)
     for backend in backends:
-        out = tree_attention(q, k_pool, v_pool, mask, prefix, block_table=table, scale=scale, backend=backend)
-        assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous(), backend
+        out = tree_attention(q, k_pool, v_pool, mask, prefix, block_table=table, scale=scale, backend=backend, **options)
+        assert out.shape == q.shape[:3] + v.shape[3:] and out.dtype == q.dtype and out.is_contiguous(), backend
         assert not out.isnan().any(), f"backend={backend}: NaN from a slot no query may read"
         tol = TOL_BACKEND[q.dtype]
         torch.testing.assert_close(out, dense_ref, **tol, msg=lambda m: f"paged backend={backend} vs dense reference: {m}")
-        dense_same = tree_attention(q, k, v, mask, prefix, scale=scale, backend=backend)
+        dense_same = tree_attention(q, k, v, mask, prefix, scale=scale, backend=backend, **options)
         torch.testing.assert_close(out, dense_same, **tol, msg=lambda m: f"paged vs dense, backend={backend}: {m}")
 
 
@@ -123,6 +125,21 @@ def test_attention_matches_dense(gen, page_size, dtype):
         mask = tree_mask(parents)
         for form in (mask, pack_tree_mask(mask), mask[0]):  # bool, packed, one mask for every row
             check_attention(q, k, v, form, prefix, k_pool, v_pool, table, ATTENTION_BACKENDS)
+
+
+@pytest.mark.parametrize("page_size", (16, 5, 1))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_attention_window_softcap_value_dim(gen, page_size, dtype):
+    """Sliding windows (shorter and longer than the rows), soft-capping and Dv != D, paged
+    against dense, on every paged backend."""
+    for window, softcap, value_dim in ((3, None, 24), (50, 0.7, None), (None, 30.0, 16), (1000, None, 8)):
+        q, k, v, parents, prefix, k_pool, v_pool, table = attention_case(
+            gen, batch=3, num_nodes=9, q_heads=4, kv_heads=2, head_dim=32, dtype=dtype, page_size=page_size,
+            value_dim=value_dim)
+        mask = tree_mask(parents)
+        for form in (mask, pack_tree_mask(mask)):
+            check_attention(q, k, v, form, prefix, k_pool, v_pool, table, ATTENTION_BACKENDS, window=window,
+                            softcap=softcap)
 
 
 @pytest.mark.parametrize("page_size", (16, 5))
@@ -415,6 +432,11 @@ def paged_attention_samples(gen):
             max_prefix=30)
         mask = tree_mask(parents)
         yield q, k_pool.nan_to_num(), v_pool.nan_to_num(), pack_tree_mask(mask) if packed else mask, prefix, table, 0.25
+    # window, softcap and a value head dim of its own (MLA)
+    q, k, v, parents, prefix, k_pool, v_pool, table = attention_case(
+        gen, batch=2, num_nodes=5, q_heads=4, kv_heads=2, head_dim=16, dtype=torch.float32, page_size=4,
+        max_prefix=30, value_dim=8)
+    yield q, k_pool.nan_to_num(), v_pool.nan_to_num(), tree_mask(parents), prefix, table, 0.25, 4, 10.0
 
 
 def paged_compact_samples(gen):

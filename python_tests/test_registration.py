@@ -63,6 +63,11 @@ def tree_attention_samples(gen):
     yield attention_inputs(gen, 1, 1, 2, 2, 8, dtype=torch.bfloat16)
     yield attention_inputs(gen, 2, 66, 2, 1, 16, packed=True)
     yield attention_inputs(gen, 2, 6, 4, 4, 16, dtype=torch.float16)
+    # window, softcap (the schema's trailing arguments) and a value head dim of its own (MLA)
+    q, k, v, mask, prefix, scale = attention_inputs(gen, 2, 7, 4, 2, 16)
+    yield q, k, v[..., :8].contiguous(), mask, prefix, scale, 3, 20.0
+    q, k, v, mask, prefix, scale = attention_inputs(gen, 2, 6, 2, 1, 16, dtype=torch.bfloat16, packed=True)
+    yield q, k, torch.cat([v, v], dim=-1), mask, prefix, scale, 40, 0.0
 
 
 def tree_attention_hf_samples(gen):
@@ -186,9 +191,11 @@ def test_opcheck_tree_attention_hf_layout(gen):
 def test_tree_attention_output_strides_do_not_depend_on_backend(gen):
     """The fake says contiguous: every backend must return a contiguous output, for any q layout."""
     for args in tree_attention_samples(gen):
-        q, k, v, mask, prefix, scale = args
+        q, k, v, mask, prefix, scale, *options = args
+        window, softcap = (options[0] or None, options[1] or None) if options else (None, None)
         for backend in [None] + sk.available_backends("tree_attention", "cpu"):
-            assert sk.tree_attention(q, k, v, mask, prefix, scale=scale, backend=backend).is_contiguous()
+            out = sk.tree_attention(q, k, v, mask, prefix, scale=scale, window=window, softcap=softcap, backend=backend)
+            assert out.is_contiguous()
 
 
 def test_tree_attention_output_contiguous_for_hf_q(gen):

@@ -79,23 +79,32 @@ def make_case(
     return q, k, v, parents, prefix.to(torch.int32)
 
 
-def brute_attention(q, k, v, parents, prefix, scale=None):
-    """float64 numpy [B, T, Hq, D]: loop over rows, queries and heads, softmax over visible keys."""
+def brute_attention(q, k, v, parents, prefix, scale=None, window=None, softcap=None):
+    """float64 numpy [B, T, Hq, Dv]: loop over rows, queries and heads, softmax over visible
+    keys. window: positions along the query's own path (prefix key s at s, an ancestor at
+    L + its depth), a key visible only if query position - key position < window."""
     q64 = q.double().numpy()
     k64 = k.double().numpy()
     v64 = v.double().numpy()
     batch, num_nodes, q_heads, head_dim = q.shape
     group = q_heads // k.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
-    out = np.zeros((batch, num_nodes, q_heads, head_dim))
+    out = np.zeros((batch, num_nodes, q_heads, v.shape[3]))
     for b in range(batch):
         row = parents[b].tolist()
         length = int(prefix[b])
         for i in range(num_nodes):
-            visible = list(range(length)) + [length + j for j in sorted(ancestors(row, i))]
+            path = ancestors(row, i)[::-1]  # root first: the node at depth d is path[d]
+            positions = list(range(length)) + [length + d for d in range(len(path))]
+            visible = list(range(length)) + [length + j for j in path]
+            if window is not None:
+                query_pos = length + len(path) - 1
+                visible = [s for s, pos in zip(visible, positions) if query_pos - pos < window]
             for h in range(q_heads):
                 keys = k64[b, visible, h // group]  # [n, D]
                 scores = keys @ q64[b, i, h] * scale
+                if softcap is not None:
+                    scores = softcap * np.tanh(scores / softcap)
                 weights = np.exp(scores - scores.max())
                 weights /= weights.sum()
                 out[b, i, h] = weights @ v64[b, visible, h // group]
@@ -571,3 +580,89 @@ def test_zero_nodes():
     args["tree_mask"] = args["tree_mask"][:, :0, :0]
     with pytest.raises(ValueError, match="^q:"):
         tree_attention(**args)
+
+
+# ----------------------------------------------------------------------------- window, softcap, Dv
+
+
+def with_value_dim(gen, v, value_dim, prefix, num_nodes):
+    """v with its head dim replaced by value_dim (fresh values, garbage past the tree)."""
+    shape = v.shape[:3] + (value_dim,)
+    new = torch.randn(shape, generator=gen).to(v.dtype)
+    for b in range(v.shape[0]):
+        new[b, int(prefix[b]) + num_nodes:] = 1e3
+    return new
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, softcap, value_dim", [
+    (1, None, None), (3, None, 24), (7, 0.5, None), (40, None, None), (10_000, 30.0, 24), (None, 0.5, None),
+    (None, None, 24), (2, 30.0, 8),
+])
+def test_window_softcap_value_dim(gen, dtype, window, softcap, value_dim):
+    """Every backend against the brute force with a sliding window (smaller than the tree's
+    depth, than the prefix, or larger than everything), soft-capping (tight and loose) and a
+    value head dim != the key head dim; ragged prefixes, GQA, deep and bushy trees, bf16 and fp32."""
+    for kind, num_nodes, heads, head_dim in (("random", 12, (4, 2), 32), ("chain", 9, (6, 3), 16), ("bushy", 20, (2, 1), 40)):
+        q, k, v, parents, prefix = make_case(gen, batch=3, num_nodes=num_nodes, q_heads=heads[0], kv_heads=heads[1],
+                                             head_dim=head_dim, kind=kind, dtype=dtype, max_prefix=30)
+        if value_dim is not None:
+            v = with_value_dim(gen, v, value_dim, prefix, num_nodes)
+        mask = tree_mask(parents)
+        expected = brute_attention(q, k, v, parents, prefix, window=window, softcap=softcap)
+        ref = tree_attention(q, k, v, mask, prefix, window=window, softcap=softcap, backend="reference")
+        assert ref.shape == q.shape[:3] + (v.shape[3],) and ref.dtype == dtype
+        torch.testing.assert_close(ref.double(), expected, **TOL[dtype])
+        for backend in BACKENDS:
+            for m in (mask, pack_tree_mask(mask)):
+                out = tree_attention(q, k, v, m, prefix, window=window, softcap=softcap, backend=backend)
+                assert out.shape == ref.shape and out.dtype == dtype, backend
+                torch.testing.assert_close(out.double(), expected, **TOL[dtype], msg=lambda e: f"backend={backend}: {e}")
+                torch.testing.assert_close(out, ref, **TOL_BACKEND[dtype], msg=lambda e: f"backend={backend} vs reference: {e}")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_window_long_prefix_split_keys(gen, threads):
+    """A long prefix split across threads (the CPU kernel's partial results): the window's first
+    key moves the ranges; softcap and Dv ride along."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, k, v, parents, prefix = make_case(gen, batch=1, num_nodes=16, q_heads=2, kv_heads=1, head_dim=32,
+                                             kind="random", prefix=torch.tensor([900]))
+        v = with_value_dim(gen, v, 16, prefix, 16)
+        for window in (5, 300, 2000):
+            expected = brute_attention(q, k, v, parents, prefix, window=window, softcap=20.0)
+            for backend in BACKENDS + ["reference"]:
+                out = tree_attention(q, k, v, tree_mask(parents), prefix, window=window, softcap=20.0, backend=backend)
+                torch.testing.assert_close(out.double(), expected, **TOL[torch.float32], msg=lambda e: f"{backend}: {e}")
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_window_keys_outside_are_never_read(gen):
+    """NaN in prefix keys and values outside every query's window changes nothing."""
+    q, k, v, parents, prefix = make_case(gen, batch=2, num_nodes=6, q_heads=2, kv_heads=2, head_dim=16,
+                                         kind="chain", prefix=torch.tensor([30, 20]))
+    mask = tree_mask(parents)
+    for backend in BACKENDS + ["reference"]:
+        clean = tree_attention(q, k, v, mask, prefix, window=4, backend=backend)
+        k2, v2 = k.clone(), v.clone()
+        for b in range(2):
+            k2[b, : int(prefix[b]) - 3] = float("nan")
+            v2[b, : int(prefix[b]) - 3] = float("nan")
+        out = tree_attention(q, k2, v2, mask, prefix, window=4, backend=backend)
+        torch.testing.assert_close(out, clean, atol=0, rtol=0, msg=lambda e: f"{backend}: {e}")
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("window", dict(window=0)), ("window", dict(window=-3)), ("window", dict(window=2.5)), ("window", dict(window=True)),
+    ("softcap", dict(softcap=0.0)), ("softcap", dict(softcap=-1.0)), ("softcap", dict(softcap=float("inf"))),
+    ("v_cache", dict(v_heads=3)),
+])
+def test_bad_window_softcap_value_cache(gen, name, kwargs):
+    q, k, v, parents, prefix = make_case(gen, batch=2, num_nodes=4, q_heads=2, kv_heads=1, head_dim=16)
+    if "v_heads" in kwargs:
+        v = torch.zeros(v.shape[0], v.shape[1], kwargs.pop("v_heads"), 8)
+    with pytest.raises(ValueError, match=name):
+        tree_attention(q, k, v, tree_mask(parents), prefix, **kwargs)

@@ -357,3 +357,27 @@ def test_gpu_default_dispatch_and_cuda_graph(gen):
 def test_interpreter_tests_in_a_fresh_process():
     """Where they could not run here (a GPU, or triton imported first), run them in a fresh CPU-only process."""
     run_in_fresh_cpu_process(__file__, "-k", "not compile")
+
+
+@pytest.mark.parametrize("num_splits", (1, 3))
+@pytest.mark.parametrize("window, softcap, value_dim", [(3, None, None), (None, 0.5, None), (None, None, 24),
+                                                        (20, 30.0, 32), (1, None, 16)])
+def test_window_softcap_value_dim(interpreter, gen, num_splits, window, softcap, value_dim):
+    """Sliding window (shorter than the tree's depth and than the prefix), soft-capping and a
+    value head dim of its own, split or not, packed and bool masks, against the brute force."""
+    from test_tree_attention import with_value_dim
+
+    prefix = torch.tensor([70, 0, 5])
+    q, k, v, parents, prefix = make_case(gen, batch=3, num_nodes=9, q_heads=4, kv_heads=2, head_dim=32, prefix=prefix,
+                                         kind="random")
+    if value_dim is not None:
+        v = with_value_dim(gen, v, value_dim, prefix, 9)
+    expected = brute_attention(q, k, v, parents, prefix, window=window, softcap=softcap)
+    mask = tree_mask(parents)
+    for form in (mask, pack_tree_mask(mask)):
+        out = interpreter.tree_attention(q, k, v, form, prefix, 32**-0.5, window or 0, softcap or 0.0,
+                                         num_splits=num_splits)
+        assert out.shape == q.shape[:3] + v.shape[3:] and out.is_contiguous()
+        torch.testing.assert_close(out.double(), expected, **TOL[torch.float32])
+    out = tree_attention(q, k, v, mask, prefix, window=window, softcap=softcap, backend="triton")
+    torch.testing.assert_close(out.double(), expected, **TOL[torch.float32])

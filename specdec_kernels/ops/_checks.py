@@ -15,6 +15,7 @@ Two kinds of checks:
 """
 
 import functools
+import math
 from typing import Optional
 
 import torch
@@ -235,8 +236,8 @@ def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale):
     k_shape = k_cache.shape
     if k_shape[0] != batch or k_shape[3] != head_dim:
         shape("k_cache", k_cache, (batch, None, None, head_dim))
-    if v_cache.shape != k_shape:
-        shape("v_cache", v_cache, tuple(k_shape))
+    if v_cache.shape[:3] != k_shape[:3]:
+        shape("v_cache", v_cache, tuple(k_shape[:3]) + (None,))  # its own head dim Dv (MLA)
     num_kv_heads = k_shape[2]
     if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
         fail(
@@ -275,6 +276,21 @@ def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale):
             )
     scale = head_dim**-0.5 if scale is None else float(scale)
     return q, k_cache, v_cache, mask, as_dtype(cache_seqlens, torch.int32), scale  # every kernel reads int32
+
+
+def window_softcap(window, softcap) -> tuple:
+    """(window, softcap) as the ops take them: None -> 0 (no window) / 0.0 (no capping)."""
+    if window is None:
+        window = 0
+    elif isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        fail("window", f"expected None or an int >= 1 (a sliding window in tokens), got {window!r}")
+    if softcap is None:
+        softcap = 0.0
+    else:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap <= 0:
+            fail("softcap", f"expected None or a finite float > 0 (logit soft-capping), got {softcap!r}")
+        softcap = float(softcap)
+    return window, softcap
 
 
 # ============================================================================ verify

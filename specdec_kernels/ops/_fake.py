@@ -19,8 +19,8 @@ def _pack_tree_mask_fake(mask):
 
 
 @torch.library.register_fake("specdec::tree_attention")
-def _tree_attention_fake(q, k_cache, v_cache, tree_mask, cache_seqlens, scale):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+def _tree_attention_fake(q, k_cache, v_cache, tree_mask, cache_seqlens, scale, window=0, softcap=0.0):
+    return q.new_empty(q.shape[:3] + (v_cache.shape[3],))
 
 
 @torch.library.register_fake("specdec::verify")
@@ -52,8 +52,8 @@ def _ngram_propose_tree_fake(tokens, lengths, min_n, max_n, num_tokens, tree_wid
 
 
 @torch.library.register_fake("specdec::tree_attention_paged")
-def _tree_attention_paged_fake(q, k_cache, v_cache, tree_mask, cache_seqlens, block_table, scale):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+def _tree_attention_paged_fake(q, k_cache, v_cache, tree_mask, cache_seqlens, block_table, scale, window=0, softcap=0.0):
+    return q.new_empty(q.shape[:3] + (v_cache.shape[3],))
 
 
 @torch.library.register_fake("specdec::compact_kv_cache_paged_")

@@ -16,7 +16,8 @@ from . import _checks
 from ._extension import dispatch
 
 
-def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, block_table, scale: Optional[float], backend):
+def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, block_table, scale: Optional[float], backend,
+                   window=None, softcap=None):
     """`specdec_kernels.ops.tree_attention` with block_table (see its docstring).
 
     Like `_checks.tree_attention`, the common case costs plain comparisons: each helper that
@@ -37,8 +38,8 @@ def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, block_table, s
     k_shape = k_cache.shape
     if k_shape[3] != head_dim:
         _checks.shape("k_cache", k_cache, (None, None, None, head_dim))
-    if v_cache.shape != k_shape:
-        _checks.shape("v_cache", v_cache, tuple(k_shape))
+    if v_cache.shape[:3] != k_shape[:3]:
+        _checks.shape("v_cache", v_cache, tuple(k_shape[:3]) + (None,))
     num_pages, page_size, num_kv_heads = k_shape[:3]
     if num_pages == 0 or page_size == 0:
         _checks.fail("k_cache", f"expected a [num_pages, page_size, Hkv, D] pool with pages of >= 1 slot, got {tuple(k_shape)}")
@@ -65,7 +66,8 @@ def tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, block_table, s
                                   what=f"cache_seqlens[b] + T (T={num_nodes})")
     scale = head_dim**-0.5 if scale is None else float(scale)
     return dispatch("tree_attention_paged", backend, q, q, k_cache, v_cache, mask,
-                    _checks.as_dtype(cache_seqlens, torch.int32), block_table, scale)
+                    _checks.as_dtype(cache_seqlens, torch.int32), block_table, scale,
+                    *_checks.window_softcap(window, softcap))
 
 
 def compact_kv_cache_(caches, cache_seqlens, accepted_nodes, num_accepted, block_table, backend) -> torch.Tensor:

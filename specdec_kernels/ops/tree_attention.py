@@ -17,13 +17,16 @@ def tree_attention(
     *,
     block_table: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
     backend: Optional[str] = None,
 ) -> torch.Tensor:
     """Attention of a token tree's queries over a KV cache holding the prefix and the tree.
 
     Args:
         q: [B, T, Hq, D] queries of the T tree nodes (fp32 / bf16 / fp16).
-        k_cache, v_cache: [B, S, Hkv, D], Hq % Hkv == 0, same dtype as q. Any strides with a
+        k_cache: [B, S, Hkv, D], v_cache: [B, S, Hkv, Dv] (Dv may differ from D: MLA as
+            transformers runs DeepSeek-V2/V3), Hq % Hkv == 0, same dtype as q. Any strides with a
             contiguous last dim (HF's [B, H, S, D] caches pass as `.transpose(1, 2)` views).
             The tree's keys/values are already written at cache_seqlens[b] + j, j < T.
         tree_mask: bool [B, T, T] or [T, T] (`tree_mask(parents)`), or packed int64
@@ -36,10 +39,17 @@ def tree_attention(
             ceil((cache_seqlens[b] + T) / page_size) entries (page ids in [0, num_pages)); the
             rest are padding, never read. Same result as the dense op on the gathered cache.
         scale: softmax scale, default D ** -0.5.
+        window: None, or a sliding window (int >= 1, as transformers applies Mistral's and
+            Gemma's local layers): a query at position p sees a key at position j only if
+            p - j < window. Positions are those of the query's own sequence: prefix key s is
+            at s, tree node j at cache_seqlens[b] + depth(j) (its ancestor count in the mask).
+            Tree keys need the tree mask and the window.
+        softcap: None, or a float > 0: the scaled scores become softcap * tanh(score / softcap)
+            before the softmax (Gemma 2's attention logit soft-capping).
         backend: force an implementation ("reference", "cuda", "triton"); None picks the best.
 
     Returns:
-        [B, T, Hq, D] in q's dtype: query i of row b attends to keys 0 .. cache_seqlens[b]-1
+        [B, T, Hq, Dv] in q's dtype: query i of row b attends to keys 0 .. cache_seqlens[b]-1
         and to tree key j iff tree_mask[b, i, j].
 
     Non-finite inputs (not checked: it would read the whole cache): NaN in, NaN out for the
@@ -58,6 +68,7 @@ def tree_attention(
     if block_table is not None:
         from . import paged
 
-        return paged.tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, block_table, scale, backend)
+        return paged.tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, block_table, scale, backend,
+                                    window, softcap)
     args = _checks.tree_attention(q, k_cache, v_cache, tree_mask, cache_seqlens, scale)
-    return dispatch("tree_attention", backend, q, *args)
+    return dispatch("tree_attention", backend, q, *args, *_checks.window_softcap(window, softcap))

@@ -1,7 +1,11 @@
 // Tree attention on the CPU: plain C++ over raw pointers and strides, no torch.
 //
 // Query i of row b (of T tree nodes) attends to the row's prefix keys 0 .. L_b-1 and to
-// tree key L_b + j iff mask bit (i, j). The work unit is one (row, KV head, key range):
+// tree key L_b + j iff mask bit (i, j). Options (0: off): a sliding window W, where a query
+// at sequence position p (node i: L_b + depth(i), its depth counted from the mask) sees a
+// key at position k (prefix key s: s; tree node j: L_b + depth(j)) only if p - k < W, so
+// keys before L_b - W + 1 are never read; and soft-capping, scores -> c * tanh(score / c).
+// Values may have their own head dim Dv (MLA); scores use the key dim D. The work unit is one (row, KV head, key range):
 // the `group = Hq / Hkv` query heads of all T nodes that share the KV head form one block
 // of M = T * group query rows, so each key and value row is read once for all of them.
 // Keys are processed in tiles of kTileKeys with an online (running max) softmax in fp32;
@@ -367,7 +371,10 @@ struct TreeAttentionProblem {
   TreeMaskView mask;
   const int32_t* cache_seqlens;
   int64_t num_nodes, num_q_heads, num_kv_heads, head_dim;
+  int64_t value_dim;   // Dv: the values' and the output's head dim (head_dim: queries' and keys')
   float scale;
+  int64_t window = 0;   // sliding window in positions; 0: none
+  float softcap = 0.0f;  // soft-capping of the scaled scores; 0: none
   Scalar* out;
   // Paged caches (block_table != nullptr): k and v are pools of pages [num_pages, page_size,
   // Hkv, D], so k_stride_b / v_stride_b are page strides, and key s of row b lives in page
@@ -407,27 +414,33 @@ struct TreeAttentionProblem {
   int64_t group() const { return num_q_heads / num_kv_heads; }
   int64_t rows() const { return num_nodes * group(); }               // M: queries per (row, KV head)
   int64_t num_keys(int64_t b) const { return cache_seqlens[b] + num_nodes; }  // keys row b may read
-  int64_t partial_size() const { return rows() * (head_dim + 2); }  // floats per partial result
+  // The first key any query of row b sees: with a window, the root (position L_b) sees no
+  // key at or before L_b - window, and every other query sits at a later position.
+  int64_t first_key(int64_t b) const {
+    return window > 0 ? std::max<int64_t>(0, cache_seqlens[b] - window + 1) : 0;
+  }
+  int64_t partial_size() const { return rows() * (value_dim + 2); }  // floats per partial result
 };
 
 // Per-thread buffers, reused across units and calls (sized on first use).
 class TreeAttentionScratch {
  public:
   float* queries_t = nullptr;  // [D][Mp], scaled
-  float* keys = nullptr;       // [kTileKeys][D]
-  float* values = nullptr;     // [kTileKeys][Dp], zero padded
+  float* keys = nullptr;       // [kTileKeys][max(D, Dv)] (also one query or value row)
+  float* values = nullptr;     // [kTileKeys][Dvp], zero padded
   float* scores = nullptr;     // [kTileKeys][Mp]
   float* row_max = nullptr;    // [Mp]
   float* row_sum = nullptr;    // [Mp]
   float* alpha = nullptr;      // [Mp]
-  float* acc = nullptr;        // [Mp][Dp]
-  int64_t padded_rows = 0, padded_dim = 0;
+  float* acc = nullptr;        // [Mp][Dvp]
+  int64_t padded_rows = 0, padded_dim = 0;  // Mp, Dvp (the value dim padded to the vectors)
+  std::vector<int64_t> depth;  // [T] each query's depth in the tree (sliding windows only)
 
-  void prepare(int64_t rows, int64_t head_dim) {
+  void prepare(int64_t rows, int64_t head_dim, int64_t value_dim) {
     using namespace attention_detail;
     padded_rows = round_up(rows, kLanes);
-    padded_dim = round_up(head_dim, kLanes);
-    const int64_t sizes[] = {head_dim * padded_rows, kTileKeys * head_dim, kTileKeys * padded_dim,
+    padded_dim = round_up(value_dim, kLanes);
+    const int64_t sizes[] = {head_dim * padded_rows, kTileKeys * std::max(head_dim, value_dim), kTileKeys * padded_dim,
                              kTileKeys * padded_rows, padded_rows, padded_rows, padded_rows,
                              padded_rows * padded_dim};
     int64_t total = 0;
@@ -457,7 +470,8 @@ void attend_keys(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_he
   const int64_t group = p.group();
   const int64_t rows = p.rows();
   const int64_t head_dim = p.head_dim;
-  s.prepare(rows, head_dim);
+  const int64_t value_dim = p.value_dim;
+  s.prepare(rows, head_dim, value_dim);
   const int64_t mp = s.padded_rows;
   const int64_t lanes = round_up(rows, kLanes / 2);  // query lanes computed (<= mp)
   const int64_t dp = s.padded_dim;
@@ -480,13 +494,27 @@ void attend_keys(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_he
   std::fill(s.values, s.values + kTileKeys * dp, 0.0f);  // the padding columns stay 0
 
   const int64_t prefix_len = p.cache_seqlens[b];
+  // Sliding window: each query's depth (its ancestors in the mask, itself excluded), so its
+  // position L_b + depth; a tile is masked by position only if it reaches back to
+  // max position - window (the deepest query's first hidden key).
+  const int64_t window = p.window;
+  int64_t window_end = std::numeric_limits<int64_t>::min();  // keys below it need the position test
+  if (window > 0) {
+    s.depth.assign(p.num_nodes, -1);
+    int64_t max_depth = 0;
+    for (int64_t t = 0; t < p.num_nodes; ++t) {
+      for (int64_t j = 0; j < p.num_nodes; ++j) s.depth[t] += p.mask.visible(b, t, j);
+      max_depth = std::max(max_depth, s.depth[t]);
+    }
+    window_end = prefix_len + max_depth - window + 1;
+  }
   // fp32 keys are read in place, and values too when their rows are as wide as the vectors
   // (D a multiple of 16): a dense cache's rows one stride apart, a paged cache's through a
   // pointer per row (found page by page), so paged tiles are as long as dense ones. Other
   // rows are converted (and padded) into the scratch tiles.
   constexpr bool kFloat = std::is_same<Scalar, float>::value;
   const bool paged = p.block_table != nullptr;
-  const bool values_in_place = kFloat && dp == head_dim;
+  const bool values_in_place = kFloat && dp == value_dim;
   const Scalar* key_rows[kTileKeys];
   const Scalar* value_rows[kTileKeys];
   bool hidden[kTileKeys];
@@ -506,6 +534,25 @@ void attend_keys(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_he
       }
       tile_scores(s.queries_t, mp, lanes, StridedRows{s.keys, head_dim}, count, head_dim, s.scores);
     }
+    if (p.softcap > 0.0f) {
+      // Before any masking (a masked score is overwritten with -inf below). The padding
+      // lanes past `lanes` are never read.
+      const float cap = p.softcap, inv_cap = 1.0f / p.softcap;
+      for (int64_t n = 0; n < count; ++n) {
+        float* row_scores = s.scores + n * mp;
+        for (int64_t m = 0; m < lanes; ++m) row_scores[m] = cap * std::tanh(row_scores[m] * inv_cap);
+      }
+    }
+    if (first < std::min(window_end, prefix_len)) {
+      // Prefix keys some query is too far from (p - k >= window). Every key from first_key(b)
+      // on is seen by the root, so none is hidden from all queries.
+      for (int64_t n = 0; n < count && first + n < prefix_len; ++n) {
+        const int64_t key_pos = first + n;
+        for (int64_t t = 0; t < p.num_nodes; ++t) {
+          if (prefix_len + s.depth[t] - key_pos >= window) std::fill_n(s.scores + n * mp + t * group, group, neg_inf);
+        }
+      }
+    }
 
     // Tree keys: mask per query (overwriting, so NaN keys cannot leak through), and note
     // the keys no query sees, whose values must be zeroed (0 * NaN would still be NaN).
@@ -516,7 +563,7 @@ void attend_keys(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_he
       if (node < 0) continue;
       bool seen = false;
       for (int64_t t = 0; t < p.num_nodes; ++t) {
-        if (p.mask.visible(b, t, node)) {
+        if (p.mask.visible(b, t, node) && (window == 0 || s.depth[t] - s.depth[node] < window)) {
           seen = true;
         } else {
           std::fill_n(s.scores + n * mp + t * group, group, neg_inf);
@@ -545,9 +592,9 @@ void attend_keys(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_he
     }
     for (int64_t n = 0; n < count; ++n) {
       if (hidden[n]) {
-        std::fill_n(s.values + n * dp, head_dim, 0.0f);
+        std::fill_n(s.values + n * dp, value_dim, 0.0f);
       } else {
-        load_row(paged ? value_rows[n] : p.value_row(b, kv_head, first + n), head_dim, s.values + n * dp);
+        load_row(paged ? value_rows[n] : p.value_row(b, kv_head, first + n), value_dim, s.values + n * dp);
       }
     }
     tile_softmax_pv(s.scores, count, mp, lanes, rows, StridedRows{s.values, dp}, dp, s.row_max, s.row_sum, s.alpha,
@@ -562,20 +609,21 @@ void write_output(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_h
   const int64_t group = p.group();
   for (int64_t m = 0; m < p.rows(); ++m) {
     const int64_t t = m / group;
-    Scalar* out = p.out + ((b * p.num_nodes + t) * p.num_q_heads + kv_head * group + m % group) * p.head_dim;
+    Scalar* out = p.out + ((b * p.num_nodes + t) * p.num_q_heads + kv_head * group + m % group) * p.value_dim;
     const float inv = 1.0f / s.row_sum[m];
     const float* acc = s.acc + m * s.padded_dim;
-    for (int64_t d = 0; d < p.head_dim; ++d) from_float(acc[d] * inv, out + d);
+    for (int64_t d = 0; d < p.value_dim; ++d) from_float(acc[d] * inv, out + d);
   }
 }
 
-// Saves attend_keys' result for one key range as a partial: [M][D] sums, [M] max, [M] denominator.
+// Saves attend_keys' result for one key range as a partial: [M][Dv] sums, [M] max, [M] denominator.
 template <typename Scalar>
 void save_partial(const TreeAttentionProblem<Scalar>& p, const TreeAttentionScratch& s, float* partial) {
   const int64_t rows = p.rows();
-  for (int64_t m = 0; m < rows; ++m) std::copy_n(s.acc + m * s.padded_dim, p.head_dim, partial + m * p.head_dim);
-  std::copy_n(s.row_max, rows, partial + rows * p.head_dim);
-  std::copy_n(s.row_sum, rows, partial + rows * (p.head_dim + 1));
+  const int64_t dim = p.value_dim;
+  for (int64_t m = 0; m < rows; ++m) std::copy_n(s.acc + m * s.padded_dim, dim, partial + m * dim);
+  std::copy_n(s.row_max, rows, partial + rows * dim);
+  std::copy_n(s.row_sum, rows, partial + rows * (dim + 1));
 }
 
 // Merges the partials of (row b, KV head) over num_parts key ranges (each
@@ -584,30 +632,30 @@ template <typename Scalar>
 void combine_partials(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_head, const float* partials,
                       int64_t num_parts, TreeAttentionScratch& s) {
   const int64_t rows = p.rows();
-  s.prepare(rows, p.head_dim);
+  s.prepare(rows, p.head_dim, p.value_dim);
   float* row = s.acc;
-  const int64_t head_dim = p.head_dim;
+  const int64_t dim = p.value_dim;  // the partials' and the output's head dim
   const int64_t size = p.partial_size();
   const int64_t group = p.group();
   for (int64_t m = 0; m < rows; ++m) {
     float best = -std::numeric_limits<float>::infinity();
-    for (int64_t c = 0; c < num_parts; ++c) best = std::max(best, partials[c * size + rows * head_dim + m]);
-    std::fill_n(row, head_dim, 0.0f);
+    for (int64_t c = 0; c < num_parts; ++c) best = std::max(best, partials[c * size + rows * dim + m]);
+    std::fill_n(row, dim, 0.0f);
     float sum = 0.0f;
     for (int64_t c = 0; c < num_parts; ++c) {
       const float* part = partials + c * size;
-      const float part_max = part[rows * head_dim + m];
+      const float part_max = part[rows * dim + m];
       // A range where the query saw no key has weight 0 (not exp(-inf - -inf) = NaN), but its
       // sums still count: they are 0, or NaN from 0 * NaN (or inf) values, like a softmax's.
       const float weight =
           part_max == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(part_max - best);
-      sum += weight * part[rows * (head_dim + 1) + m];
-      for (int64_t d = 0; d < head_dim; ++d) row[d] += weight * part[m * head_dim + d];
+      sum += weight * part[rows * (dim + 1) + m];
+      for (int64_t d = 0; d < dim; ++d) row[d] += weight * part[m * dim + d];
     }
     const int64_t t = m / group;
-    Scalar* out = p.out + ((b * p.num_nodes + t) * p.num_q_heads + kv_head * group + m % group) * head_dim;
+    Scalar* out = p.out + ((b * p.num_nodes + t) * p.num_q_heads + kv_head * group + m % group) * dim;
     const float inv = 1.0f / sum;
-    for (int64_t d = 0; d < head_dim; ++d) from_float(row[d] * inv, out + d);
+    for (int64_t d = 0; d < dim; ++d) from_float(row[d] * inv, out + d);
   }
 }
 

@@ -11,6 +11,13 @@ attention call: `specdec_tree_mask` (bool [B, T, T] / [T, T] or packed int64) an
 attention function then calls `tree_attention` on transposed views of HF's [B, H, S, D]
 tensors. Forward passes without that metadata (the prefill) fall back to SDPA.
 
+Per-layer options come from transformers' own kwargs: `sliding_window` (Mistral, Qwen2, the
+local layers of Gemma 2/3; None on global layers) and `softcap` (Gemma 2's attention logit
+soft-capping) go to `tree_attention(window=, softcap=)`; values may have their own head dim
+(MLA, DeepSeek-V2/V3). A forward without tree metadata that needs either option (a prefill
+longer than the window, any soft-capped prefill) runs `tree_attention` too, with a causal
+mask, since SDPA has neither.
+
 A paged `TreeKVCache` adds `specdec_block_table` (int32 [B, P], from
 `TreeKVCache.attention_block_table()`): its layers then hand attention the page pools (HF's
 `[num_pages, H, page_size, D]` view) instead of per-row buffers, and `tree_attention` reads
@@ -26,6 +33,7 @@ by someone else), it delegates to transformers' SDPA mask so results stay correc
 """
 
 import contextlib
+import contextvars
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -38,6 +46,11 @@ NAME = "specdec_tree"
 TREE_MASK_KWARG = "specdec_tree_mask"
 SEQLENS_KWARG = "specdec_cache_seqlens"
 BLOCK_TABLE_KWARG = "specdec_block_table"
+# The same metadata for the forward in progress (set by `forward`): some models' decoder
+# layers do not hand their forward kwargs on to attention (StableLM in transformers 5), and
+# without the tree mask the attention would fall back to SDPA over every slot of the ragged
+# cache, scratch included: a silent wrong answer. Kwargs win when both are there.
+_TREE_STATE = contextvars.ContextVar("specdec_tree_state", default={})
 
 
 def specdec_tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -45,33 +58,68 @@ def specdec_tree_attention(module, query, key, value, attention_mask, scaling=No
 
     Args:
         module: the attention module (for `is_causal`, `num_key_value_groups`).
-        query: [B, Hq, T, D]; key, value: [B, Hkv, S, D] (views of a `TreeKVCache`'s buffers
-            in tree steps), or with a block table the pools' [num_pages, Hkv, page_size, D] views.
+        query: [B, Hq, T, D]; key: [B, Hkv, S, D], value: [B, Hkv, S, Dv] (views of a
+            `TreeKVCache`'s buffers in tree steps; Dv may differ from D), or with a block table
+            the pools' [num_pages, Hkv, page_size, D / Dv] views.
         attention_mask: whatever our mask function returned (None in our loop).
-        scaling: softmax scale; kwargs: forward kwargs, including the tree metadata.
+        scaling: softmax scale; kwargs: forward kwargs, including the tree metadata and the
+            layer's `sliding_window` / `softcap` (None when the layer has none).
 
     Returns:
-        (attn_output [B, T, Hq, D], None), as transformers expects.
+        (attn_output [B, T, Hq, Dv], None), as transformers expects.
     """
+    if TREE_MASK_KWARG not in kwargs and BLOCK_TABLE_KWARG not in kwargs:
+        kwargs = {**kwargs, **_TREE_STATE.get()}
     tree_mask = kwargs.get(TREE_MASK_KWARG)
     block_table = kwargs.get(BLOCK_TABLE_KWARG)
+    window, softcap = _layer_options(kwargs)
     if tree_mask is None:
         if block_table is not None:
             raise NotImplementedError("specdec_tree attention: a paged TreeKVCache that already holds tokens is read "
                                       "only by tree steps (pass a tree mask); plain forwards run on it only when it is empty")
+        if softcap is not None or (window is not None and key.shape[2] > window):
+            return _fallback_options(module, query, key, value, attention_mask, scaling, window, softcap), None
         return _fallback_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError("specdec_tree attention does not support logit soft-capping")
-    window = kwargs.get("sliding_window")
-    if window is not None:
-        # Paged: the pools' shape says nothing of the context length; ask the lengths (a host
-        # sync, only for sliding-window models).
-        context = key.shape[2] if block_table is None else int(kwargs[SEQLENS_KWARG].max()) + query.shape[2]
-        if context > window:
-            raise NotImplementedError(f"specdec_tree attention: context {context} exceeds the sliding window {window}")
     out = tree_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), tree_mask,
-                         kwargs[SEQLENS_KWARG], block_table=block_table, scale=scaling)
+                         kwargs[SEQLENS_KWARG], block_table=block_table, scale=scaling, window=window, softcap=softcap)
     return out, None
+
+
+def _layer_options(kwargs):
+    """(window, softcap) of this layer from transformers' attention kwargs (None: not used).
+    A window of 0 or less, or a cap of 0, means none (configs spell "off" both ways)."""
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    window = int(window) if window is not None and int(window) > 0 else None
+    softcap = float(softcap) if softcap is not None and float(softcap) != 0.0 else None
+    return window, softcap
+
+
+def _fallback_options(module, query, key, value, attention_mask, scaling, window, softcap):
+    """Ordinary (non-tree) attention with a sliding window or soft-capping, which SDPA lacks.
+
+    Without a padding mask (our loop: a prefill, or a chunk after a cached prefix with every
+    row at the same offset) this is `tree_attention` with a causal "tree" (a chain): query i
+    sits at position kv_len - q_len + i, exactly the rule the tree steps use. With a mask
+    (someone else's call) it is eager attention on that mask (which transformers built with
+    the window already)."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        chain = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()
+        offsets = torch.full((query.shape[0],), kv_len - q_len, dtype=torch.int32, device=query.device)
+        return tree_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), chain, offsets,
+                              scale=scaling, window=window, softcap=softcap)
+    group = query.shape[1] // key.shape[1]
+    keys, values = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query.float(), keys.float().transpose(2, 3)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask[..., :kv_len], float("-inf"))
+    else:
+        scores = scores + attention_mask[..., :kv_len].float()
+    out = torch.matmul(torch.softmax(scores, dim=-1), values.float()).to(query.dtype)
+    return out.transpose(1, 2).contiguous()
 
 
 def _fallback_sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
@@ -145,9 +193,13 @@ def forward(model, cache, tokens, position_ids, tree_mask=None, logits_to_keep=0
         extra[BLOCK_TABLE_KWARG] = block_table
     args = dict(input_ids=tokens.clamp(min=0),  # padding nodes (-1) become token 0; their outputs are never used
                 position_ids=position_ids, past_key_values=cache, use_cache=True, **extra)
-    if not return_hidden:
-        return model(logits_to_keep=logits_to_keep, **args).logits.float()
-    last, hidden = _hidden(model, args, return_hidden)
+    state = _TREE_STATE.set(extra)
+    try:
+        if not return_hidden:
+            return model(logits_to_keep=logits_to_keep, **args).logits.float()
+        last, hidden = _hidden(model, args, return_hidden)
+    finally:
+        _TREE_STATE.reset(state)
     kept = last if logits_to_keep == 0 else last[:, -logits_to_keep:]
     return model.get_output_embeddings()(kept).float(), hidden
 

@@ -15,6 +15,13 @@ whose layers implement the `CacheLayerMixin` interface); `update` hands the atte
 function `[B, H, S', D]` views of the buffers (`S' = max(seqlens) + T`, no copy), which our
 attention transposes back to `[B, S', H, D]` for `tree_attention`.
 
+Keys and values of a layer may differ in heads and head dim, and layers may differ from each
+other: DeepSeek-V2/V3 (MLA) as transformers 5 runs them cache the compressed latents (one
+"head" of kv_lora_rank as the key, the shared rotary key of qk_rope_head_dim as the value) and
+expand them after reading; older releases cached the expanded keys (qk_nope + qk_rope) and
+values (v_head_dim). The buffers are sized from the config where it says, and a layer whose
+first write brings other shapes (while the cache is still empty) is reallocated to them.
+
 Paged (`page_size=N`): each layer holds a page pool `[num_pages, N, Hkv, D]` for keys and one
 for values, and all layers share one `block_table int32 [B, P]` (P = ceil(capacity / N)):
 token t of row b lives at `[block_table[b, t // N], t % N]`, the layout of vLLM / FlashInfer
@@ -98,12 +105,13 @@ class TreeKVCache(Cache):
     """
 
     def __init__(self, num_layers: int, batch_size: int, capacity: int, num_kv_heads: int, head_dim: int, dtype, device,
-                 page_size: Optional[int] = None):
+                 page_size: Optional[int] = None, value_head_dim: Optional[int] = None,
+                 value_heads: Optional[int] = None):
         check_page_size(page_size)
         self.page_size = page_size
         self.block_table = None
         if page_size is None:
-            shape = (batch_size, capacity, num_kv_heads, head_dim)
+            self._slots = (batch_size, capacity)
         else:
             pages_per_row = -(-capacity // page_size)
             num_pages = batch_size * pages_per_row
@@ -111,11 +119,12 @@ class TreeKVCache(Cache):
             # real: a kernel that ignored it (or assumed ascending pages) would read wrong slots.
             page = torch.arange(pages_per_row, device=device)[None, :] * batch_size + torch.arange(batch_size, device=device)[:, None]
             self.block_table = (num_pages - 1 - page).to(torch.int32)
-            shape = (num_pages, page_size, num_kv_heads, head_dim)
+            self._slots = (num_pages, page_size)
+        value_shape = (value_heads or num_kv_heads, value_head_dim or head_dim)
         layers = []
         for _ in range(num_layers):
-            k = torch.zeros(shape, dtype=dtype, device=device)
-            layers.append(_TreeKVLayer(self, k, torch.zeros_like(k)))
+            k = torch.zeros(self._slots + (num_kv_heads, head_dim), dtype=dtype, device=device)
+            layers.append(_TreeKVLayer(self, k, torch.zeros(self._slots + value_shape, dtype=dtype, device=device)))
         super().__init__(layers=layers)
         self.capacity = capacity
         self.seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)
@@ -125,7 +134,14 @@ class TreeKVCache(Cache):
     @classmethod
     def for_model(cls, model, batch_size: int, capacity: int, page_size: Optional[int] = None) -> "TreeKVCache":
         """A cache shaped for `model` (a transformers causal LM), in its dtype and on its device;
-        `page_size`: None (dense) or slots per page (paged)."""
+        `page_size`: None (dense) or slots per page (paged).
+
+        Raises NotImplementedError, naming the family and why, for models the loop cannot run
+        (`families.check_supported`: recurrent layers, attention outside transformers'
+        attention interface), before any forward."""
+        from .families import check_supported
+
+        check_supported(model)
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         num_heads = cfg.num_attention_heads
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
@@ -135,9 +151,14 @@ class TreeKVCache(Cache):
         if tp_size > 1 and num_kv_heads % tp_size == 0:
             num_kv_heads //= tp_size
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        value_dim = value_heads = None
+        if getattr(cfg, "kv_lora_rank", None) and getattr(cfg, "qk_rope_head_dim", None):
+            # MLA (DeepSeek-V2/V3): transformers 5 caches the latents, one head each (a layer
+            # whose first write differs is reallocated, see `_write`).
+            num_kv_heads, head_dim, value_heads, value_dim = 1, cfg.kv_lora_rank, 1, cfg.qk_rope_head_dim
         param = next(model.parameters())
         return cls(cfg.num_hidden_layers, batch_size, capacity, num_kv_heads, head_dim, param.dtype, param.device,
-                   page_size=page_size)
+                   page_size=page_size, value_head_dim=value_dim, value_heads=value_heads)
 
     def buffers(self) -> List[torch.Tensor]:
         """All layers' key and value buffers (what `compact_kv_cache_` takes): [B, S, H, D]
@@ -150,7 +171,23 @@ class TreeKVCache(Cache):
         see `_write`)."""
         return None if self.block_table is None or self.max_len == 0 else self.block_table
 
+    def _reshape_layer(self, layer: _TreeKVLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Give `layer` buffers of the [H, D] the model writes (keys and values each), if they
+        differ from what the config suggested; only while the cache holds nothing."""
+        want_k = (key_states.shape[1], key_states.shape[3])
+        want_v = (value_states.shape[1], value_states.shape[3])
+        if tuple(layer.k_buf.shape[2:]) == want_k and tuple(layer.v_buf.shape[2:]) == want_v:
+            return
+        if self.max_len != 0:
+            raise ValueError(f"TreeKVCache: a layer wrote keys [H, D] = {list(want_k)} and values {list(want_v)} into "
+                             f"buffers of {list(layer.k_buf.shape[2:])} / {list(layer.v_buf.shape[2:])} that already "
+                             "hold tokens (a layer's shapes must not change between forwards)")
+        layer.k_buf = torch.zeros(self._slots + want_k, dtype=layer.dtype, device=layer.device)
+        layer.v_buf = torch.zeros(self._slots + want_v, dtype=layer.dtype, device=layer.device)
+        layer.keys, layer.values = layer.k_buf.transpose(1, 2), layer.v_buf.transpose(1, 2)
+
     def _write(self, layer: _TreeKVLayer, key_states: torch.Tensor, value_states: torch.Tensor):
+        self._reshape_layer(layer, key_states, value_states)
         num_new = key_states.shape[2]
         end = self.max_len + num_new
         if end > self.capacity:
@@ -164,9 +201,9 @@ class TreeKVCache(Cache):
         # Paged: slot t of row b is [block_table[b, t // N], t % N], one flat index into the pool.
         pages = self.block_table.gather(1, slots // self.page_size).to(torch.int64)
         flat = (pages * self.page_size + slots % self.page_size).reshape(-1)
-        pool_shape = (-1,) + tuple(layer.k_buf.shape[2:])
-        layer.k_buf.view(pool_shape).index_copy_(0, flat, keys.reshape(pool_shape))
-        layer.v_buf.view(pool_shape).index_copy_(0, flat, values.reshape(pool_shape))
+        k_pool, v_pool = (-1,) + tuple(layer.k_buf.shape[2:]), (-1,) + tuple(layer.v_buf.shape[2:])
+        layer.k_buf.view(k_pool).index_copy_(0, flat, keys.reshape(k_pool))
+        layer.v_buf.view(v_pool).index_copy_(0, flat, values.reshape(v_pool))
         if self.max_len == 0:
             # Empty cache: the new states are each row's whole context, so attention needs
             # nothing from the pages (the prefill runs plain causal SDPA on them).
@@ -188,6 +225,7 @@ class TreeKVCache(Cache):
             self.block_table = self.block_table[rows].contiguous()
             self.set_lengths(self.seqlens[rows])
             return
+        self._slots = (rows.numel(),) + self._slots[1:]
         for layer in self.layers:
             layer.k_buf, layer.v_buf = layer.k_buf[rows], layer.v_buf[rows]
             layer.keys, layer.values = layer.k_buf.transpose(1, 2), layer.v_buf.transpose(1, 2)

@@ -19,7 +19,8 @@ import torch
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # opt-in maximum per block: A100, H100
 ELEMENT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
-# (arch, dtype, head_dim, rows = T * group, packed mask, splits[, page size of a paged cache])
+# (arch, dtype, head_dim, rows = T * group, packed mask, splits[, page size of a paged cache
+#  [, value head dim, sliding window on, softcap on]])
 SPLIT_CASES = [
     (90, torch.bfloat16, 128, 64 * 4, True, 8),
     (90, torch.bfloat16, 128, 4, False, 33),
@@ -33,6 +34,10 @@ SPLIT_CASES = [
     (90, torch.float16, 64, 11 * 3, False, 1, 3),
     (80, torch.bfloat16, 128, 16 * 4, True, 4, 64),
     (80, torch.float32, 64, 4, True, 2, 32),
+    (90, torch.bfloat16, 192, 16 * 4, True, 4, 0, 128, False, False),  # MLA (DeepSeek-V3: D 192, Dv 128)
+    (90, torch.bfloat16, 256, 8 * 2, True, 2, 0, 256, True, True),  # Gemma 2 (window and softcap)
+    (80, torch.float16, 128, 64 * 4, False, 8, 16, 128, True, False),  # Mistral / Gemma 3 local layers, paged
+    (80, torch.bfloat16, 192, 16 * 4, True, 1, 16, 128, True, True),
 ]
 COMBINE_CASES = [(90, torch.bfloat16, 128, 33), (80, torch.float32, 256, 2)]
 # verify: (arch, logits dtype, draft_probs dtype or None, vocab, nodes)
@@ -58,26 +63,32 @@ def _compile(kernel, pointer_types, constexprs, arch, **options):
         elif name in pointer_types:
             signature[name] = pointer_types[name]
         else:
-            signature[name] = "fp32" if name == "qk_scale" else "i32"
+            signature[name] = "fp32" if name in ("qk_scale", "softcap") else "i32"
     return triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def check_split(arch, dtype, head_dim, rows, packed, num_splits, page_size=0):
+def check_split(arch, dtype, head_dim, rows, packed, num_splits, page_size=0, value_dim=None, window=False,
+                softcap=False):
+    import triton
+
     from . import tree_attention as ta
 
-    block_m, block_n, block_d, num_warps, num_stages = ta.launch_config(dtype, head_dim, rows)
+    value_dim = value_dim or head_dim
+    block_m, block_n, block_d, num_warps, num_stages = ta.launch_config(dtype, max(head_dim, value_dim), rows)
     elt = ELEMENT[dtype]
     pointers = {"q_ptr": f"*{elt}", "k_ptr": f"*{elt}", "v_ptr": f"*{elt}", "mask_ptr": "*i64" if packed else "*u8",
                 "seqlens_ptr": "*i32", "out_ptr": f"*{elt}", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
-                "bt_ptr": "*i32"}
+                "bt_ptr": "*i32", "depth_ptr": "*i32"}
     constexprs = dict(GROUP=4, BLOCK_M=block_m,  # (the split count is a runtime argument: one kernel for all)
                       BLOCK_N=block_n, BLOCK_D=block_d, PACKED=packed,
                       PRECISION="ieee" if dtype == torch.float32 else None,
-                      PAGED=page_size > 0, PAGE_SIZE=max(1, page_size))
+                      PAGED=page_size > 0, PAGE_SIZE=max(1, page_size),
+                      BLOCK_DV=max(16, triton.next_power_of_2(value_dim)), WINDOW=window, SOFTCAP=softcap)
     compiled = _compile(ta._split_kernel, pointers, constexprs, arch, num_warps=num_warps, num_stages=num_stages)
     n_regs, n_spills = _ptxas_usage(compiled, arch)
     return dict(kernel="split", arch=arch, dtype=ELEMENT[dtype], head_dim=head_dim, rows=rows, packed=packed,
-                splits=num_splits, page_size=page_size or None, block=[block_m, block_n, block_d], num_warps=num_warps, num_stages=num_stages,
+                splits=num_splits, page_size=page_size or None, value_dim=value_dim, window=window, softcap=softcap,
+                block=[block_m, block_n, block_d], num_warps=num_warps, num_stages=num_stages,
                 shared=compiled.metadata.shared, shared_limit=SHARED_LIMIT[arch], n_regs=n_regs, n_spills=n_spills)
 
 
