@@ -69,19 +69,34 @@ def qwen3_next_config(vocab=VOCAB, hidden=32, layers=2):
                                         tie_word_embeddings=False)
 
 
-ARCH = {"mimo": (transformers.Qwen2ForCausalLM, qwen2_config), "deepseek": (transformers.Glm4MoeForCausalLM, glm_config),
+def deepseek_v3_config(vocab=VOCAB, hidden=32, layers=2):
+    """MLA (kv_lora_rank latents; key head dim 16 + 8 != value head dim 12), MoE after layer 0."""
+    return transformers.DeepseekV3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=48, moe_intermediate_size=16,
+                                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                                         n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                         first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=24,
+                                         qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, max_position_embeddings=256,
+                                         num_nextn_predict_layers=1, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+                                         tie_word_embeddings=False)
+
+
+# Test cases: the target family and the MTP layout its checkpoints use.
+ARCH = {"mimo": (transformers.Qwen2ForCausalLM, qwen2_config), "glm": (transformers.Glm4MoeForCausalLM, glm_config),
+        "deepseek_v3": (transformers.DeepseekV3ForCausalLM, deepseek_v3_config),
         "qwen3_next": (transformers.Qwen3NextForCausalLM, qwen3_next_config)}
+LAYOUT = {"mimo": "mimo", "glm": "deepseek", "deepseek_v3": "deepseek", "qwen3_next": "qwen3_next"}
 
 
 def mtp_prefix(layout, n, k):
     return {"deepseek": f"model.layers.{n + k}.", "mimo": f"model.mtp_layers.{k}.", "qwen3_next": f"mtp.layers.{k}."}[layout]
 
 
-def write_checkpoint(folder, layout, seed=0, num_mtp=1, logit_scale=1.0, vocab=VOCAB, hidden=32, extra=None, drop=None):
+def write_checkpoint(folder, case, seed=0, num_mtp=1, logit_scale=1.0, vocab=VOCAB, hidden=32, extra=None, drop=None):
     """A tiny random target of the layout's family saved in `folder`, with `num_mtp` MTP
     layers added to its model.safetensors under the layout's real key names. Returns the
     target (reloaded from `folder`, as a user would) and the MTP tensors written."""
-    cls, make_config = ARCH[layout]
+    cls, make_config = ARCH[case]
+    layout = LAYOUT[case]
     torch.manual_seed(seed)
     config = make_config(vocab=vocab, hidden=hidden)
     target = cls(config).eval()
@@ -133,13 +148,13 @@ def write_checkpoint(folder, layout, seed=0, num_mtp=1, logit_scale=1.0, vocab=V
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """{layout: (target, mtp tensors, folder)}; Qwen3-Next (a hybrid of linear and full
+    """{case: (target, mtp tensors, folder)}; Qwen3-Next (a hybrid of linear and full
     attention layers, which our loop cannot run) is only loaded and stepped."""
     out = {}
-    for layout in ("mimo", "deepseek", "qwen3_next"):
-        folder = tmp_path_factory.mktemp(layout)
-        target, mtp = write_checkpoint(folder, layout, logit_scale=4.0)
-        out[layout] = (target, mtp, folder)
+    for case in ARCH:
+        folder = tmp_path_factory.mktemp(case)
+        target, mtp = write_checkpoint(folder, case, logit_scale=4.0)
+        out[case] = (target, mtp, folder)
     return out
 
 
@@ -168,9 +183,36 @@ def lin(W, key, x):
     return y + W[key + ".bias"].double() if key + ".bias" in W else y
 
 
+def mla(W, p, h, positions, cfg):
+    """DeepSeek-V3's multi-head latent attention on h [T, H] (causal): queries through the
+    q LoRA, keys and values expanded from the normed kv latent, RoPE (interleaved pairs) on
+    the rope parts, keys sharing one rope part across heads."""
+    eps, heads, t = cfg.rms_norm_eps, cfg.num_attention_heads, h.shape[0]
+    nope, rot, vd = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    q = lin(W, p + "self_attn.q_b_proj", rms(lin(W, p + "self_attn.q_a_proj", h), W[p + "self_attn.q_a_layernorm.weight"], eps))
+    q = q.view(t, heads, nope + rot)
+    latent, k_rot = lin(W, p + "self_attn.kv_a_proj_with_mqa", h).split([cfg.kv_lora_rank, rot], -1)
+    kv = lin(W, p + "self_attn.kv_b_proj", rms(latent, W[p + "self_attn.kv_a_layernorm.weight"], eps)).view(t, heads, nope + vd)
+    k_nope, v = kv.split([nope, vd], -1)
+
+    def rope_pairs(x):  # interleaved pairs (x0, x1), (x2, x3) ...: de-interleave, then rotate-half RoPE
+        x = torch.cat([x[..., 0::2], x[..., 1::2]], -1) if cfg.rope_interleave else x
+        return rope(x, positions, cfg.rope_parameters["rope_theta"], rot)
+
+    q = torch.cat([q[..., :nope], rope_pairs(q[..., nope:])], -1)
+    k = torch.cat([k_nope, rope_pairs(k_rot[:, None, :]).expand(-1, heads, -1)], -1)
+    scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(nope + rot)
+    scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
+    return lin(W, p + "self_attn.o_proj", torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(t, -1))
+
+
 def block(W, p, x, positions, cfg):
-    """One decoder layer (Qwen2 dense or GLM-4.5 MoE) on x [T, H] with causal attention."""
+    """One decoder layer (Qwen2 dense, GLM-4.5 MoE, DeepSeek-V3 MLA + MoE) on x [T, H] with
+    causal attention."""
     eps = cfg.rms_norm_eps
+    if p + "self_attn.kv_a_proj_with_mqa.weight" in W:
+        x = x + mla(W, p, rms(x, W[p + "input_layernorm.weight"], eps), positions, cfg)
+        return moe_or_mlp(W, p, x, cfg)
     heads, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     t = x.shape[0]
     h = rms(x, W[p + "input_layernorm.weight"], eps)
@@ -187,11 +229,18 @@ def block(W, p, x, positions, cfg):
     scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
     attn = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(t, -1)
     x = x + lin(W, p + "self_attn.o_proj", attn)
-    h = rms(x, W[p + "post_attention_layernorm.weight"], eps)
+    return moe_or_mlp(W, p, x, cfg)
+
+
+def moe_or_mlp(W, p, x, cfg):
+    """The second half of a decoder layer: post-attention norm, then the dense MLP or the
+    GLM-4.5 / DeepSeek-V3 MoE, residual added."""
+    h = rms(x, W[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    t = x.shape[0]
     mlp = lambda q_, z: lin(W, q_ + "down_proj", torch.nn.functional.silu(lin(W, q_ + "gate_proj", z)) * lin(W, q_ + "up_proj", z))  # noqa: E731
     if p + "mlp.gate.weight" not in W:
         return x + mlp(p + "mlp.", h)
-    # GLM-4.5 MoE: sigmoid router with a score-correction bias for the choice, top-k experts
+    # GLM-4.5 / DeepSeek-V3 MoE: sigmoid router with a score-correction bias for the choice, top-k experts
     # (one group here), weights renormalised and scaled, plus the shared experts.
     scores = torch.sigmoid(h @ W[p + "mlp.gate.weight"].double().T)
     choice = scores + W[p + "mlp.gate.e_score_correction_bias"].double()
@@ -284,9 +333,10 @@ def start_drafter(drafter, target, prompts):
 # ----------------------------------------------------------------------------- loading
 
 
-@pytest.mark.parametrize("layout", ["mimo", "deepseek", "qwen3_next"])
-def test_loader_reads_every_mtp_weight(checkpoints, layout):
-    target, mtp, folder = checkpoints[layout]
+@pytest.mark.parametrize("case", list(ARCH))
+def test_loader_reads_every_mtp_weight(checkpoints, case):
+    target, mtp, folder = checkpoints[case]
+    layout = LAYOUT[case]
     drafter = MtpDrafter(target)  # the directory the target was loaded from
     assert drafter.head.layout == layout and drafter.num_layers == 1
     assert sorted(drafter.head.loaded_keys) == sorted(mtp)  # every MTP key read, nothing else
@@ -294,7 +344,9 @@ def test_loader_reads_every_mtp_weight(checkpoints, layout):
     prefix = mtp_prefix(layout, target.config.num_hidden_layers, 0)
     proj = {"deepseek": prefix + "eh_proj", "mimo": prefix + "input_proj", "qwen3_next": "mtp.fc"}[layout]
     assert torch.equal(layer.proj.weight, mtp[proj + ".weight"])
-    assert torch.equal(layer.block.self_attn.q_proj.weight, mtp[prefix + "self_attn.q_proj.weight"])
+    attn = layer.block.self_attn
+    q = ("q_b_proj" if getattr(attn, "q_proj", None) is None else "q_proj") + ".weight"  # (MLA: the q LoRA)
+    assert torch.equal(attn.get_submodule(q.rsplit(".", 1)[0]).weight, mtp[prefix + "self_attn." + q])
     if layout != "mimo":  # per-expert linears fused as transformers keeps them
         gate_up = layer.block.mlp.experts.gate_up_proj
         assert torch.equal(gate_up[2], torch.cat([mtp[prefix + "mlp.experts.2.gate_proj.weight"],
@@ -332,12 +384,13 @@ def test_loader_errors(tmp_path, checkpoints):
 # ----------------------------------------------------------------------------- the forward
 
 
-@pytest.mark.parametrize("layout", ["mimo", "deepseek", "qwen3_next"])
-def test_one_step_and_chain_equal_the_published_forward(checkpoints, layout):
+@pytest.mark.parametrize("case", list(ARCH))
+def test_one_step_and_chain_equal_the_published_forward(checkpoints, case):
     """Ragged batch: the root's children carry the MTP layer's probabilities at the last
     entry; a greedy chain of 3 feeds each draft back (with the layer's output), as the
     published forward run on the extended sequence."""
-    target, W, _ = checkpoints[layout]
+    target, W, _ = checkpoints[case]
+    layout = LAYOUT[case]
     prompts = [[5, 17, 3, 9, 44, 2, 8], [7, 1, 30, 12]]
     wide = MtpDrafter(target, max_nodes=VOCAB, depth=1, top_k=VOCAB, min_score=0.0)
     history, lengths = start_drafter(wide, target, prompts)
@@ -377,11 +430,11 @@ MTP_DRAFTERS = {
 
 
 @pytest.mark.parametrize("kind", list(MTP_DRAFTERS))
-@pytest.mark.parametrize("layout", ["mimo", "deepseek"])
-def test_greedy_matches_hf_generate(checkpoints, layout, kind):
+@pytest.mark.parametrize("case", ["mimo", "glm", "deepseek_v3"])
+def test_greedy_matches_hf_generate(checkpoints, case, kind):
     """Batch of 3 (left padding, a one-token prompt) with an eos that rows meet at different
     steps: rows leave the batch while the MTP caches follow."""
-    target, _, _ = checkpoints[layout]
+    target, _, _ = checkpoints[case]
     prompts = [[5], *repetitive_prompts(2)]
     prompts = [[t % VOCAB for t in p] for p in prompts]
     ids, mask = left_pad(prompts)
@@ -403,7 +456,7 @@ def test_greedy_matches_hf_generate(checkpoints, layout, kind):
 def test_two_mtp_layers(tmp_path):
     """A checkpoint with two MTP layers (DeepSeek layout, layers N and N + 1): both load,
     depth 2 uses the second, and greedy output is still the target's."""
-    target, mtp = write_checkpoint(tmp_path, "deepseek", num_mtp=2, seed=3, logit_scale=4.0)
+    target, mtp = write_checkpoint(tmp_path, "glm", num_mtp=2, seed=3, logit_scale=4.0)
     drafter = MtpDrafter(target, num_tokens=4)
     assert drafter.num_layers == 2 and sorted(drafter.head.loaded_keys) == sorted(mtp)
     ids, mask = left_pad([[t % VOCAB for t in p] for p in repetitive_prompts(2, seed=5)])
