@@ -453,6 +453,21 @@ def test_greedy_matches_hf_generate(checkpoints, case, kind):
         assert isinstance(drafter, HeadNgramDrafter) and isinstance(drafter.head_drafter, MtpDrafter)
 
 
+def test_paged_target_cache_and_bf16(checkpoints):
+    """The MTP layers' cache is the drafter's own: a paged target cache changes nothing, and
+    a bf16 target drafts in bf16 (greedy still equals HF's, in bf16 on both sides)."""
+    target, _, _ = checkpoints["glm"]
+    ids, mask = left_pad([[t % VOCAB for t in p] for p in repetitive_prompts(2, seed=9)])
+    out = sk.generate(target, ids, attention_mask=mask, drafter=MtpDrafter(target, max_nodes=6, top_k=2, min_score=0.0),
+                      max_new_tokens=16, adaptive=False, kv_page_size=4)
+    assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 16))
+    half = copy.deepcopy(target).to(torch.bfloat16)
+    drafter = MtpDrafter(half, num_tokens=2, min_score=0.0)
+    assert drafter.dtype == torch.bfloat16 and drafter.w_draft.data_ptr() == half.lm_head.weight.data_ptr()
+    out = sk.generate(half, ids, attention_mask=mask, drafter=drafter, max_new_tokens=12, adaptive=False)
+    assert torch.equal(out.sequences, hf_greedy(half, ids, mask, 12))
+
+
 def test_two_mtp_layers(tmp_path):
     """A checkpoint with two MTP layers (DeepSeek layout, layers N and N + 1): both load,
     depth 2 uses the second, and greedy output is still the target's."""
