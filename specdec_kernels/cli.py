@@ -3,7 +3,7 @@
     specdec demo                      plain HF greedy decoding vs ours (default_drafter), same prompt
     specdec generate --prompt "..."   one generation (default_drafter, or --method), stats at the end
     specdec info                      versions, compiled extension, backends per op, device
-    specdec bench kernels|e2e|online|linear|all   the benchmark suite (specdec_kernels.benchmarks), results in bench/results
+    specdec bench kernels|e2e|online|linear|vllm|all   the benchmark suite (specdec_kernels.benchmarks), results in bench/results
 """
 
 import argparse
@@ -402,6 +402,13 @@ def cmd_bench_linear(args) -> int:
     return linear.run_args(args)
 
 
+def cmd_bench_vllm(args) -> int:
+    """vLLM plain / vLLM n-gram / vLLM with our proposer / our generate (specdec_kernels.benchmarks.vllm)."""
+    from .benchmarks import vllm
+
+    return vllm.run_args(args)
+
+
 def cmd_bench_all(args) -> int:
     """Kernels, then end to end, same --full / --out-dir: every table and plot of the README."""
     from .benchmarks import e2e, kernels
@@ -420,7 +427,7 @@ def _add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmark suite: kernels, e2e, online, linear, or all (results in bench/results)",
                            description="Benchmarks with peers measured in the same run; JSON, Markdown and PNG "
                                        "results under bench/results (or --out-dir).")
-    kinds = bench.add_subparsers(dest="bench", metavar="{kernels,e2e,online,linear,all}")
+    kinds = bench.add_subparsers(dest="bench", metavar="{kernels,e2e,online,linear,vllm,all}")
     kinds.required = True
     k = kinds.add_parser("kernels", help="per-op benchmarks (n-gram drafting; verify and tree attention on a GPU)",
                          description=kernels.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -438,6 +445,13 @@ def _add_bench_parser(sub) -> None:
                           description=linear.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     linear.add_arguments(li)
     li.set_defaults(func=cmd_bench_linear)
+    from .benchmarks import vllm as vllm_bench
+
+    v = kinds.add_parser("vllm", help="vLLM (its CPU build, in the venv of tools/vllm_env.sh): plain, its n-gram, "
+                                      "our proposer; and our generate", description=vllm_bench.__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    vllm_bench.add_arguments(v)
+    v.set_defaults(func=cmd_bench_vllm)
     a = kinds.add_parser("all", help="kernels then e2e (the e2e options apply to the e2e part)")
     e2e.add_arguments(a)
     a.set_defaults(func=cmd_bench_all)

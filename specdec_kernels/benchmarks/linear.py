@@ -52,7 +52,7 @@ def _tiny_model():
 @torch.inference_mode()
 def measure(model, counts=COUNTS, rounds: int = 7) -> list:
     """Rows of the results JSON: per token count, the median microseconds of ours and of F.linear, and the floor."""
-    from . import config
+    from .. import config
     from ..loop import hf
     from ..ops import small_linear
     from ..loop.cost_model import _time_forward
