@@ -501,3 +501,54 @@ def test_sampling_matches_target_distribution(small_checkpoint, kind):
     out = sk.generate(target, ids, drafter=drafter, max_new_tokens=2, seed=78, adaptive=False, **args)
     pvalue = chi_square_pvalue(out.sequences[:, -2:], exact_pair_distribution(target, SAMPLE_PROMPT, **args))
     assert pvalue > 1e-3, f"{kind} warped: chi-square p = {pvalue}"
+
+
+# ----------------------------------------------------------------------------- training an MTP head
+
+
+def test_train_mtp_head_for_a_target_without_one(tmp_path):
+    """`train_draft_head(kind="mtp")` on a tiny Llama (no MTP layers of its own): the head
+    directory holds a DeepSeek-layout layer that `MtpDrafter` loads (refusing another
+    target), the drafter's first step equals the trained module's own forward, and greedy
+    output is the target's. A Qwen2 target (q/k/v biases: not the Llama layer trained) is
+    refused up front."""
+    from safetensors.torch import load_file as load
+
+    from specdec_kernels.heads import train_draft_head
+    from specdec_kernels.heads.common import read_head
+    from specdec_kernels.heads.modules import MtpHead
+    from test_generate import VOCAB as LLAMA_VOCAB, tiny_model
+    from test_heads import random_prompts
+
+    target = tiny_model(0)
+    out = train_draft_head(target, random_prompts(12, LLAMA_VOCAB, seed=1), kind="mtp", out_dir=tmp_path / "mtp", steps=3,
+                           max_new_tokens=12, batch_tokens=256, checkpoint_every=3, log_every=1, eval_fraction=0.0,
+                           progress=False, seed=0, draft_vocab_size=LLAMA_VOCAB)
+    config, _ = read_head(out, "mtp")
+    n = target.config.num_hidden_layers
+    tensors = load(str(out / "head.safetensors"))
+    assert f"model.layers.{n}.eh_proj.weight" in tensors and f"model.layers.{n}.mlp.gate_proj.weight" in tensors
+    drafter = MtpDrafter(target, out, max_nodes=LLAMA_VOCAB, depth=1, top_k=LLAMA_VOCAB, min_score=0.0)
+    head = MtpHead(config["head"])
+    prefix = f"model.layers.{n}."
+    head.load_state_dict({k[len(prefix):] if k.startswith(prefix) else k: v.float() for k, v in tensors.items()})
+    prompt = [5, 17, 3, 9, 44, 2, 8]
+    history, lengths = start_drafter(drafter, target, [prompt])
+    draft = drafter.propose(history, lengths)
+    tokens = torch.tensor(prompt)
+    with torch.no_grad():
+        feats = target.model(tokens[None]).last_hidden_state[:, :-1]
+        g = head(feats, target.model.embed_tokens(tokens[None, 1:]), torch.arange(len(prompt) - 1)[None])
+        probs = (g[0, -1] @ target.lm_head.weight.T).softmax(-1)
+    got = torch.zeros(LLAMA_VOCAB)
+    got[draft.tree.tokens[0, 1:]] = draft.scores[0, 1:]
+    assert torch.allclose(got, probs, atol=1e-5)
+    ids, mask = left_pad(repetitive_prompts(3))
+    result = sk.generate(target, ids, attention_mask=mask, drafter=MtpDrafter(target, out, num_tokens=3, min_score=0.0),
+                         max_new_tokens=16, adaptive=False)
+    assert torch.equal(result.sequences, hf_greedy(target, ids, mask, 16))
+    with pytest.raises(ValueError, match="trained for another target"):
+        MtpDrafter(tiny_model(1), out)
+    with pytest.raises(ValueError, match="Llama-shaped"):
+        train_draft_head(tiny_model(2, family="qwen2"), random_prompts(4, LLAMA_VOCAB, seed=1), kind="mtp",
+                         out_dir=tmp_path / "qwen", steps=1, max_new_tokens=4, progress=False)

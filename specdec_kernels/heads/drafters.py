@@ -594,6 +594,8 @@ def find_head(target, kind: Optional[str] = None) -> Optional[Path]:
             continue
         if kind is not None and config.get("kind") != kind:
             continue
+        if kind is None and config.get("kind") not in ("eagle", "medusa"):  # (trained MTP heads: MtpDrafter(target, dir))
+            continue
         candidates.append((0 if config.get("kind") == "eagle" else 1, folder, config))
     for _, folder, config in sorted(candidates, key=lambda c: c[0]):
         if identity is None:

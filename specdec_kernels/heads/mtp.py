@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..loop.drafters import Draft
-from .common import input_embedding, lm_head_weight, text_config
+from .common import decoder_layer_class, input_embedding, lm_head_weight, text_config
 from .drafters import OWN_LAYER_DRAFTERS, _HeadDrafter
 
 LAYOUTS = ("deepseek", "mimo", "qwen3_next")
@@ -186,15 +186,6 @@ def _block_config(target):
     return cfg
 
 
-def _decoder_layer_class(target):
-    """The class of the target's decoder layers (full-attention ones for hybrids)."""
-    layers = target.get_decoder().layers
-    for layer in layers:
-        if hasattr(layer, "self_attn"):
-            return type(layer)
-    raise ValueError(f"target: {type(target).__name__} has no attention decoder layer to build an MTP block from")
-
-
 class MtpLayer(nn.Module):
     """One MTP layer: norms, fused projection, a decoder block of the target's class, final
     norm; `embed` and `head` are the target's (or the layer's own copies where the
@@ -263,6 +254,13 @@ def load_mtp(target, checkpoint_dir=None) -> MtpLayers:
     folder = Path(checkpoint_dir) if checkpoint_dir is not None else checkpoint_dir_of(target)
     if not folder.is_dir():
         raise ValueError(f"checkpoint_dir: {folder} is not a directory")
+    trained = folder / "config.json"
+    if trained.is_file():  # a head directory of `train_draft_head(kind="mtp")` names its target
+        meta = json.loads(trained.read_text())
+        if meta.get("kind") == "mtp":
+            from .common import check_target
+
+            check_target(meta["target"], target, str(folder))
     files = _weight_files(folder)
     found = _detect(target, folder, files)
     layout, prefixes = found["layout"], found["prefixes"]
@@ -273,7 +271,7 @@ def load_mtp(target, checkpoint_dir=None) -> MtpLayers:
     hidden, eps = int(cfg.hidden_size), float(getattr(cfg, "rms_norm_eps", 1e-6))
     param = lm_head_weight(target)
     dtype, device = param.dtype, param.device
-    layer_cls = _decoder_layer_class(target)
+    layer_cls = decoder_layer_class(target)
     block_cfg = _block_config(target)
     e_key, h_key, p_key, f_key = _PARTS[layout]
     used = set()
