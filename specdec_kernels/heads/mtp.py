@@ -44,6 +44,10 @@ With several MTP layers (none of the published checkpoints above has more than o
 (k >= 1) keeps its own cache of the entries whose inputs are known: index i holds
 (layer k - 1's output at i, token i + 1 + k), for i + 1 + k inside the history. A tree node of
 depth d is fed to layer d mod K and sees that layer's known entries and its own path there.
+
+A head directory written by `train_draft_head(kind="mtp")` (`specdec train-draft --kind mtp`,
+for targets that ship no MTP layers) is such a checkpoint too: one DeepSeek-layout layer
+under `model.layers.{N}.`; its config.json names the target, which is checked.
 """
 
 import copy
@@ -398,7 +402,8 @@ class MtpDrafter(_HeadDrafter):
     Args:
         target: the transformers causal LM whose checkpoint holds the MTP layers.
         checkpoint_dir: the directory of its safetensors (default: where the target was
-            loaded from, `name_or_path`, or its snapshot in the Hugging Face cache).
+            loaded from, `name_or_path`, or its snapshot in the Hugging Face cache), or a
+            head directory of `train_draft_head(kind="mtp")`.
         num_tokens: a chain of k drafts (depth k, one child per node); overrides the tree
             arguments.
         max_nodes, depth, top_k, min_score: the best-first tree, as `EagleDrafter` takes
