@@ -468,6 +468,22 @@ def test_paged_target_cache_and_bf16(checkpoints):
     assert torch.equal(out.sequences, hf_greedy(half, ids, mask, 12))
 
 
+def test_reduced_draft_vocabulary(checkpoints):
+    """draft_vocab= restricts the drafts to those ids (a copy of those LM-head rows); the
+    scores are the MTP layer's softmax over them; output stays the target's."""
+    target, _, _ = checkpoints["mimo"]
+    ids = torch.arange(0, VOCAB, 3)
+    drafter = MtpDrafter(target, draft_vocab=ids, max_nodes=8, depth=2, top_k=4, min_score=0.0)
+    history, lengths = start_drafter(drafter, target, [[5, 17, 3, 9, 44, 2, 8], [7, 1, 30, 12]])
+    tree = drafter.propose(history, lengths).tree
+    assert bool(torch.isin(tree.tokens[tree.parents >= 0], ids).all())
+    prompts, mask = left_pad([[t % VOCAB for t in p] for p in repetitive_prompts(2, seed=4)])
+    out = sk.generate(target, prompts, attention_mask=mask, drafter=drafter, max_new_tokens=16, adaptive=False)
+    assert torch.equal(out.sequences, hf_greedy(target, prompts, mask, 16))
+    with pytest.raises(ValueError, match="draft_vocab"):
+        MtpDrafter(target, draft_vocab=torch.tensor([0, VOCAB]))
+
+
 def test_two_mtp_layers(tmp_path):
     """A checkpoint with two MTP layers (DeepSeek layout, layers N and N + 1): both load,
     depth 2 uses the second, and greedy output is still the target's."""
@@ -528,7 +544,9 @@ def test_train_mtp_head_for_a_target_without_one(tmp_path):
     n = target.config.num_hidden_layers
     tensors = load(str(out / "head.safetensors"))
     assert f"model.layers.{n}.eh_proj.weight" in tensors and f"model.layers.{n}.mlp.gate_proj.weight" in tensors
-    drafter = MtpDrafter(target, out, max_nodes=LLAMA_VOCAB, depth=1, top_k=LLAMA_VOCAB, min_score=0.0)
+    assert torch.equal(MtpDrafter(target, out).vocab, tensors["draft_vocab"])  # the head's draft vocabulary by default
+    drafter = MtpDrafter(target, out, max_nodes=LLAMA_VOCAB, depth=1, top_k=LLAMA_VOCAB, min_score=0.0,
+                         draft_vocab=torch.arange(LLAMA_VOCAB))
     head = MtpHead(config["head"])
     prefix = f"model.layers.{n}."
     head.load_state_dict({k[len(prefix):] if k.startswith(prefix) else k: v.float() for k, v in tensors.items()})

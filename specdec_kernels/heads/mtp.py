@@ -344,6 +344,8 @@ def load_mtp(target, checkpoint_dir=None) -> MtpLayers:
         raise ValueError(f"checkpoint_dir: MTP keys this loader does not know ({layout!r} layout): {', '.join(unused[:6])}"
                          f"{' ...' if len(unused) > 6 else ''}")
     module = MtpLayers(layers, layout, prefixes, folder, wanted)
+    # A trained head's directory (`train_draft_head(kind="mtp")`) also holds its draft vocabulary.
+    module.draft_vocab = _read(files, ["draft_vocab"])["draft_vocab"].long() if "draft_vocab" in files else None
     return module.to(device=device, dtype=dtype).eval()
 
 
@@ -410,13 +412,20 @@ class MtpDrafter(_HeadDrafter):
             them (same defaults: 4 nodes, depth 3, top_k 2 on a CPU; 24, 6, 6 on a GPU).
         dtype: compute dtype of the MTP layers (default: the target's, so the drafts follow
             the published forward; another dtype makes a converted copy of the LM head).
+        draft_vocab: None (default): the whole vocabulary for a model's own MTP layers, and
+            a trained head's own draft vocabulary (its N most frequent tokens, as EAGLE
+            heads have); or a 1D tensor of token ids the drafts are restricted to. A reduced
+            vocabulary keeps a copy of those LM-head rows and makes each depth's logits
+            cheaper (on a small target the full-vocabulary LM head is most of the MTP
+            layer's cost), at the price of never proposing the other tokens.
 
     Raises ValueError naming what was looked for when the checkpoint has no MTP layers or
     they are in a layout this loader does not know.
     """
 
     def __init__(self, target, checkpoint_dir=None, *, num_tokens: Optional[int] = None, max_nodes: Optional[int] = None,
-                 depth: Optional[int] = None, top_k: Optional[int] = None, min_score: Optional[float] = None, dtype=None):
+                 depth: Optional[int] = None, top_k: Optional[int] = None, min_score: Optional[float] = None, dtype=None,
+                 draft_vocab: Optional[torch.Tensor] = None):
         module = load_mtp(target, checkpoint_dir)
         weight = lm_head_weight(target)
         small = weight.device.type == "cpu"
@@ -442,8 +451,16 @@ class MtpDrafter(_HeadDrafter):
         if not 0.0 <= self.min_score <= 1.0:
             raise ValueError(f"min_score must be in [0, 1], got {min_score}")
         self.vocab_size = weight.shape[0]
-        self.vocab = torch.arange(self.vocab_size, device=weight.device)  # the whole vocabulary
-        self.w_draft = weight.detach() if weight.dtype == dtype else weight.detach().to(dtype)  # shared, no copy
+        vocab = draft_vocab if draft_vocab is not None else module.draft_vocab
+        if vocab is None:
+            self.vocab = torch.arange(self.vocab_size, device=weight.device)  # the whole vocabulary
+            self.w_draft = weight.detach() if weight.dtype == dtype else weight.detach().to(dtype)  # shared, no copy
+        else:
+            vocab = torch.as_tensor(vocab).long().flatten().to(weight.device)
+            if vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= self.vocab_size:
+                raise ValueError(f"draft_vocab: expected token ids in [0, {self.vocab_size}), got {vocab.numel()} ids "
+                                 f"in [{int(vocab.min()) if vocab.numel() else '-'}, {int(vocab.max()) if vocab.numel() else '-'}]")
+            self.vocab, self.w_draft = vocab, weight.detach()[vocab].to(dtype)  # those rows, copied
         self.embed = input_embedding(target)
         self.small_linear_rows = (0, 0)
         self.feature_layers, self.with_labels, self.hidden_layers = (), False, None
@@ -510,10 +527,13 @@ class MtpDrafter(_HeadDrafter):
         return layer.final_norm(x) if _FEED_NORMED[layer.layout] else x
 
     def logits(self, k: int, out: torch.Tensor) -> torch.Tensor:
-        """Logits [..., V] of layer k's output `out` (its final norm, then the LM head)."""
+        """Logits [..., N] over the draft vocabulary (`self.vocab`, all V tokens by default) of
+        layer k's output `out` (its final norm, then the LM head)."""
         layer = self.head.layers[k]
         g = out if _FEED_NORMED[layer.layout] else layer.final_norm(out)
-        return F.linear(g, layer.own_head if layer.own_head is not None else self.w_draft)
+        if layer.own_head is None:
+            return F.linear(g, self.w_draft)
+        return F.linear(g, layer.own_head if self.vocab.numel() == self.vocab_size else layer.own_head[self.vocab])
 
     # -- drafting ----------------------------------------------------------------------
     def _catch_up(self, history, prefix):
