@@ -48,6 +48,8 @@ def main():
     parser.add_argument("--chain", type=int, nargs="+", default=[1, 3], help="MTP chain lengths to time")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--draft-vocab", action="store_true",
+                        help="also time chains restricted to the shipped EAGLE head's draft vocabulary (8192 tokens)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     import specdec_kernels as sk
@@ -60,16 +62,23 @@ def main():
         folder = write_random_mtp(target, Path(tmp))
         rows = []
         plain = None
-        for k in [0] + list(args.chain):
+        vocab = None
+        if args.draft_vocab:
+            from specdec_kernels.heads import find_head
+            from specdec_kernels.heads.common import read_head
+
+            vocab = read_head(find_head(target, kind="eagle"))[1]["draft_vocab"]
+        configs = [(0, None)] + [(k, None) for k in args.chain] + ([(k, vocab) for k in args.chain] if vocab is not None else [])
+        for k, ids in configs:
             best = None
             for _ in range(args.repeats):
-                drafter = None if k == 0 else sk.MtpDrafter(target, folder, num_tokens=k, min_score=0.0)
+                drafter = None if k == 0 else sk.MtpDrafter(target, folder, num_tokens=k, min_score=0.0, draft_vocab=ids)
                 t0 = time.perf_counter()
                 out = sk.generate(target, prompt, drafter=drafter, max_new_tokens=args.tokens, timing=True, adaptive=False,
                                   eos_token_id=[])
                 wall = time.perf_counter() - t0
                 s = out.stats
-                row = dict(k=k, steps=s.steps, draft_ms=1e3 * s.time_draft / s.steps, verify_ms=1e3 * s.time_verify / s.steps,
+                row = dict(k=k, vocab=len(ids) if ids is not None else "all", steps=s.steps, draft_ms=1e3 * s.time_draft / s.steps, verify_ms=1e3 * s.time_verify / s.steps,
                            accept_ms=1e3 * s.time_accept / s.steps, tokens_per_step=s.tokens_per_step, wall_s=wall)
                 print(f"  run: {row}", flush=True)
                 if best is None or row["draft_ms"] + row["verify_ms"] < best["draft_ms"] + best["verify_ms"]:
@@ -78,12 +87,12 @@ def main():
                 plain = best
             rows.append(best)
         print(f"default model, B=1, CPU threads {args.threads}, {args.tokens} new tokens, best of {args.repeats}")
-        print(f"{'drafter':<14}{'steps':>6}{'draft ms':>10}{'verify ms':>11}{'accept ms':>11}"
+        print(f"{'drafter':<20}{'steps':>6}{'draft ms':>10}{'verify ms':>11}{'accept ms':>11}"
               f"{'draft/verify':>14}{'draft/plain step':>18}{'tok/step':>10}")
         plain_step = plain["verify_ms"] + plain["accept_ms"]
         for r in rows:
-            name = "plain" if r["k"] == 0 else f"mtp chain {r['k']}"
-            print(f"{name:<14}{r['steps']:>6}{r['draft_ms']:>10.2f}{r['verify_ms']:>11.2f}{r['accept_ms']:>11.2f}"
+            name = "plain" if r["k"] == 0 else f"mtp chain {r['k']}" + ("" if r["vocab"] == "all" else f" v{r['vocab']}")
+            print(f"{name:<20}{r['steps']:>6}{r['draft_ms']:>10.2f}{r['verify_ms']:>11.2f}{r['accept_ms']:>11.2f}"
                   f"{r['draft_ms'] / r['verify_ms']:>14.1%}{r['draft_ms'] / plain_step:>18.1%}{r['tokens_per_step']:>10.2f}")
 
 
