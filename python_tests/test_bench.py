@@ -340,21 +340,49 @@ def test_kernels_runner_finds_or_explains_each_benchmark():
     assert common.slug("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
 
 
-@pytest.mark.parametrize("mode", [dict(), dict(full=True), dict(smoke=True)], ids=["quick", "full", "smoke"])
+@pytest.mark.parametrize("mode", [dict(), dict(full=True), dict(smoke=True), dict(goal=True)],
+                         ids=["quick", "full", "smoke", "goal"])
 def test_gpu_benchmarks_accept_the_runners_command_line(mode, tmp_path):
     # verify and tree_attention only run on a GPU: parse here what the runner passes them.
     from specdec_kernels.benchmarks import tree_attention, verify
 
-    args = dict(full=False, smoke=False, out_dir=tmp_path, device="cpu") | mode
+    args = dict(full=False, smoke=False, goal=False, out_dir=tmp_path, device="cpu") | mode
+    suffix = "_smoke" if args["smoke"] else "_goal" if args["goal"] else ""
     for module in (verify, tree_attention):
         name = module.__name__.rsplit(".", 1)[1]
         parsed = module.parse_args(kernels.argv_for(name, **args))
-        assert (parsed.full, parsed.smoke) == (args["full"], args["smoke"])
-        assert parsed.out == str(tmp_path / (f"{name}_cpu_smoke.json" if args["smoke"] else f"{name}_cpu.json"))
+        assert (parsed.full, parsed.smoke, parsed.goal) == (args["full"], args["smoke"], args["goal"])
+        assert parsed.out == str(tmp_path / f"{name}_cpu{suffix}.json")
         if module is verify:  # the runner's file name is the one verify picks itself for --out-dir
-            flags = [f"--{m}" for m in ("full", "smoke") if args[m]]
+            flags = [f"--{m}" for m in ("full", "smoke", "goal") if args[m]]
             by_dir = verify.parse_args(flags + ["--out-dir", str(tmp_path)])
             assert verify.output_path(by_dir, torch.device("cpu")) == parsed.out
+
+
+def test_goal_mode_runs_the_goal_configurations_alone():
+    """`bench kernels --goal` (the device window's bench stage) times exactly the configurations
+    issue 37 states its goals at, nothing of the sweep."""
+    import argparse
+
+    from specdec_kernels.benchmarks import tree_attention, verify
+
+    goal = verify.configs(verify.parse_args(["--goal"]))
+    assert sorted((c["B"], c["kind"], c["size"], c["V"], c["mode"]) for c in goal) == sorted(
+        (64, kind, size, 128256, mode) for kind, size in (("chain", 4), ("tree", 64)) for mode in ("greedy", "sampled"))
+    old = tree_attention.ARGS
+    try:
+        tree_attention.ARGS = tree_attention.parse_args(["--goal"])
+        assert tree_attention.configs() == [dict(shape="llama3-8b", heads=(32, 8, 128), B=8, T=64, prefix=8192)]
+    finally:
+        tree_attention.ARGS = old
+    from specdec_kernels.benchmarks import ngram
+
+    assert ngram.sweep_configs(argparse.Namespace(full=False, smoke=False, goal=True)) == [
+        (256, 32768, "text", "earliest"), (256, 32768, "random", "earliest")]
+    parser = kernels.add_arguments(argparse.ArgumentParser())
+    assert parser.parse_args(["--goal"]).goal
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--goal", "--full"])
 
 
 def test_verify_output_path():

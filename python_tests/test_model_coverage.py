@@ -120,6 +120,15 @@ FAMILIES = [
                 moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16,
                 q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12),
            note="MLA: key head dim (qk_nope + qk_rope) != value head dim; the cache holds the latents"),
+    Family("DeepSeek-V2", "DeepseekV2ForCausalLM", "DeepseekV2Config",
+           _moe(num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                moe_intermediate_size=32, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
+                qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12),
+           note="MLA, as DeepSeek-V3 (here without a query LoRA)"),
+    Family("Gemma", "GemmaForCausalLM", "GemmaConfig", dict(LLAMA_LIKE, head_dim=16)),
+    Family("Cohere 2", "Cohere2ForCausalLM", "Cohere2Config",
+           dict(LLAMA_LIKE, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+           note="local (sliding window) and global layers"),
     Family("Falcon", "FalconForCausalLM", "FalconConfig",
            dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
                 new_decoder_architecture=True),
@@ -246,3 +255,34 @@ def test_table_is_current():
     assert result.returncode == 0, result.stderr[-2000:]
     with open(os.path.join(ROOT, "docs", "models.md")) as f:
         assert f.read() == result.stdout, "docs/models.md is stale: python tools/model_table.py > docs/models.md"
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_plain_forward_with_window_and_softcap(with_mask):
+    """A forward without tree metadata (a prefill, or someone else's call with a padding mask)
+    on a layer with a window and soft-capping, which SDPA lacks: our attention function against
+    float64 attention with the causal, window and padding rules spelled out; Dv != D."""
+    from specdec_kernels.loop.hf.attention import specdec_tree_attention
+
+    gen = torch.Generator().manual_seed(0)
+    batch, q_heads, kv_heads, q_len, kv_len, dim, value_dim, window, cap = 2, 4, 2, 7, 11, 16, 8, 3, 1.5
+    query = torch.randn(batch, q_heads, q_len, dim, generator=gen)
+    key = torch.randn(batch, kv_heads, kv_len, dim, generator=gen)
+    value = torch.randn(batch, kv_heads, kv_len, value_dim, generator=gen)
+    q_pos = torch.arange(kv_len - q_len, kv_len)[:, None]
+    k_pos = torch.arange(kv_len)[None, :]
+    allowed = (k_pos <= q_pos) & (q_pos - k_pos < window)  # [T, S]
+    allowed = allowed[None, None].expand(batch, 1, -1, -1).clone()
+    mask = None
+    if with_mask:
+        allowed[1, :, :, :2] = False  # row 1: two padding slots
+        mask = allowed.clone()
+    module = torch.nn.Module()
+    module.is_causal = True
+    out, _ = specdec_tree_attention(module, query, key, value, mask, scaling=0.3, sliding_window=window, softcap=cap)
+    keys = key.double().repeat_interleave(2, dim=1)
+    values = value.double().repeat_interleave(2, dim=1)
+    scores = cap * torch.tanh(query.double() @ keys.transpose(2, 3) * 0.3 / cap)
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    expected = (probs @ values).transpose(1, 2)  # [B, T, Hq, Dv]
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)

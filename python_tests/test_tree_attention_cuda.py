@@ -275,3 +275,23 @@ def test_cuda_graph_capture_and_replay(gen, num_nodes, max_prefix):
     graph.replay()
     torch.testing.assert_close(captured, tree_attention(q, k, v, mask, prefix, backend="reference"),
                                **TOL_VS_REFERENCE[torch.bfloat16])
+
+
+@pytest.mark.parametrize("window, softcap, value_dim", [(3, None, None), (100, None, None), (None, 30.0, None),
+                                                        (7, 0.5, None), (None, None, 128), (5, 20.0, 96)])
+@pytest.mark.parametrize("head_dim", (128, 192, 80), ids=("tensor-core", "mla", "fallback"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_window_softcap_value_dim(gen, dtype, head_dim, window, softcap, value_dim):
+    """Sliding window (shorter than the prefix and the tree's depth, or longer), soft-capping
+    and a value head dim of its own (the fallback kernel) against the reference, long ragged
+    prefixes (split KV on the tensor-core path). Written without a GPU: never run yet."""
+    q, k, v, parents, prefix = gpu_case(gen, batch=3, num_nodes=33, q_heads=8, kv_heads=2, head_dim=head_dim,
+                                        dtype=dtype, max_prefix=700, garbage=0.0)
+    if value_dim is not None:
+        v = torch.randn(v.shape[:3] + (value_dim,), device="cuda").to(dtype)
+    mask = tree_mask(parents.cuda())
+    ref = tree_attention(q, k, v, mask, prefix, window=window, softcap=softcap, backend="reference")
+    for form in (mask, pack_tree_mask(mask)):
+        out = tree_attention(q, k, v, form, prefix, window=window, softcap=softcap, backend="cuda")
+        assert out.shape == ref.shape
+        torch.testing.assert_close(out, ref, **TOL_VS_REFERENCE[dtype])

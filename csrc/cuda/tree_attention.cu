@@ -11,6 +11,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -45,7 +46,8 @@ cudaError_t launch(const cuda::TreeAttentionParams& params, bool use_mma, int wa
 }
 
 at::Tensor tree_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                               const at::Tensor& tree_mask, const at::Tensor& cache_seqlens, double scale) {
+                               const at::Tensor& tree_mask, const at::Tensor& cache_seqlens, double scale,
+                               int64_t window, double softcap) {
   TORCH_CHECK(q.is_cuda(), kOp, ": q must be a CUDA tensor, got ", q.device());
   const at::Device device = q.device();
   const at::Tensor mask = check_tree_attention_args(q, k_cache, v_cache, tree_mask, cache_seqlens, device);
@@ -55,6 +57,8 @@ at::Tensor tree_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, c
   const int64_t num_nodes = q.size(1);
   const int64_t num_q_heads = q.size(2);
   const int64_t head_dim = q.size(3);
+  const int64_t value_dim = v_cache.size(3);
+  check_window_softcap(kOp, window, softcap);
   const int64_t cache_len = k_cache.size(1);
   const int64_t num_kv_heads = k_cache.size(2);
   const int64_t words = (num_nodes + 63) / 64;
@@ -64,13 +68,15 @@ at::Tensor tree_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, c
               cache_len);
   TORCH_CHECK(head_dim >= 1 && head_dim <= cuda::kTreeAttnMaxHeadDim, kOp, ": q: the CUDA kernel supports head dims 1 .. ",
               cuda::kTreeAttnMaxHeadDim, ", got ", head_dim);
+  TORCH_CHECK(value_dim >= 1 && value_dim <= cuda::kTreeAttnMaxHeadDim, kOp,
+              ": v_cache: the CUDA kernel supports value head dims 1 .. ", cuda::kTreeAttnMaxHeadDim, ", got ", value_dim);
   check_fits_int32(kOp, "S (k_cache.size(1))", cache_len);
   check_fits_int32(kOp, "T * Hq (q.size(1) * q.size(2))", num_nodes * num_q_heads);
   TORCH_CHECK(batch <= 65535 && num_kv_heads <= 65535, kOp, ": batch size (", batch, ") and KV heads (",
               num_kv_heads, ") must be at most 65535 (grid dimensions)");
 
   const c10::cuda::CUDAGuard guard(device);
-  at::Tensor out = q.new_empty({batch, num_nodes, num_q_heads, head_dim});  // contiguous
+  at::Tensor out = q.new_empty({batch, num_nodes, num_q_heads, value_dim});  // contiguous
   if (out.numel() == 0) return out;  // B, T or Hq of 0: nothing to launch (a 0-block grid is an error)
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
@@ -117,6 +123,10 @@ at::Tensor tree_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, c
   params.num_q_heads = static_cast<int32_t>(num_q_heads);
   params.num_kv_heads = static_cast<int32_t>(num_kv_heads);
   params.head_dim = static_cast<int32_t>(head_dim);
+  params.value_dim = static_cast<int32_t>(value_dim);
+  params.window = static_cast<int32_t>(std::min<int64_t>(window, INT32_MAX));
+  params.softcap = static_cast<float>(softcap);
+  params.scale = static_cast<float>(scale);
   params.group = static_cast<int32_t>(num_q_heads / num_kv_heads);
   params.cache_len = static_cast<int32_t>(cache_len);
   params.num_splits = 1;
@@ -129,7 +139,9 @@ at::Tensor tree_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, c
   int cc_major = 0, num_sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, device.index()));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device.index()));
+  // Dv != D (MLA) runs the fallback kernel: the tensor-core tiles hold K and V of one width.
   const bool use_mma = dtype != at::kFloat && cuda::tree_attention_mma_head_dim(static_cast<int>(head_dim)) &&
+                       value_dim == head_dim &&
                        cc_major >= 8 && rows_aligned(q) && rows_aligned(k_cache) && rows_aligned(v_cache);
   int warps = 4;
   at::Tensor workspace;

@@ -12,12 +12,14 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
 
 #include "checks_paged.h"
+#include "tree_attention_checks.h"
 #include "specdec/tree.cuh"
 #include "specdec/tree_attention.cuh"
 
@@ -48,7 +50,8 @@ cudaError_t launch(const cuda::TreeAttentionParams& params, bool use_mma, int wa
 
 at::Tensor tree_attention_paged_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                      const at::Tensor& tree_mask, const at::Tensor& cache_seqlens,
-                                     const at::Tensor& block_table, double scale) {
+                                     const at::Tensor& block_table, double scale, int64_t window,
+                                     double softcap) {
   TORCH_CHECK(q.dim() == 4, kOp, ": q must be a 4-D [B, T, Hq, D] tensor, got shape ", q.sizes());
   const at::ScalarType dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, kOp,
@@ -68,14 +71,18 @@ at::Tensor tree_attention_paged_cuda(const at::Tensor& q, const at::Tensor& k_ca
   const int64_t num_nodes = q.size(1);
   const int64_t num_q_heads = q.size(2);
   const int64_t head_dim = q.size(3);
+  const int64_t value_dim = v_cache.size(3);
+  check_window_softcap(kOp, window, softcap);
   TORCH_CHECK(num_nodes >= 1, kOp, ": q must hold T >= 1 tree nodes, got shape ", q.sizes());
   TORCH_CHECK(k_cache.size(0) >= 1 && k_cache.size(1) >= 1, kOp,
               ": k_cache must be a [num_pages, page_size, Hkv, D] pool with at least one page of at least one slot, "
               "got shape ",
               k_cache.sizes());
   check_size(kOp, "k_cache", k_cache, 3, head_dim, "D (q.size(3))");
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), kOp, ": v_cache must have k_cache's shape ", k_cache.sizes(),
-              ", got ", v_cache.sizes());
+  TORCH_CHECK(v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == k_cache.size(1) &&
+                  v_cache.size(2) == k_cache.size(2),
+              kOp, ": v_cache must be a [num_pages, page_size, Hkv, Dv] pool with k_cache's first three dims ",
+              k_cache.sizes(), ", got ", v_cache.sizes());
   const int64_t page_size = k_cache.size(1);
   const int64_t cache_len = block_table.size(1) * page_size;  // each row's logical capacity
   const int64_t num_kv_heads = k_cache.size(2);
@@ -86,6 +93,8 @@ at::Tensor tree_attention_paged_cuda(const at::Tensor& q, const at::Tensor& k_ca
   check_size(kOp, "cache_seqlens", cache_seqlens, 0, batch, "B (q.size(0))");
   TORCH_CHECK(head_dim >= 1 && head_dim <= cuda::kTreeAttnMaxHeadDim, kOp, ": q: the CUDA kernel supports head dims 1 .. ",
               cuda::kTreeAttnMaxHeadDim, ", got ", head_dim);
+  TORCH_CHECK(value_dim >= 1 && value_dim <= cuda::kTreeAttnMaxHeadDim, kOp,
+              ": v_cache: the CUDA kernel supports value head dims 1 .. ", cuda::kTreeAttnMaxHeadDim, ", got ", value_dim);
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"q", q}, {"k_cache", k_cache},
                                 {"v_cache", v_cache}}) {
     TORCH_CHECK(t.stride(3) == 1 || t.size(3) <= 1, kOp, ": ", name,
@@ -112,7 +121,7 @@ at::Tensor tree_attention_paged_cuda(const at::Tensor& q, const at::Tensor& k_ca
               num_kv_heads, ") must be at most 65535 (grid dimensions)");
 
   const c10::cuda::CUDAGuard guard(device);
-  at::Tensor out = q.new_empty({batch, num_nodes, num_q_heads, head_dim});  // contiguous
+  at::Tensor out = q.new_empty({batch, num_nodes, num_q_heads, value_dim});  // contiguous
   if (out.numel() == 0) return out;  // B, T or Hq of 0: nothing to launch (a 0-block grid is an error)
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
@@ -160,6 +169,10 @@ at::Tensor tree_attention_paged_cuda(const at::Tensor& q, const at::Tensor& k_ca
   params.num_q_heads = static_cast<int32_t>(num_q_heads);
   params.num_kv_heads = static_cast<int32_t>(num_kv_heads);
   params.head_dim = static_cast<int32_t>(head_dim);
+  params.value_dim = static_cast<int32_t>(value_dim);
+  params.window = static_cast<int32_t>(std::min<int64_t>(window, INT32_MAX));
+  params.softcap = static_cast<float>(softcap);
+  params.scale = static_cast<float>(scale);
   params.group = static_cast<int32_t>(num_q_heads / num_kv_heads);
   params.cache_len = static_cast<int32_t>(cache_len);
   params.num_splits = 1;
@@ -181,7 +194,9 @@ at::Tensor tree_attention_paged_cuda(const at::Tensor& q, const at::Tensor& k_ca
   int cc_major = 0, num_sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, device.index()));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device.index()));
+  // Dv != D (MLA) runs the fallback kernel: the tensor-core tiles hold K and V of one width.
   const bool use_mma = dtype != at::kFloat && cuda::tree_attention_mma_head_dim(static_cast<int>(head_dim)) &&
+                       value_dim == head_dim &&
                        cc_major >= 8 && rows_aligned(q) && rows_aligned(k_cache) && rows_aligned(v_cache);
   int warps = 4;
   at::Tensor workspace;

@@ -1,4 +1,6 @@
-"""`specdec bench kernels`: every per-op benchmark, short sweep by default, `--full` for all.
+"""`specdec bench kernels`: every per-op benchmark, short sweep by default, `--full` for all,
+`--goal` for the goal configurations alone (tree attention B=8 T=64 prefix 8k; verify B=64
+V=128k chain 4 and tree 64, greedy and sampled; n-gram B=256 L=32k), written to *_goal_*.json.
 
 Each benchmark is a module with `main(argv) -> int`:
   ngram           specdec_kernels.benchmarks.ngram (host-side drafting: runs on every machine)
@@ -54,12 +56,14 @@ def run_order(names, device) -> list:
     return sorted(names, key=lambda name: (name in GPU_BENCHMARKS) != gpu)  # a stable sort
 
 
-def argv_for(name: str, *, full: bool, smoke: bool, out_dir, device) -> list:
+def argv_for(name: str, *, full: bool, smoke: bool, out_dir, device, goal: bool = False) -> list:
     """Command line for one benchmark's main(argv), writing into out_dir."""
-    mode = ["--smoke"] if smoke else (["--full"] if full else [])
+    mode = ["--smoke"] if smoke else (["--full"] if full else (["--goal"] if goal else []))
     file = f"{name}_{common.device_slug(device)}.json"  # n-gram on a GPU machine: its CUDA kernel too
     if smoke:
         file = file.replace(".json", "_smoke.json")
+    elif goal:  # beside the sweep's file, not over it
+        file = file.replace(".json", "_goal.json")
     return mode + ["--out", str(out_dir / file)]
 
 
@@ -77,6 +81,9 @@ def add_arguments(parser):
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--full", action="store_true", help="every benchmark's full sweep")
     mode.add_argument("--smoke", action="store_true", help="tiny configs that only check the code runs")
+    mode.add_argument("--goal", action="store_true",
+                      help="only the configurations the goals are stated at (issue 37; what a short GPU window "
+                           "measures first)")
     parser.add_argument("--out-dir", default=None, help="results folder (default bench/results of the checkout)")
     parser.add_argument("--only", default=None, help=f"comma-separated subset of {', '.join(BENCHMARKS)}")
     return parser
@@ -101,7 +108,7 @@ def run(args) -> int:
             summary.append((name, "skipped", reason))
             continue
         source = f"specdec_kernels.benchmarks.{name}"
-        argv = argv_for(name, full=args.full, smoke=args.smoke, out_dir=out_dir, device=device)
+        argv = argv_for(name, full=args.full, smoke=args.smoke, goal=args.goal, out_dir=out_dir, device=device)
         print(f"== {name}: {source} main({argv})", flush=True)
         start = time.perf_counter()
         try:

@@ -414,6 +414,8 @@ def main(argv=None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="default: small sweep, ~1-2 min")
     mode.add_argument("--full", action="store_true", help="every B x L, slow peers on bigger inputs")
+    mode.add_argument("--goal", action="store_true",
+                      help="the goal configuration alone (issue 37: B=256, L=32k; text and the random worst case)")
     mode.add_argument("--smoke", action="store_true", help="two tiny configs, short timings: checks the code runs "
                                                            "(written to --out, default a temporary file)")
     parser.add_argument("--threads", type=int, default=2)
@@ -430,11 +432,9 @@ def main(argv=None) -> int:
         torch.set_num_threads(threads)
 
 
-def sweep(args) -> int:
-    """The sweep of `main` with parsed arguments (torch's thread count set to --threads)."""
-    torch.set_num_threads(args.threads)
-    if HAS_NUMBA:
-        numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+def sweep_configs(args) -> list:
+    """The (B, L, workload, policy) configs of the chosen mode; sets the mode's timing budgets
+    on `args` (budget, slow_limit, index_tokens, index_steps)."""
     if args.full:
         batches, lengths = (1, 8, 64, 256), (1024, 8192, 32768, 131072)
         extra_lengths = (8192, 32768, 131072)
@@ -452,13 +452,25 @@ def sweep(args) -> int:
                                                                          ("random", "latest"))]
     if args.smoke:
         configs = configs[:2]
+    if args.goal:  # the quick settings at the goal's B and L alone
+        configs = [(256, 32768, "text", "earliest"), (256, 32768, "random", "earliest")]
+    return configs
+
+
+def sweep(args) -> int:
+    """The sweep of `main` with parsed arguments (torch's thread count set to --threads)."""
+    torch.set_num_threads(args.threads)
+    if HAS_NUMBA:
+        numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+    configs = sweep_configs(args)
     # The unfold peer runs where a GPU serving engine would run it: on the GPU when there is one;
     # so does our CUDA kernel where _C has it (ours_cuda_us, beside the C++ ours_us).
     args.unfold_device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.cuda_ours = args.unfold_device.type == "cuda" and "cuda" in available_backends("ngram_propose", "cuda")
     if args.out is None:
         args.out = (os.path.join("/tmp", "bench_ngram_smoke.json") if args.smoke
-                    else str(common.results_dir() / f"ngram_{common.device_slug(args.unfold_device)}.json"))
+                    else str(common.results_dir() / f"ngram_{common.device_slug(args.unfold_device)}"
+                                                        f"{'_goal' if args.goal else ''}.json"))
     args.cuda_reps = 5 if args.smoke else 50
     docs, vocab = load_corpus()
     print(f"corpus: {len(docs)} prompts, {sum(map(len, docs))} words, vocab {vocab}; threads {args.threads}; "
@@ -468,7 +480,7 @@ def sweep(args) -> int:
         "ngram", args.unfold_device, "cuda" if args.cuda_ours else "cpu",
         host_cpu=cpu_name(),
         numba=numba.__version__ if HAS_NUMBA else None,
-        mode="full" if args.full else ("smoke" if args.smoke else "quick"),
+        mode="full" if args.full else ("smoke" if args.smoke else ("goal" if args.goal else "quick")),
         unfold_device=common.device_name(args.unfold_device),
         notes="ours/floor/peers_us are per decoding step for B rows; index = per-row append(1..k)+propose "
               "time x B; floor = one torch max-reduction over the batch (bytes: the batch read once; n-gram "

@@ -4,17 +4,19 @@ workloads at batch 1 and with several concurrent requests.
 
 vLLM lives in its own virtual environment (`tools/vllm_env.sh`; found at $SPECDEC_VLLM_VENV,
 default ~/.cache/specdec_kernels/vllm-venv). This module runs in the main environment: it builds
-the prompts (token ids, with our tokenizer), times our `generate` in-process, and runs each vLLM
-method in one worker process of the venv's Python (`python -m specdec_kernels.benchmarks.vllm
---worker job.json out.json`: one engine per method, every run of that method in it; the engine
-runs in the worker's own process, VLLM_ENABLE_V1_MULTIPROCESSING=0, so our proposer's counters
-can be read). The worker half imports vLLM; the rest of the package never does.
+the prompts (token ids, with our tokenizer), times our `generate` in-process, and keeps one
+persistent worker process per vLLM method in the venv (`python -m specdec_kernels.benchmarks.vllm
+--serve job.json`: one engine, built once, runs sent over stdin), so each (workload, concurrency)
+row runs every method back to back, the order rotated per repeat. The engine runs inside the
+worker's process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so our proposer's counters can be read.
+Only the worker half imports vLLM.
 
-Throughput: generated tokens / wall seconds of the whole `LLM.generate` call (all requests
-submitted at once: `concurrency` requests in flight). Latency: per request, seconds from
-submission to its last token (vLLM's RequestOutput.metrics where present, else the call's time).
-Greedy identity: every method's tokens are compared with vLLM plain's (and ours with HF's in the
-e2e benchmark); a mismatch is reported in the row ("identical": false), never hidden.
+Throughput: generated tokens / wall seconds of the `LLM.generate` calls (`concurrency` requests
+submitted together; at concurrency 1 the prompts one after another). Latency: per request,
+seconds from entering vLLM's queue to its last token (vLLM's RequestStateStats). Greedy
+identity: every vLLM method's tokens are compared with vLLM plain's (a difference is marked in
+the row and makes the command exit 1); our generate runs transformers' kernels, so its agreement
+with vLLM is reported but not required.
 """
 
 import argparse
@@ -78,8 +80,15 @@ def add_arguments(parser):
     parser.add_argument("--max-new-tokens", type=int, default=SHORT["max_new_tokens"])
     parser.add_argument("--methods", type=_csv(str), default=METHODS, help=f"comma-separated of {', '.join(METHODS)}")
     parser.add_argument("--k", type=int, default=10, help="vllm_ours: num_speculative_tokens (default 10)")
+    parser.add_argument("--specdec", type=json.loads, default=None, metavar="JSON",
+                        help='vllm_ours: our proposer\'s settings (additional_config["specdec"]), e.g. \'{"max_n": 8}\'')
     parser.add_argument("--generate-max-concurrency", type=int, default=8,
                         help="our generate runs batches up to this size (default 8; larger rows are skipped)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="threads of every method: OMP_NUM_THREADS and NUMBA_NUM_THREADS of the vLLM workers "
+                             "(vLLM's CPU ops are OpenMP regions; it drops torch to 1 thread, but its n-gram proposer's "
+                             "numba pool raises OpenMP's count again) and torch.set_num_threads for our generate "
+                             "(default 1: on a shared VM, OpenMP barriers over busy cores cost vLLM ms per op)")
     parser.add_argument("--repeats", type=int, default=1, help="timed passes per row, median reported (default 1)")
     parser.add_argument("--smoke", action="store_true", help="code_edit, 1 prompt, 16 tokens, concurrency 1,2")
     parser.add_argument("--out-dir", default=None, help="results folder (default bench/results of the checkout)")
@@ -122,12 +131,12 @@ def _vllm_job(method, model_dir, plan, args):
     engine = {"max_num_seqs": max(most, 1), "max_model_len": longest + args.max_new_tokens + args.k + 16,
               "kv_cache_bytes": max(int(in_flight * per_token * 1.25), 256 << 20)}
     return {"model": model_dir, "method": kind, "k": k, "engine": engine,
-            "warmup_prompt": next(iter(plan.values()))[0]}
+            "warmup_prompt": next(iter(plan.values()))[0], "specdec": args.specdec if kind == "ours" else None}
 
 
 def _time_generate(model, tokenizer, prompts, concurrency, args):
     """Our loop (n-gram drafter, adaptive) over `prompts` in batches of `concurrency`:
-    (seconds, new tokens, per-request latencies, token lists)."""
+    (seconds, new tokens, per-request latencies, token lists, CPU seconds of this process)."""
     import torch
 
     from ..loop.drafters import NgramDrafter
@@ -136,7 +145,7 @@ def _time_generate(model, tokenizer, prompts, concurrency, args):
 
     eos, pad = stop_ids(model, tokenizer)
     eos_ids = torch.tensor(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else None
-    total, outs, latencies = 0.0, [], []
+    total, cpu, outs, latencies = 0.0, 0.0, [], []
     for begin in range(0, len(prompts), concurrency):
         group = prompts[begin: begin + concurrency]
         width = max(len(p) for p in group)
@@ -145,11 +154,12 @@ def _time_generate(model, tokenizer, prompts, concurrency, args):
         for b, p in enumerate(group):
             ids[b, width - len(p):] = torch.tensor(p)
             mask[b, width - len(p):] = 1
-        start = time.perf_counter()
+        start, cpu0 = time.perf_counter(), time.process_time()
         out = generate(model, ids, drafter=NgramDrafter(num_tokens=args.k), max_new_tokens=args.max_new_tokens,
                        eos_token_id=eos, attention_mask=mask, adaptive=True)
         seconds = time.perf_counter() - start
         total += seconds
+        cpu += time.process_time() - cpu0
         for row in out.sequences[:, width:]:
             row = row.tolist()
             if eos_ids is not None:
@@ -159,7 +169,7 @@ def _time_generate(model, tokenizer, prompts, concurrency, args):
                         break
             outs.append(row)
             latencies.append(seconds)
-    return total, sum(len(o) for o in outs), latencies, outs
+    return total, sum(len(o) for o in outs), latencies, outs, cpu
 
 
 def _row(method, workload, c, prompts, seconds, new_tokens, latencies, args, **extra):
@@ -206,6 +216,9 @@ def run_args(args) -> int:
         print(f"{', '.join(vllm_methods)}: skipped, no vLLM venv (tools/vllm_env.sh)", flush=True)
         vllm_methods = []
     model = None
+    import torch
+
+    torch.set_num_threads(args.threads)
     if "generate" in args.methods:
         model, _ = load_model(model_dir)
         # untimed: the planner's cost model is measured on first use (then cached)
@@ -214,7 +227,7 @@ def run_args(args) -> int:
     workers = {}
     try:
         for method in vllm_methods:  # all engines up first, so every row's methods run back to back
-            workers[method] = Worker(_vllm_job(method, model_dir, plan, args), python=python)
+            workers[method] = Worker(_vllm_job(method, model_dir, plan, args), python=python, threads=args.threads)
             print(f"{method}: engine up in {workers[method].init_seconds:.1f} s", flush=True)
         methods = [m for m in args.methods if m in workers or (m == "generate" and model is not None)]
         for (workload, c), prompts in plan.items():
@@ -225,9 +238,9 @@ def run_args(args) -> int:
                     if method == "generate":
                         if c > args.generate_max_concurrency:
                             continue
-                        seconds, new, lat, outs = _time_generate(model, tokenizer, prompts, c, args)
+                        seconds, new, lat, outs, cpu = _time_generate(model, tokenizer, prompts, c, args)
                         passes[method].append({"seconds": seconds, "new_tokens": new, "latencies": lat,
-                                               "tokens": outs})
+                                               "tokens": outs, "cpu_seconds": cpu})
                     else:
                         run = {"name": f"{workload}|{c}", "prompts": prompts, "max_tokens": args.max_new_tokens,
                                "concurrency": c}
@@ -236,7 +249,10 @@ def run_args(args) -> int:
                 if not reps:
                     continue
                 best = sorted(reps, key=lambda r: r["seconds"])[len(reps) // 2]  # the median pass
-                extra = {"repeats": len(reps), "seconds_all": [r["seconds"] for r in reps]}
+                extra = {"repeats": len(reps), "seconds_all": [r["seconds"] for r in reps],
+                         "cpu_seconds": best.get("cpu_seconds"),
+                         "tokens_per_cpu_s": best["new_tokens"] / best["cpu_seconds"] if best.get("cpu_seconds") else None,
+                         "threads": args.threads}
                 if method in workers:
                     extra["init_seconds"] = workers[method].init_seconds
                     sm = best.get("spec_metrics") or {}
@@ -258,12 +274,17 @@ def run_args(args) -> int:
     finally:
         for worker in workers.values():
             worker.close()
+    dump = os.environ.get("SPECDEC_VLLM_DUMP_TOKENS")
+    if dump:  # prompts and every method's tokens, for offline analysis (not part of the results)
+        Path(dump).write_text(json.dumps({"plan": {f"{w}|{c}": p for (w, c), p in plan.items()},
+                                          "tokens": {"|".join(map(str, k)): v for k, v in tokens.items()}}))
     failed = _compare(rows, tokens)
     _add_ratios(rows)
     _print(rows, args)
     result["fastest_vllm_settings"] = _fastest(rows)
     common.write_rows(result, rows, path, planned=planned, complete=True)
     _plot(rows, out_dir / f"{args.name}.png", args)
+    _plot(rows, out_dir / f"{args.name}_cpu.png", args, "tokens_per_cpu_s", "tokens per CPU-second")
     return 1 if failed else 0
 
 
@@ -302,10 +323,14 @@ def _add_ratios(rows):
         key = (r["config"]["workload"], r["config"]["concurrency"])
         if r["config"]["method"].startswith("vllm_ngram") and r["tokens_per_s"]:
             best_ngram[key] = max(best_ngram.get(key, 0), r["tokens_per_s"])
+    plain_cpu = {(r["config"]["workload"], r["config"]["concurrency"]): r.get("tokens_per_cpu_s") for r in rows
+                 if r["config"]["method"] == "vllm_plain"}
     for r in rows:
         key = (r["config"]["workload"], r["config"]["concurrency"])
         if plain.get(key) and r["tokens_per_s"]:
             r["ratio_vs_vllm_plain"] = r["tokens_per_s"] / plain[key]
+        if plain_cpu.get(key) and r.get("tokens_per_cpu_s"):
+            r["cpu_ratio_vs_vllm_plain"] = r["tokens_per_cpu_s"] / plain_cpu[key]
         if best_ngram.get(key) and r["tokens_per_s"]:
             r["ratio_vs_best_vllm_ngram"] = r["tokens_per_s"] / best_ngram[key]
 
@@ -324,6 +349,12 @@ def _fastest(rows) -> dict:
 
 
 def _print(rows, args):
+    _print_metric(rows, args, "tokens_per_s", "ratio_vs_vllm_plain", "tokens/s (wall)")
+    _print_metric(rows, args, "tokens_per_cpu_s", "cpu_ratio_vs_vllm_plain",
+                  f"tokens per CPU-second of the method's process ({args.threads} thread(s) each)")
+
+
+def _print_metric(rows, args, field, ratio, label):
     from . import common
 
     methods = [m for m in args.methods if any(r["config"]["method"] == m for r in rows)]
@@ -335,28 +366,28 @@ def _print(rows, args):
         for m in methods:
             row = next((r for r in rows if r["config"]["method"] == m and r["config"]["workload"] == workload
                         and r["config"]["concurrency"] == c), None)
-            if row is None or not row["tokens_per_s"]:
+            if row is None or not row.get(field):
                 line.append("-")
                 continue
-            cell = f"{row['tokens_per_s']:.1f}"
-            if row.get("ratio_vs_vllm_plain") and m != "vllm_plain":
-                cell += f" ({row['ratio_vs_vllm_plain']:.2f}x)"
+            cell = f"{row[field]:.1f}"
+            if row.get(ratio) and m != "vllm_plain":
+                cell += f" ({row[ratio]:.2f}x)"
             if row.get("identical_to_vllm_plain") is False and m.startswith("vllm_"):
                 cell += " DIFF"
             line.append(cell)
         table.append(line)
-    print(f"tokens/s, greedy, {args.max_new_tokens} new tokens (ratio: vs vllm_plain in the same run)")
+    print(f"{label}, greedy, {args.max_new_tokens} new tokens (ratio: vs vllm_plain in the same run)")
     common.print_table(["workload", "conc."] + methods, table)
 
 
-def _plot(rows, path, args):
+def _plot(rows, path, args, field="tokens_per_s", ylabel="tokens/s (wall)"):
     from . import common
 
     panels = []
     for workload in args.workloads:
         series = {}
         for m in args.methods:
-            pts = sorted((r["config"]["concurrency"], r["tokens_per_s"]) for r in rows
+            pts = sorted((r["config"]["concurrency"], r.get(field)) for r in rows
                          if r["config"]["method"] == m and r["config"]["workload"] == workload)
             if pts:
                 series[m] = dict(pts)
@@ -364,7 +395,7 @@ def _plot(rows, path, args):
         if xs:
             panels.append((workload, xs, {m: [s.get(x) for x in xs] for m, s in series.items()}))
     if panels:
-        common.plot_panels(path, panels, xlabel="concurrent requests", ylabel="tokens/s",
+        common.plot_panels(path, panels, xlabel="concurrent requests", ylabel=ylabel,
                            title=f"vLLM CPU, SmolLM2-135M fp32, greedy, {args.max_new_tokens} new tokens")
 
 
@@ -435,7 +466,7 @@ def _run_once(llm, run: dict) -> dict:
               for m in limits]
     before, metrics_before = _proposer_stats(), _spec_metrics(llm)
     outs, latencies = [], []
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for begin in range(0, len(prompts), concurrency):
         group = [{"prompt_token_ids": p} for p in prompts[begin: begin + concurrency]]
         g0 = time.perf_counter()
@@ -444,7 +475,7 @@ def _run_once(llm, run: dict) -> dict:
         for o in got:
             outs.append(list(o.outputs[0].token_ids))
             latencies.append(_latency(o, g0, g1))
-    seconds = time.perf_counter() - t0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
     after, metrics_after = _proposer_stats(), _spec_metrics(llm)
     spec = {k: metrics_after.get(k, 0) - metrics_before.get(k, 0) for k in metrics_after
             if isinstance(metrics_after.get(k), (int, float))}
@@ -455,6 +486,7 @@ def _run_once(llm, run: dict) -> dict:
                      "step_seconds", "timed_steps") if isinstance(after.get(k), (int, float))}
         proposer["token_cost_ratio"] = after.get("token_cost_ratio")
     return {"name": run.get("name"), "concurrency": concurrency, "tokens": outs, "seconds": seconds,
+            "cpu_seconds": cpu_seconds,
             "new_tokens": sum(len(o) for o in outs), "latencies": latencies, "spec_metrics": spec,
             "proposer": proposer}
 
@@ -517,7 +549,7 @@ def _serve_main(job_path: str) -> int:
 class Worker:
     """A persistent vLLM worker process in the venv (one engine, one method)."""
 
-    def __init__(self, job: dict, *, python: Optional[Path] = None, log=None):
+    def __init__(self, job: dict, *, python: Optional[Path] = None, threads: int = 1):
         python = python or venv_python()
         if python is None:
             raise RuntimeError("no vLLM venv: run tools/vllm_env.sh (or set SPECDEC_VLLM_VENV)")
@@ -526,7 +558,7 @@ class Worker:
         job_path.write_text(json.dumps(job))
         self.log_path = Path(self.tmp.name) / "worker.log"
         self._log = open(self.log_path, "w")
-        env = dict(os.environ, **WORKER_ENV)
+        env = dict(os.environ, **WORKER_ENV, OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads))
         env.pop("PYTHONPATH", None)
         self.proc = subprocess.Popen([str(python), "-m", "specdec_kernels.benchmarks.vllm", "--serve", str(job_path)],
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
@@ -562,7 +594,7 @@ class Worker:
         self.tmp.cleanup()
 
 
-def call_worker(job: dict, *, timeout: float = 3600, python: Optional[Path] = None) -> dict:
+def call_worker(job: dict, *, timeout: float = 3600, python: Optional[Path] = None, threads: int = 1) -> dict:
     """Run `job` in the vLLM venv (RuntimeError with the worker's output tail when it fails)."""
     python = python or venv_python()
     if python is None:
@@ -570,7 +602,7 @@ def call_worker(job: dict, *, timeout: float = 3600, python: Optional[Path] = No
     with tempfile.TemporaryDirectory(prefix="specdec-vllm-") as tmp:
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job_path.write_text(json.dumps(job))
-        env = dict(os.environ, **WORKER_ENV)
+        env = dict(os.environ, **WORKER_ENV, OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads))
         env.pop("PYTHONPATH", None)
         proc = subprocess.run([str(python), "-m", "specdec_kernels.benchmarks.vllm", "--worker", str(job_path),
                                str(out_path)], env=env, capture_output=True, text=True, timeout=timeout,

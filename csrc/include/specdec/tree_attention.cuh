@@ -5,6 +5,12 @@
 // i of row b attends to keys 0 .. L_b - 1 and to tree key L_b + j iff bit j of its packed
 // ancestor mask is set. Output [B, T, Hq, D] in q's dtype, fp32 accumulation. Only keys below
 // L_b + T are ever read: slots past the tree may hold garbage (even NaN) or lie past S.
+// Options (TreeAttentionParams; 0: off): a sliding window (a query at sequence position
+// p = L_b + depth, depth = its ancestor count from the mask, sees a key at position k only
+// if p - k < window; prefix key s is at s, tree node j at L_b + depth(j)), soft-capping
+// (score -> softcap * tanh(score / softcap) on the scaled score), and a value head dim Dv
+// of its own (MLA; the fallback kernel only: the host sends Dv != D there). NOT RUN ON A
+// GPU: written and compile-checked only (tools/compile_check.sh), like the rest of this file.
 //
 // ------------------------------------------------------------------------------- roofline
 // Target config: bf16, B = 8, Hq = 32, Hkv = 8 (group 4), D = 128, T = 64, prefix 8192.
@@ -120,6 +126,10 @@ struct TreeAttentionParams {
   int64_t mask_stride_b, mask_stride_t, mask_stride_w;
   int64_t out_stride_b, out_stride_t, out_stride_h;
   int32_t batch, num_nodes, num_q_heads, num_kv_heads, head_dim, group;
+  int32_t value_dim;    // Dv: V's, the output's and the partials' head dim (== head_dim on the mma path)
+  int32_t window;       // sliding window in positions; 0: none
+  float softcap;        // soft-capping of the natural-unit scores; 0: none
+  float scale;          // softmax scale (natural units; scale_log2 = scale * log2 e)
   int32_t cache_len;    // S: prefixes are clamped to [0, S - T] so bad lengths cannot read out of bounds
   int32_t num_splits;   // KV splits of the prefix (mma path)
   int32_t num_m_tiles;  // ceil(num_nodes * group / kBlockM) (mma path)
@@ -273,6 +283,33 @@ __device__ __forceinline__ uint64_t take_bits(uint64_t word, int shift, int coun
   return count >= 64 ? word : word & ((uint64_t{1} << count) - 1);
 }
 
+// Depth of tree node `node` of row b: its ancestors in the packed mask (itself excluded), so
+// its sequence position is L_b + depth. Sliding windows only (a few words per node).
+__device__ __forceinline__ int node_depth(const TreeAttentionParams& p, int64_t b, int node) {
+  const int64_t* row = p.mask + b * p.mask_stride_b + node * p.mask_stride_t;
+  int count = 0;
+  for (int j0 = 0; j0 < p.num_nodes; j0 += 64) {
+    const int bits = p.num_nodes - j0 < 64 ? p.num_nodes - j0 : 64;
+    count += __popcll(take_bits(static_cast<uint64_t>(row[(j0 / 64) * p.mask_stride_w]), 0, bits));
+  }
+  return count - 1;
+}
+
+// The scaled score in log2 units (the kernels use exp2), soft-capped when p.softcap > 0:
+// softcap * tanh(dot * scale / softcap) * log2 e.
+__device__ __forceinline__ float scaled_score(const TreeAttentionParams& p, float dot) {
+  if (p.softcap > 0.f) return p.softcap * tanhf(dot * p.scale / p.softcap) * 1.4426950408889634f;
+  return dot * p.scale_log2;
+}
+
+// The first prefix key any query of row b may see: with a window, the root (position L_b)
+// sees nothing at or before L_b - window, and every other node sits later.
+__device__ __forceinline__ int64_t first_visible_key(const TreeAttentionParams& p, int64_t prefix_len) {
+  if (p.window <= 0) return 0;
+  const int64_t first = prefix_len - p.window + 1;
+  return first < 0 ? 0 : first;
+}
+
 // ------------------------------------------------------------------------------- tensor-core path
 
 template <typename Elem, int kHeadDim, int kWarps>
@@ -345,11 +382,13 @@ __global__ void __launch_bounds__(kWarps * 32, 1) tree_attention_mma_kernel(cons
   const Elem* k_base = static_cast<const Elem*>(p.k) + (kPaged ? 0 : b * p.k_stride_b) + kv_head * p.k_stride_h;
   const Elem* v_base = static_cast<const Elem*>(p.v) + (kPaged ? 0 : b * p.v_stride_b) + kv_head * p.v_stride_h;
 
-  // This split's prefix keys [lo, hi): equal chunks rounded up to whole tiles.
+  // This split's prefix keys [lo, hi): equal chunks rounded up to whole tiles, from the first
+  // key the window lets any query see (0 without a window).
   const int64_t prefix_len = clamp_prefix(p.seqlens[b], p.cache_len, num_nodes);
-  const int64_t per_split = (prefix_len + p.num_splits - 1) / p.num_splits;
+  const int64_t first_key = first_visible_key(p, prefix_len);
+  const int64_t per_split = (prefix_len - first_key + p.num_splits - 1) / p.num_splits;
   const int64_t chunk = (per_split + kBlockN - 1) / kBlockN * kBlockN;
-  const int64_t lo = min_i64(split * chunk, prefix_len);
+  const int64_t lo = min_i64(first_key + split * chunk, prefix_len);
   const int64_t hi = min_i64(lo + chunk, prefix_len);
   const int num_prefix_tiles = static_cast<int>((hi - lo + kBlockN - 1) / kBlockN);
   const int num_tree_tiles = split == p.num_splits - 1 ? (num_nodes + kBlockN - 1) / kBlockN : 0;
@@ -420,6 +459,15 @@ __global__ void __launch_bounds__(kWarps * 32, 1) tree_attention_mma_kernel(cons
   for (int nb = 0; nb < kDBlocks; ++nb) o_acc[nb][0] = o_acc[nb][1] = o_acc[nb][2] = o_acc[nb][3] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY};  // rows g and g + 8, log2 units
   float row_sum[2] = {0.f, 0.f};              // this thread's columns only; quad-summed at the end
+  // Sliding window: the sequence positions of rows g and g + 8 (their nodes' L_b + depth).
+  int64_t row_pos[2] = {0, 0};
+  if (p.window > 0) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int m = row0 + warp * 16 + g + 8 * half;
+      row_pos[half] = prefix_len + (m < num_rows ? node_depth(p, b, m / group) : 0);
+    }
+  }
 
   if (num_tiles > 0) load_tile(0, 0);
   cp_async_commit();
@@ -443,6 +491,14 @@ __global__ void __launch_bounds__(kWarps * 32, 1) tree_attention_mma_kernel(cons
         word = take_bits(static_cast<uint64_t>(
                              p.mask[b * p.mask_stride_b + node * p.mask_stride_t + (j0 / 64) * p.mask_stride_w]),
                          j0 % 64, valid_cols);
+        if (p.window > 0 && word != 0) {
+          // Ancestors d levels up are d positions back: drop those the window does not reach.
+          const int depth = node_depth(p, b, node);
+          for (uint64_t bits = word; bits != 0; bits &= bits - 1) {
+            const int j = __ffsll(static_cast<long long>(bits)) - 1;
+            if (depth - node_depth(p, b, j0 + j) >= p.window) word &= ~(uint64_t{1} << j);
+          }
+        }
       }
       if (tid < kBlockM) s_words[tid] = word;
       uint32_t lo32 = static_cast<uint32_t>(word), hi32 = static_cast<uint32_t>(word >> 32);
@@ -502,8 +558,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) tree_attention_mma_kernel(cons
         }
       }
 
-      // ---- Scale, mask, online softmax (base 2).
-      const float scale = p.scale_log2;
+      // ---- Scale (and soft-cap), mask, online softmax (base 2).
 #pragma unroll
       for (int nb = 0; nb < kNBlocks; ++nb) {
 #pragma unroll
@@ -512,11 +567,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1) tree_attention_mma_kernel(cons
           const int half = e >> 1;  // 0: row g, 1: row g + 8
           bool visible;
           if (is_tree) {
-            visible = (vis_row[half] >> col) & 1;
+            visible = (vis_row[half] >> col) & 1;  // the window is already in the words
           } else {
-            visible = col < valid_cols;
+            visible = col < valid_cols && (p.window <= 0 || row_pos[half] - (start + col) < p.window);
           }
-          s[nb][e] = visible ? s[nb][e] * scale : -INFINITY;
+          s[nb][e] = visible ? scaled_score(p, s[nb][e]) : -INFINITY;
         }
       }
       float alpha[2];
@@ -631,13 +686,13 @@ __global__ void __launch_bounds__(kTreeAttnCombineWarps * 32) tree_attention_com
   const int node = m / p.group;
   const int head = kv_head * p.group + m % p.group;
   Elem* out = static_cast<Elem*>(p.out) + b * p.out_stride_b + node * p.out_stride_t + head * p.out_stride_h;
-  for (int d = 4 * lane; d < p.head_dim; d += 128) {
+  for (int d = 4 * lane; d < p.value_dim; d += 128) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int s = 0; s < splits; ++s) {
       const int64_t part = first + s * static_cast<int64_t>(num_rows);
       const float w = exp2f(p.part_lse[part] - ref);
       if (w == 0.f) continue;  // an empty split: skip its (zero) partials
-      const float4 o = *reinterpret_cast<const float4*>(p.part_o + part * p.head_dim + d);
+      const float4 o = *reinterpret_cast<const float4*>(p.part_o + part * p.value_dim + d);
       acc.x += w * o.x;
       acc.y += w * o.y;
       acc.z += w * o.z;
@@ -671,7 +726,7 @@ __global__ void __launch_bounds__(kTreeAttnSimtWarps * 32) tree_attention_simt_k
   const Elem* q = static_cast<const Elem*>(p.q) + b * p.q_stride_b + node * p.q_stride_t + head * p.q_stride_h;
   const Elem* k = static_cast<const Elem*>(p.k) + (kPaged ? 0 : b * p.k_stride_b) + kv_head * p.k_stride_h;
   const Elem* v = static_cast<const Elem*>(p.v) + (kPaged ? 0 : b * p.v_stride_b) + kv_head * p.v_stride_h;
-  float qr[kPerLane], acc[kPerLane];
+  float qr[kPerLane], acc[kPerLane];  // q over D, the output over Dv (both <= 256)
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int d = lane + 32 * i;
@@ -689,7 +744,7 @@ __global__ void __launch_bounds__(kTreeAttnSimtWarps * 32) tree_attention_simt_k
     }
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-    const float score = dot * p.scale_log2;
+    const float score = scaled_score(p, dot);
     const float mx = fmaxf(row_max, score);
     const float ref = mx == -INFINITY ? 0.f : mx;
     const float alpha = exp2f(row_max - ref);
@@ -700,11 +755,20 @@ __global__ void __launch_bounds__(kTreeAttnSimtWarps * 32) tree_attention_simt_k
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
       const int d = lane + 32 * i;
-      if (d < dim) acc[i] = acc[i] * alpha + prob * Ops::to_float(vr[d]);
+      if (d < p.value_dim) acc[i] = acc[i] * alpha + prob * Ops::to_float(vr[d]);
     }
   };
   const int64_t prefix_len = clamp_prefix(p.seqlens[b], p.cache_len, p.num_nodes);
-  for (int64_t key = 0; key < prefix_len; ++key) attend(key);
+  // Sliding window: this node sits at L_b + depth and sees keys after position - window, so
+  // prefix keys from L_b + depth - window + 1 and ancestors of depth >= depth - window + 1.
+  int min_depth = -1;  // every ancestor (depths are >= 0)
+  int64_t first = 0;
+  if (p.window > 0) {
+    min_depth = node_depth(p, b, node) - p.window + 1;
+    first = prefix_len + min_depth;
+    first = first < 0 ? 0 : first;
+  }
+  for (int64_t key = first; key < prefix_len; ++key) attend(key);
   const int64_t* mask = p.mask + b * p.mask_stride_b + node * p.mask_stride_t;
   for (int j0 = 0; j0 < p.num_nodes; j0 += 64) {
     const int count = p.num_nodes - j0 < 64 ? p.num_nodes - j0 : 64;
@@ -712,6 +776,7 @@ __global__ void __launch_bounds__(kTreeAttnSimtWarps * 32) tree_attention_simt_k
     while (word != 0) {  // uniform over the warp: every lane reads the same word
       const int j = __ffsll(static_cast<long long>(word)) - 1;
       word &= word - 1;
+      if (min_depth > 0 && node_depth(p, b, j0 + j) < min_depth) continue;
       attend(prefix_len + j0 + j);
     }
   }
@@ -720,7 +785,7 @@ __global__ void __launch_bounds__(kTreeAttnSimtWarps * 32) tree_attention_simt_k
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int d = lane + 32 * i;
-    if (d < dim) out[d] = Ops::from_float(acc[i] * inv);
+    if (d < p.value_dim) out[d] = Ops::from_float(acc[i] * inv);
   }
 }
 

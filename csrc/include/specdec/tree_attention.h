@@ -322,6 +322,26 @@ inline void tile_softmax_pv(float* scores, int64_t num_keys, int64_t stride, int
   tile_softmax_pv_impl(scores, num_keys, stride, lanes, rows, values, padded_dim, row_max, row_sum, alpha, acc);
 }
 
+// Soft-capping of a tile of scores [num_keys][stride], first `lanes` query lanes (a multiple
+// of 8; the stride, a multiple of 16, leaves room to round them up to whole vectors):
+// x -> cap * tanh(x / cap), with tanh(a) = sign(a) (1 - e^(-2|a|)) / (1 + e^(-2|a|)) so that
+// the exponential's argument is <= 0 (exp_nonpositive). Error: a few ulp of cap for large
+// |x|, ~1e-7 * cap absolute near 0; +-inf -> +-cap, NaN stays NaN.
+SPECDEC_CPU_MULTIVERSION
+inline void softcap_scores(float* scores, int64_t num_keys, int64_t stride, int64_t lanes, float cap) {
+  const Vec two_over_cap = splat<Vec>(2.0f / cap), cap_v = splat<Vec>(cap), one = splat<Vec>(1.0f);
+  for (int64_t n = 0; n < num_keys; ++n) {
+    float* row = scores + n * stride;
+    for (int64_t c = 0; c < lanes; c += kLanes) {
+      const Vec x = load(row + c);
+      const auto negative = x < splat<Vec>(0.0f);
+      const Vec e = exp_nonpositive(select(negative, x, -x) * two_over_cap);  // e^(-2|x| / cap)
+      const Vec t = (one - e) / (one + e) * cap_v;
+      store(row + c, select(negative, -t, t));
+    }
+  }
+}
+
 // ----------------------------------------------------------------------------- row loads
 
 // One row to fp32 (the 16-bit conversions vectorise in the AVX2 / AVX-512 clones).
@@ -534,15 +554,8 @@ void attend_keys(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_he
       }
       tile_scores(s.queries_t, mp, lanes, StridedRows{s.keys, head_dim}, count, head_dim, s.scores);
     }
-    if (p.softcap > 0.0f) {
-      // Before any masking (a masked score is overwritten with -inf below). The padding
-      // lanes past `lanes` are never read.
-      const float cap = p.softcap, inv_cap = 1.0f / p.softcap;
-      for (int64_t n = 0; n < count; ++n) {
-        float* row_scores = s.scores + n * mp;
-        for (int64_t m = 0; m < lanes; ++m) row_scores[m] = cap * std::tanh(row_scores[m] * inv_cap);
-      }
-    }
+    // Before any masking (a masked score is overwritten with -inf below).
+    if (p.softcap > 0.0f) softcap_scores(s.scores, count, mp, lanes, p.softcap);
     if (first < std::min(window_end, prefix_len)) {
       // Prefix keys some query is too far from (p - k >= window). Every key from first_key(b)
       // on is seen by the root, so none is hidden from all queries.
