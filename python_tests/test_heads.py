@@ -303,7 +303,7 @@ def test_head_refuses_another_target(heads):
 
 def test_bad_arguments(target, heads, tmp_path):
     with pytest.raises(ValueError, match="kind"):
-        train_draft_head(target, [[1, 2, 3]], kind="mtp", out_dir=tmp_path / "x")
+        train_draft_head(target, [[1, 2, 3]], kind="hydra", out_dir=tmp_path / "x")  # ("mtp" is a kind now)
     with pytest.raises(ValueError, match="steps"):
         train_draft_head(target, [[1, 2, 3]], kind="eagle", out_dir=tmp_path / "x", steps=0)
     for bad, match in ((dict(unroll=-1), "unroll"), (dict(prompt_weight=1.5), "prompt_weight"),

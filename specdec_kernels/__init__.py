@@ -10,6 +10,7 @@ Ops (one entry point each; `backend=` forces an implementation, None picks the b
     generate, GenerateOutput                    the draft -> verify -> accept loop on HF models
     NgramDrafter, DraftModelDrafter, MergedDrafter   drafters for `generate`
     EagleDrafter, MedusaDrafter, default_drafter     learned draft heads (specdec_kernels.heads)
+    MtpDrafter                                  drafts with the target's own MTP layers (heads.mtp)
     train_draft_head                            train a head for a target (self-distillation)
 (`generate` and the draft-model drafter need the optional `hf` extra: transformers >= 5;
 it is imported only when they run.)
@@ -20,7 +21,7 @@ from .ops import reference
 from .ops._extension import LOAD_ERROR, available_backends
 from .loop.drafters import DraftModelDrafter, MergedDrafter, NgramDrafter
 from .loop.generate import GenerateOutput, GenerateStats, generate
-from .heads import EagleDrafter, MedusaDrafter, default_drafter, train_draft_head
+from .heads import EagleDrafter, MedusaDrafter, MtpDrafter, default_drafter, train_draft_head
 from .ops.kv_cache import compact_kv_cache_
 from .ops.ngram import ngram_propose, ngram_propose_tree
 from .ops.ngram_index import NgramIndex
@@ -38,6 +39,7 @@ __all__ = [
     "LOAD_ERROR",
     "MedusaDrafter",
     "MergedDrafter",
+    "MtpDrafter",
     "NgramDrafter",
     "NgramIndex",
     "TokenTree",

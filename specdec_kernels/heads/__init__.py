@@ -5,13 +5,15 @@
     train_draft_head(target, prompts, *, kind, out_dir, ...)   self-distillation training
     default_drafter(target)         the shipped/saved head for `target` merged with n-gram drafts
     head_drafter(target[, head])    that head alone (its EagleDrafter or MedusaDrafter)
+    MtpDrafter(target, checkpoint_dir=None)   the target's own multi-token-prediction layers (`heads.mtp`)
     default_drafter(target, online=True), EagleDrafter(..., online=True)
                                     the head keeps learning while it serves (`heads.online`)
 """
 
 from .drafters import EagleDrafter, HeadNgramDrafter, MedusaDrafter, default_drafter, find_head, head_drafter
+from .mtp import MtpDrafter
 from .online import OnlineLearner, OnlineOptions
 from .train import train_draft_head
 
-__all__ = ["EagleDrafter", "HeadNgramDrafter", "MedusaDrafter", "OnlineLearner", "OnlineOptions", "default_drafter",
+__all__ = ["EagleDrafter", "HeadNgramDrafter", "MedusaDrafter", "MtpDrafter", "OnlineLearner", "OnlineOptions", "default_drafter",
            "find_head", "head_drafter", "train_draft_head"]

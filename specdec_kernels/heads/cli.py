@@ -41,7 +41,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("train-draft", help="train an EAGLE or Medusa draft head for a model (self-distillation)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF model directory or cached hub name (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--kind", choices=("eagle", "medusa"), default="eagle")
+    p.add_argument("--kind", choices=("eagle", "medusa", "mtp"), default="eagle")
     p.add_argument("--prompts", action="append", default=[], metavar="JSONL", help="prompt file (repeatable)")
     p.add_argument("--workloads", type=_parse_workloads, default=None, metavar="NAME[:N],...",
                    help="shared dev workloads to take prompts from (after --holdout), e.g. chat,summarization:20 or all")

@@ -18,13 +18,22 @@ import torch
 FORMAT = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "head.safetensors"
-KINDS = ("eagle", "medusa")
+KINDS = ("eagle", "medusa", "mtp")
 
 
 def text_config(target):
     """The target's text config (multimodal configs nest it)."""
     cfg = target.config
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def decoder_layer_class(target):
+    """The class of the target's decoder layers (full-attention ones for hybrids)."""
+    layers = target.get_decoder().layers
+    for layer in layers:
+        if hasattr(layer, "self_attn"):
+            return type(layer)
+    raise ValueError(f"target: {type(target).__name__} has no attention decoder layer to build an MTP block from")
 
 
 def lm_head_weight(target) -> torch.Tensor:

@@ -594,6 +594,8 @@ def find_head(target, kind: Optional[str] = None) -> Optional[Path]:
             continue
         if kind is not None and config.get("kind") != kind:
             continue
+        if kind is None and config.get("kind") not in ("eagle", "medusa"):  # (trained MTP heads: MtpDrafter(target, dir))
+            continue
         candidates.append((0 if config.get("kind") == "eagle" else 1, folder, config))
     for _, folder, config in sorted(candidates, key=lambda c: c[0]):
         if identity is None:
@@ -605,8 +607,15 @@ def find_head(target, kind: Optional[str] = None) -> Optional[Path]:
     return None
 
 
+# Drafters on the target's own layers (its checkpoint's MTP layers: `heads.mtp`), which
+# default_drafter prefers when a target has them: callables target -> Drafter or None,
+# registered by the modules defining them (they build on this one, which cannot import them).
+OWN_LAYER_DRAFTERS = []
+
+
 def default_drafter(target, *, online=False, head=None) -> Drafter:
-    """The best drafter this package has for `target`: its trained head (shipped in
+    """The best drafter this package has for `target`: the MTP layers of its own checkpoint
+    (`MtpDrafter`; nothing to learn online) merged with n-gram drafts, else its trained head (shipped in
     `specdec_kernels/heads/trained/`, or saved by the user under `<cache_dir>/heads/`, found
     by the target's identity) merged with n-gram drafts, else n-gram drafts alone.
 
@@ -621,6 +630,10 @@ def default_drafter(target, *, online=False, head=None) -> Drafter:
     `target` there is nothing to adapt: n-gram drafts alone, whatever `online` says."""
     options = OnlineOptions.coerce(online)  # bad settings fail here, head or not
     ngram = NgramDrafter(num_tokens=16)  # the planner verifies what pays of up to 16 (a long copy pays)
+    for make in OWN_LAYER_DRAFTERS if head is None else ():  # the model's own MTP layers come first
+        own = make(target)
+        if own is not None:
+            return HeadNgramDrafter(own, ngram)
     folder = find_head(target) if head is None else head
     if folder is None:
         return ngram

@@ -159,3 +159,96 @@ class MedusaHeads(nn.Module):
         """features [..., H] -> [..., K, H]."""
         pre = torch.einsum("...h,kgh->...kg", features, self.weight) + self.bias
         return features.unsqueeze(-2) + F.silu(pre)
+
+
+class _Attention(nn.Module):
+    """The projections of a Llama attention block (names as transformers' checkpoints)."""
+
+    def __init__(self, h: int, nh: int, nkv: int, hd: int):
+        super().__init__()
+        self.q_proj = nn.Linear(h, nh * hd, bias=False)
+        self.k_proj = nn.Linear(h, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(h, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, h, bias=False)
+
+
+class _Mlp(nn.Module):
+    """A Llama SiLU MLP (names as transformers' checkpoints)."""
+
+    def __init__(self, h: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(h, inter, bias=False)
+        self.up_proj = nn.Linear(h, inter, bias=False)
+        self.down_proj = nn.Linear(inter, h, bias=False)
+
+
+class _SharedHead(nn.Module):
+    def __init__(self, h: int, eps: float):
+        super().__init__()
+        self.norm = RMSNorm(h, eps)
+
+
+class MtpHead(nn.Module):
+    """A DeepSeek-V3-layout MTP layer for a Llama-shaped target, to train (`kind="mtp"`):
+    x = eh_proj(concat(enorm(embed(x_{i+1})), hnorm(f_i))) (the embedding zeroed at position
+    0, as vLLM feeds MTP layers), one Llama decoder layer, and g = shared_head.norm(x), whose
+    logits through the target's LM head predict x_{i+2} (and which is regressed on f_{i+1},
+    as EAGLE's output is). Parameter names are the checkpoint's (`enorm`, `hnorm`, `eh_proj`,
+    `shared_head.norm`, `self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, ...), so
+    `checkpoint_state(N)` is what `MtpDrafter` loads (it runs the block as the target's own
+    decoder-layer class). Same interface as `EagleHead` (forward(features, token_embeds,
+    positions, attend)); config keys as EagleHead's.
+    """
+
+    def __init__(self, config: dict):
+        super().__init__()
+        self.config = dict(config)
+        h, nh, nkv, hd = (int(config[k]) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
+        inter, eps = int(config["intermediate_size"]), float(config["rms_norm_eps"])
+        self.num_heads, self.num_kv_heads, self.head_dim, self.theta = nh, nkv, hd, float(config["rope_theta"])
+        self.feature_layers, self.fuse = (), None
+        self.enorm, self.hnorm = RMSNorm(h, eps), RMSNorm(h, eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.input_layernorm = RMSNorm(h, eps)
+        self.self_attn = _Attention(h, nh, nkv, hd)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.mlp = _Mlp(h, inter)
+        self.shared_head = _SharedHead(h, eps)
+        self.register_buffer("draft_vocab", torch.zeros(int(config["draft_vocab_size"]), dtype=torch.int64))
+
+    def reset_parameters(self, generator: torch.Generator) -> None:
+        """As `EagleHead.reset_parameters` (norms 1, normal(0, 0.02), output projections scaled down)."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            else:
+                std = 0.02 / (math.sqrt(2.0) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0)
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=generator) * std)
+
+    def input_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's LM-head input as is (no multi-layer fusion)."""
+        return hidden
+
+    def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
+                attend: Optional[Callable] = None) -> torch.Tensor:
+        """features [B, T, H] (the target's), token_embeds [B, T, H], positions [B, T] -> g [B, T, H]."""
+        token_embeds = token_embeds.masked_fill((positions == 0)[..., None], 0.0)
+        x = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(features)], dim=-1))
+        b, t, _ = x.shape
+        h = self.input_layernorm(x)
+        a = self.self_attn
+        q = rotate(a.q_proj(h).view(b, t, self.num_heads, self.head_dim), positions, self.theta)
+        k = rotate(a.k_proj(h).view(b, t, self.num_kv_heads, self.head_dim), positions, self.theta)
+        v = a.v_proj(h).view(b, t, self.num_kv_heads, self.head_dim)
+        x = x + a.o_proj((attend or causal_attention)(q, k, v).reshape(b, t, -1))
+        h = self.post_attention_layernorm(x)
+        x = x + self.mlp.down_proj(F.silu(self.mlp.gate_proj(h)) * self.mlp.up_proj(h))
+        return self.shared_head.norm(x)
+
+    def checkpoint_state(self, layer_index: int) -> dict:
+        """The weights under their DeepSeek-V3 checkpoint names, `model.layers.{layer_index}.*`
+        (layer_index: the target's num_hidden_layers), plus `draft_vocab` (outside the prefix,
+        which the MTP loader ignores)."""
+        state = {f"model.layers.{layer_index}.{k}": v for k, v in self.state_dict().items() if k != "draft_vocab"}
+        return {**state, "draft_vocab": self.draft_vocab}

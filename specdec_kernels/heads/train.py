@@ -1,4 +1,4 @@
-"""`train_draft_head`: train an EAGLE or Medusa head for a target by self-distillation.
+"""`train_draft_head`: train an EAGLE, Medusa or MTP head for a target by self-distillation.
 
 Stages, each resumable from its file in `work_dir` (default `<out_dir>/work`):
 1. data (`data.pt`): the target answers the prompts (plus, optionally, user turns it wrote
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .common import KINDS, input_embedding, lm_head_weight, rope_theta, target_identity, text_config, write_head
 from .data import collect, draft_vocabulary, features_from_writer, load_examples, render_prompts, save_examples, self_articles, self_prompts
-from .modules import EagleHead, MedusaHeads, causal_attention
+from .modules import EagleHead, MedusaHeads, MtpHead, causal_attention
 
 
 def head_config(target, kind: str, draft_vocab_size: int, num_heads: int = 4, feature_layers=None) -> dict:
@@ -48,6 +48,24 @@ def head_config(target, kind: str, draft_vocab_size: int, num_heads: int = 4, fe
         "draft_vocab_size": int(draft_vocab_size),
         **layers,
     }
+
+
+def check_mtp_target(target) -> None:
+    """ValueError unless `target`'s decoder layer has exactly the weights of the Llama layer an
+    `MtpHead` trains (so `MtpDrafter` can run the trained layer as the target's own class)."""
+    import copy
+
+    from .common import decoder_layer_class
+
+    cfg = copy.deepcopy(text_config(target))
+    with torch.device("meta"):
+        layer = decoder_layer_class(target)(cfg, 0)
+        head = MtpHead(head_config(target, "mtp", 1))
+    want = {k for k in head.state_dict() if not k.startswith(("enorm", "hnorm", "eh_proj", "shared_head", "draft_vocab"))}
+    have = set(layer.state_dict())
+    if want != have:
+        raise ValueError(f"kind='mtp': trains a Llama-shaped MTP layer; {type(target).__name__}'s decoder layer differs "
+                         f"(its own: {sorted(have - want)[:4]}, missing: {sorted(want - have)[:4]})")
 
 
 def eagle3_layers(target) -> List[int]:
@@ -214,7 +232,7 @@ class _Trainer:
         """Mean loss over the batch and a dict of metrics (sums and counts)."""
         width = max(w[2] for w in windows)
         valid = (torch.arange(width)[None, :] < torch.tensor([w[2] for w in windows])[:, None]).to(self.device)
-        if self.kind == "eagle":
+        if self.kind in ("eagle", "mtp"):  # (an MTP head trains as EAGLE's does, without unrolled passes)
             feats = self._pad(windows, "features", 0, 1).float()  # f_s .. f_{s+n}
             tokens = self._pad(windows, "tokens", 1).long()  # x_{s+1} .. x_{s+n}
             lse, argmax = self._pad(windows, "lse", 1), self._pad(windows, "argmax", 1).long()
@@ -312,7 +330,7 @@ def _summary(metrics_list, kind, num_heads) -> dict:
     for m in metrics_list:
         for k, v in m.items():
             total[k] = total.get(k, 0) + v
-    if kind == "eagle":
+    if kind in ("eagle", "mtp"):
         n = max(total.get("n", 0), 1)
         out = {k: round(total[k] / n, 5) for k in ("ce", "kl", "reg", "acc")}
         out["racc"] = round(total["racc"] / max(total["rn"], 1), 5)  # top-1 agreement on response tokens
@@ -372,8 +390,11 @@ def train_draft_head(
         prompts: training prompts: `workloads.Request`s, dicts with "prompt" (a user turn) or
             "text" (raw text to continue), strs (user turns), or token-id lists. The target
             answers them.
-        kind: "eagle" (one decoder layer on the target's features) or "medusa" (num_heads
-            residual heads).
+        kind: "eagle" (one decoder layer on the target's features), "medusa" (num_heads
+            residual heads) or "mtp" (a DeepSeek-V3-layout MTP layer, `MtpHead`, for a
+            Llama-shaped target: EAGLE's data and losses without unrolled passes; the head
+            directory holds it under its checkpoint names, so `MtpDrafter(target, out_dir)`
+            drafts with it).
         out_dir: where `head.safetensors`, `config.json` and `train_log.jsonl` are written.
         tokenizer: the target's tokenizer (default: loaded from the target's name_or_path).
         work_dir: resumable state (collected data, checkpoints); default `<out_dir>/work`.
@@ -426,6 +447,8 @@ def train_draft_head(
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind == "mtp":
+        check_mtp_target(target)  # before collecting any data
     for name, value in (("steps", steps), ("batch_tokens", batch_tokens), ("max_len", max_len), ("num_heads", num_heads),
                         ("draft_vocab_size", draft_vocab_size), ("max_new_tokens", max_new_tokens)):
         if int(value) < 1:
@@ -496,7 +519,7 @@ def train_draft_head(
     vocab_size = identity["vocab_size"]
     vocab = draft_vocabulary(examples, draft_vocab_size, vocab_size, always=eos)
     config = head_config(target, kind, len(vocab), num_heads, layers)
-    head = (EagleHead if kind == "eagle" else MedusaHeads)(config)
+    head = {"eagle": EagleHead, "medusa": MedusaHeads, "mtp": MtpHead}[kind](config)
     head.reset_parameters(torch.Generator().manual_seed(seed))
     head.draft_vocab.copy_(vocab)
     device = next(target.parameters()).device
@@ -621,6 +644,6 @@ def train_draft_head(
                 "mixed_precision": mixed_precision,
                 "reg_weight": reg_weight, "noise": noise, "unroll": unrolled, "prompt_weight": prompt_weight, "argmax_coverage": round(coverage, 5), "data": data_meta,
                 "final": final, **(notes or {})}
-    state = {k: v for k, v in head.state_dict().items()}
+    state = head.checkpoint_state(int(text_config(target).num_hidden_layers)) if kind == "mtp" else dict(head.state_dict())
     write_head(out, {"kind": kind, "head": config, "target": identity, "training": training}, state)
     return out
