@@ -26,7 +26,7 @@ Requests and rows. The hook gives no request ids: each step vLLM passes its pers
 rows (`token_ids_cpu [max_num_reqs, max_model_len]`, `num_tokens_no_spec [max_num_reqs]`,
 `sampled_token_ids`: per row, the tokens accepted this step), and rows move when requests finish
 (vLLM condenses the batch) or are preempted. A row keeps the slot it had if that slot's history
-is still a prefix of the row's tokens (compared in full: exact, ~1 us per 1000 tokens); else the
+is still a prefix of the row's tokens (compared in full: exact; ~6 us per 1000 tokens measured here); else the
 row takes the live or parked slot whose history is such a prefix (a moved or resumed request),
 else a fresh slot, reset with the row's tokens (a new request starts clean: its own history,
 no drafts pending, acceptance counts at the prior). Slots not seen in a step are parked, and
