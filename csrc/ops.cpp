@@ -61,6 +61,7 @@ TORCH_LIBRARY(specdec, m) {
   m.class_<specdec::SuffixIndex>("SuffixIndex")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>())
       .def("num_slots", &specdec::SuffixIndex::num_slots)
+      .def("reserve_slots", &specdec::SuffixIndex::reserve_slots)
       .def("cached", &specdec::SuffixIndex::cached)
       .def("appended", &specdec::SuffixIndex::appended)
       .def("memory_bytes", &specdec::SuffixIndex::memory_bytes)

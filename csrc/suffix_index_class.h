@@ -23,6 +23,7 @@ class SuffixIndex : public torch::CustomClassHolder {
               int64_t vocab_size, int64_t table_bits);
 
   int64_t num_slots() const { return cache_.num_slots(); }
+  void reserve_slots(int64_t num_slots) { cache_.reserve_slots(num_slots); }
   int64_t cached() const { return cache_.cached(); }
   int64_t appended() const { return cache_.appended(); }
   int64_t memory_bytes() const { return cache_.memory_bytes(); }

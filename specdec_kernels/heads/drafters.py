@@ -29,7 +29,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..loop.drafters import Draft, Drafter, MergedDrafter, NgramDrafter, root_tokens, trimmed
+from ..loop.drafters import (Draft, Drafter, MergedDrafter, NgramDrafter, ScoredMergedDrafter, SuffixDrafter,
+                             root_tokens, trimmed)
 from ..ops.small_linear import choose_small_linear_rows, linear_weights, routed_linear, small_linears
 from ..ops.sampling import target_probs
 from ..ops.tree import TokenTree
@@ -605,12 +606,23 @@ def find_head(target, kind: Optional[str] = None) -> Optional[Path]:
     return None
 
 
-def default_drafter(target, *, online=False, head=None) -> Drafter:
+def default_drafter(target, *, online=False, head=None, suffix_cache=True) -> Drafter:
     """The best drafter this package has for `target`: its trained head (shipped in
     `specdec_kernels/heads/trained/`, or saved by the user under `<cache_dir>/heads/`, found
-    by the target's identity) merged with n-gram drafts, else n-gram drafts alone.
+    by the target's identity), the row's own context (n-gram drafts) and a suffix cache
+    (`SuffixDrafter`: every prompt and output this drafter has seen, the batch's sibling rows
+    included), merged into one tree, each node scored by the best of its sources; without a
+    head, the n-gram drafts and the suffix cache alone.
 
     head: a head directory to use instead of looking one up (checked against `target`).
+
+    suffix_cache: True (default) adds the suffix cache; False leaves it out (the drafter
+    of earlier versions). The cache belongs to the returned object: reuse the object across
+    `generate` calls and later calls draft from earlier ones (a stream of requests, repeated
+    tool calls); separately created `default_drafter(model)` objects share nothing, so a
+    seed reproduces a call made with a fresh drafter, and no request's text reaches another's
+    drafts unless the caller reuses the object. `drafter.suffix_cache` is the `SuffixDrafter`
+    (None without one): `.add(token_lists)` feeds it texts, `.clear()` empties it.
 
     online: False (a frozen head), True (default settings) or a dict / `OnlineOptions` of
     settings (`heads.online`): the head keeps learning from the target's verified features
@@ -618,13 +630,15 @@ def default_drafter(target, *, online=False, head=None) -> Drafter:
     it learned (`drafter.online.stats`; `drafter.save(dir)` writes the adapted head, which
     `EagleDrafter(target, dir)` loads, and which `default_drafter` finds when dir is under
     `<cache_dir>/heads/`). Output stays exactly the target's either way. Without a head for
-    `target` there is nothing to adapt: n-gram drafts alone, whatever `online` says."""
+    `target` there is nothing to adapt: n-gram and suffix-cache drafts, whatever `online` says."""
     options = OnlineOptions.coerce(online)  # bad settings fail here, head or not
     ngram = NgramDrafter(num_tokens=16)  # the planner verifies what pays of up to 16 (a long copy pays)
+    suffix = SuffixDrafter() if suffix_cache else None
+    context = ScoredMergedDrafter([ngram, suffix]) if suffix is not None else ngram
     folder = find_head(target) if head is None else head
-    if folder is None:
-        return ngram
-    return HeadNgramDrafter(head_drafter(target, folder, online=options or False), ngram)
+    drafter = context if folder is None else HeadNgramDrafter(head_drafter(target, folder, online=options or False), context)
+    drafter.suffix_cache = suffix
+    return drafter
 
 
 def head_drafter(target, head=None, *, online=False) -> Drafter:

@@ -149,6 +149,12 @@ class SuffixIndex:
         _checks.int_arg("slot", slot)
         return self._impl.length(slot)
 
+    def reserve_slots(self, num_slots: int) -> None:
+        """At least `num_slots` slots from now on (never fewer); the cache is kept."""
+        _checks.int_arg("num_slots", num_slots, minimum=1)
+        self._impl.reserve_slots(num_slots)
+        self.num_slots = self._impl.num_slots()
+
     def clear(self) -> None:
         """Forget every cached sequence (live slots become empty)."""
         self._impl.clear()

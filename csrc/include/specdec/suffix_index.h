@@ -69,14 +69,14 @@ class SuffixCache {
     int32_t back(int64_t i) const { return ring[(length - 1 - i) & (kMaxDepth - 1)]; }  // i-th last token
   };
 
-  // max_tokens >= 1 cached tokens; max_depth in [1, 32]; num_slots live sequences (plus one
-  // internal slot for `add`); table_bits 0 = log2(capacity).
+  // max_tokens >= 1 cached tokens; max_depth in [1, 32]; num_slots live sequences;
+  // table_bits 0 = log2(capacity).
   SuffixCache(int64_t max_tokens, int64_t max_depth, int64_t num_slots, int64_t max_candidates, int64_t max_probes,
               int64_t table_bits)
       : max_tokens_(static_cast<uint64_t>(max_tokens)),
         max_candidates_(max_candidates),
         max_probes_(max_probes),
-        slots_(static_cast<size_t>(num_slots) + 1) {
+        slots_(static_cast<size_t>(num_slots)) {
     for (int k : kAllOrders)
       if (k <= max_depth) orders_.push_back(k);
     max_order_ = orders_.back();
@@ -92,7 +92,11 @@ class SuffixCache {
     head_.assign((size_t{1} << table_bits_) * num_orders, 0);
   }
 
-  int64_t num_slots() const { return static_cast<int64_t>(slots_.size()) - 1; }
+  int64_t num_slots() const { return static_cast<int64_t>(slots_.size()); }
+  // More slots (never fewer): the cache is kept.
+  void reserve_slots(int64_t num_slots) {
+    if (num_slots > this->num_slots()) slots_.resize(static_cast<size_t>(num_slots));
+  }
   int64_t num_orders() const { return static_cast<int64_t>(orders_.size()); }
   int64_t max_order() const { return max_order_; }
   int64_t cached() const { return static_cast<int64_t>(end_ - begin_); }
@@ -110,6 +114,7 @@ class SuffixCache {
     std::fill(head_.begin(), head_.end(), 0u);
     begin_ = end_ = 0;
     for (Slot& s : slots_) s = Slot();
+    add_slot_ = Slot();
   }
 
   // Slot `slot` starts a new sequence (its old one stays cached), empty.
@@ -118,23 +123,21 @@ class SuffixCache {
   // one prompt cache it once; their first tokens all follow its last position.
   void share(int64_t slot, int64_t from) { slots_[slot] = slots_[from]; }
 
-  // A finished sequence, added through the internal slot.
+  // A finished sequence, added through a slot of its own.
   template <typename T>
   void add(const T* tokens, int64_t count) {
-    const int64_t internal = num_slots();
-    start(internal);
-    append(internal, tokens, count);
-    start(internal);
+    add_slot_ = Slot();
+    for (int64_t i = 0; i < count; ++i) push(add_slot_, static_cast<int32_t>(tokens[i]));
+    add_slot_ = Slot();
   }
 
   template <typename T>
   void append(int64_t slot, const T* tokens, int64_t count) {
-    for (int64_t i = 0; i < count; ++i) push(slot, static_cast<int32_t>(tokens[i]));
+    for (int64_t i = 0; i < count; ++i) push(slots_[slot], static_cast<int32_t>(tokens[i]));
   }
 
-  void push(int64_t slot_id, int32_t token) {
-    if (end_ >= kPositionLimit) clear();  // see kPositionLimit
-    Slot& s = slots_[slot_id];
+  void push(Slot& s, int32_t token) {
+    if (end_ >= kPositionLimit) clear();  // see kPositionLimit (s is reset too)
     if (end_ - begin_ >= max_tokens_) ++begin_;  // evict the oldest token
     const uint64_t p = end_++;
     const size_t at = p & (capacity_ - 1);
@@ -319,6 +322,7 @@ class SuffixCache {
   std::vector<int32_t> token_;
   std::vector<uint32_t> prev_, next_, chain_, head_;
   std::vector<Slot> slots_;
+  Slot add_slot_;
   uint64_t begin_ = 0, end_ = 0;
 };
 

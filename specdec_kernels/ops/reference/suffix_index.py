@@ -54,7 +54,8 @@ class SuffixCache:
         self.chain = {}  # (position, order index) -> link
         self.head = {}  # (order index, bucket) -> position + 1
         self.begin = self.end = 0
-        self.slots = [_Slot() for _ in range(self.num_slots + 1)]
+        self.slots = [_Slot() for _ in range(self.num_slots)]
+        self.add_slot = _Slot()
 
     def _evict(self):
         p = self.begin
@@ -72,10 +73,9 @@ class SuffixCache:
                 out.append(_bucket(h, k, self.table_bits))
         return out
 
-    def push(self, slot_id: int, token: int):
+    def push(self, s: _Slot, token: int):
         if self.end >= POSITION_LIMIT:
             self.clear()
-        s = self.slots[slot_id]
         if self.end - self.begin >= self.max_tokens:
             self._evict()
         p = self.end
@@ -166,6 +166,11 @@ class SuffixIndex:
     def num_slots(self):
         return self._num_slots
 
+    def reserve_slots(self, num_slots):
+        if num_slots > self._num_slots:
+            self.cache.slots += [_Slot() for _ in range(num_slots - self._num_slots)]
+            self._num_slots = self.cache.num_slots = num_slots
+
     def cached(self):
         return self.cache.end - self.cache.begin
 
@@ -202,12 +207,10 @@ class SuffixIndex:
     def add(self, tokens, offsets):
         tokens, offsets = tokens.tolist(), offsets.tolist()
         self._check_tokens("SuffixIndex.add", "tokens", tokens)
-        internal = self._num_slots
         for a, b in zip(offsets[:-1], offsets[1:]):
-            self.cache.slots[internal] = _Slot()
+            slot = _Slot()
             for t in tokens[a:b]:
-                self.cache.push(internal, t)
-            self.cache.slots[internal] = _Slot()
+                self.cache.push(slot, t)
 
     def start(self, slot, prompt):
         self._check_slot("SuffixIndex.start", "slot", slot)
@@ -215,7 +218,7 @@ class SuffixIndex:
         self._check_tokens("SuffixIndex.start", "prompt_tokens", prompt)
         self.cache.slots[slot] = _Slot()
         for t in prompt:
-            self.cache.push(slot, t)
+            self.cache.push(self.cache.slots[slot], t)
 
     def fork(self, slot, from_slot):
         self._check_slot("SuffixIndex.fork", "slot", slot)
@@ -232,7 +235,7 @@ class SuffixIndex:
             self._check_tokens("SuffixIndex.append", "accepted_tokens", rows[r][:c])
         for slot, row, c in zip(slots, rows, counts):
             for t in row[:c]:
-                self.cache.push(slot, t)
+                self.cache.push(self.cache.slots[slot], t)
 
     def draft(self, slots, depth, max_nodes):
         slots = slots.tolist()
