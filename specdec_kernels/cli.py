@@ -190,7 +190,7 @@ def describe_drafter(drafter) -> str:
     if drafter is None:
         return "no drafts"
     parts = getattr(drafter, "drafters", None)
-    return " + ".join(type(d).__name__ for d in parts) if parts else type(drafter).__name__
+    return " + ".join(describe_drafter(d) for d in parts) if parts else type(drafter).__name__
 
 
 def cmd_demo(args) -> int:
