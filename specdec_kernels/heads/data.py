@@ -361,7 +361,7 @@ def collect(target, prompt_ids: List[List[int]], *, max_new_tokens: int, batch_s
         source, so a work folder keeps each."""
     from tqdm import tqdm
 
-    from ..loop.hf_attention import _decoder
+    from ..loop.hf.attention import _decoder
 
     for name, value in (("batch_size", batch_size), ("feature_batch_tokens", feature_batch_tokens),
                         ("max_new_tokens", max_new_tokens)):
