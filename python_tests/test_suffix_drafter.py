@@ -190,3 +190,39 @@ def test_sampling_exact_drafting_from_an_earlier_calls_samples(small_target):
     pvalue = chi_square_pvalue(out.sequences[:, -2:], exact_pair_distribution(small_target, prompt))
     assert pvalue > 1e-3, f"chi-square p = {pvalue}"
     assert out.stats.acceptance_per_depth[0] > 0.2  # the earlier samples are good drafts
+
+
+def test_cli_parses_num_return_sequences():
+    from specdec_kernels.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--num-return-sequences", "4", "--temperature", "0.7"])
+    assert args.num_return_sequences == 4
+    assert build_parser().parse_args(["generate", "--prompt", "x"]).num_return_sequences == 1
+
+
+def test_bench_best_of_n_and_stream(target, tmp_path):
+    """`specdec bench e2e --num-return-sequences N` rows (HF and ours, B * N rows each; greedy
+    cells skipped) and the `--stream` runner on a tiny model, cache filling along the stream."""
+    pytest.importorskip("matplotlib")
+    from conftest import WordTokenizer
+    from specdec_kernels import workloads
+    from specdec_kernels.benchmarks import e2e
+    from specdec_kernels.benchmarks.e2e import stream
+
+    text = "def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n"
+    requests = {"code_edit": [workloads.Request("code_edit", f"r{i}", text * 2 + str(i), chat=False) for i in range(2)]}
+    tokenizer = WordTokenizer(target.config.vocab_size)
+    rows = e2e.run(target, tokenizer, requests, methods=("hf", "ours_default_nocache", "ours_default", "ours_suffix"),
+                   batch_sizes=(1,), temperatures=(0.0, 0.7), max_new_tokens=4, prompts_per_workload=2,
+                   profile_kernels=False, progress=False, num_return_sequences=3)
+    for r in rows:
+        if r["config"]["temperature"] == 0:
+            assert "skipped" in r
+        else:
+            assert r["config"]["num_return_sequences"] == 3 and r["new_tokens"] == 2 * 3 * 4, r
+    results = stream.run_stream(target, tokenizer, requests["code_edit"], max_new_tokens=6, progress=False)
+    summary = stream.summarise(results)
+    assert all(s["outputs_equal_first_method"] for s in summary.values())
+    cached = [r["cached_tokens_before"] for r in results["ours_default"]]
+    assert cached[0] == 0 and cached[1] > 0
+    assert stream.plot_stream(results, tmp_path / "s.png", "t") is not None
