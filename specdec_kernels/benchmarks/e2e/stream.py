@@ -24,22 +24,28 @@ from .runner import SEED, clear_suffix_cache, drafter as make_method_drafter
 STREAM_METHODS = ("ours_default_nocache", "ours_default")
 
 
-def run_stream(model, tokenizer, requests, *, methods=STREAM_METHODS, max_new_tokens=64, progress=True):
-    """{method: [per-request row]} for `requests` served in order by one drafter per method."""
+def run_stream(model, tokenizer, requests, *, methods=STREAM_METHODS, max_new_tokens=64, progress=True,
+               on_row=None):
+    """{method: [per-request row]} for `requests` served in order by one drafter per method.
+
+    The methods take turns request by request (request i by every method, then i + 1), so a
+    slow spell of a shared machine hits them alike; on_row(results) after every request."""
     from ...loop.generate import generate
     from ...methods import stop_ids
 
     eos, pad = stop_ids(model, tokenizer)
     device = next(model.parameters()).device
     prompts = [r.input_ids(tokenizer).to(device) for r in requests]
-    results = {}
+    results, drafters = {}, {}
     for method in methods:
-        chosen = make_method_drafter(method, None, model)
+        drafters[method] = chosen = make_method_drafter(method, None, model)
         # Warm-up (lazy imports, the planner's cost model), then an empty cache.
         generate(model, prompts[0][:, -16:], drafter=chosen, max_new_tokens=4, eos_token_id=eos, seed=SEED)
         clear_suffix_cache(chosen)
-        rows = []
-        for i, (request, ids) in enumerate(zip(requests, prompts)):
+        results[method] = []
+    for i, (request, ids) in enumerate(zip(requests, prompts)):
+        for method in methods:
+            chosen, rows = drafters[method], results[method]
             cache = getattr(chosen, "suffix_cache", None)
             cached = cache.cached_tokens if cache is not None else 0
             start = time.perf_counter()
@@ -53,7 +59,8 @@ def run_stream(model, tokenizer, requests, *, methods=STREAM_METHODS, max_new_to
             if progress:
                 print(f"  stream {method} [{i + 1}/{len(requests)}] {request.id}: {rows[-1]['tokens_per_step']:.2f} "
                       f"tok/step, {rows[-1]['tokens_per_s']:.1f} tok/s (cache {cached} tokens)", flush=True)
-        results[method] = rows
+        if on_row is not None:
+            on_row(results)
     return results
 
 
@@ -63,7 +70,7 @@ def summarise(results):
     first = next(iter(results.values()))
     summary = {}
     for method, rows in results.items():
-        half = len(rows) // 2
+        half = (len(rows) + 1) // 2
         parts = {"first_half": rows[:half], "second_half": rows[half:], "all": rows}
         summary[method] = {
             name: dict(tokens_per_step=sum(r["tokens_per_step"] for r in part) / max(len(part), 1),
@@ -101,8 +108,21 @@ def run_stream_args(args, model, tokenizer, label, device, max_new_tokens, promp
     print(f"stream: {label}, {len(requests)} distinct {args.stream} requests, max_new_tokens {max_new_tokens}, "
           f"methods {', '.join(methods)} (batch 1, greedy)", flush=True)
     start = time.perf_counter()
+    out_dir = Path(args.out_dir or common.results_dir())
+    slug = f"{args.stream}_{common.device_slug(device)}"
+
+    def write(results, complete):  # after every request too: a run stopped at a time limit keeps its rows
+        result = common.metadata("e2e", device, "default dispatch", model=label, mode="stream", workload=args.stream,
+                                 max_new_tokens=max_new_tokens, requests=len(requests), complete=complete,
+                                 wall_s=time.perf_counter() - start, summary=summarise(results))
+        result["rows"] = [dict(config=dict(method=m, workload=args.stream, request=r["request"], index=r["index"]),
+                               **{k: v for k, v in r.items() if k != "output"})
+                          for m, rows in results.items() for r in rows]
+        common.write_json(result, out_dir / f"e2e_stream_{slug}.json", quiet=not complete)
+        return result
+
     results = run_stream(model, tokenizer, requests, methods=methods, max_new_tokens=max_new_tokens,
-                         progress=not args.no_progress)
+                         progress=True, on_row=lambda r: write(r, False))
     summary = summarise(results)
     headers = ["method", "tok/step 1st half", "tok/step 2nd half", "tok/s 1st half", "tok/s 2nd half", "same output"]
     cells = [[m, f"{s['first_half']['tokens_per_step']:.2f}", f"{s['second_half']['tokens_per_step']:.2f}",
@@ -110,14 +130,6 @@ def run_stream_args(args, model, tokenizer, label, device, max_new_tokens, promp
               str(s["outputs_equal_first_method"])] for m, s in summary.items()]
     print()
     common.print_table(headers, cells)
-    out_dir = Path(args.out_dir or common.results_dir())
-    slug = f"{args.stream}_{common.device_slug(device)}"
-    result = common.metadata("e2e", device, "default dispatch", model=label, mode="stream", workload=args.stream,
-                             max_new_tokens=max_new_tokens, requests=len(requests), wall_s=time.perf_counter() - start,
-                             summary=summary)
-    result["rows"] = [dict(config=dict(method=m, workload=args.stream, request=r["request"], index=r["index"]),
-                           **{k: v for k, v in r.items() if k not in ("output",)})
-                      for m, rows in results.items() for r in rows]
-    common.write_json(result, out_dir / f"e2e_stream_{slug}.json")
+    result = write(results, True)
     plot_stream(results, out_dir / f"e2e_stream_{slug}.png", f"{label}: {args.stream} stream on {result['device']}")
     return 0 if all(s["outputs_equal_first_method"] for s in summary.values()) else 1
