@@ -71,6 +71,8 @@ def _has_compiled_class() -> bool:
 
 
 def _int64(name: str, x, dims: int) -> torch.Tensor:
+    if type(x) is torch.Tensor and x.dtype == torch.int64 and x.dim() == dims and x.device.type == "cpu":
+        return x  # the common case in a decoding loop: no conversion, no call into torch
     x = torch.as_tensor(x)
     if x.numel() == 0 and not x.dtype.is_complex and x.dtype != torch.bool:
         x = x.to(torch.int64)  # [] is float32 to torch
@@ -232,19 +234,21 @@ class SuffixIndex:
 
     def _rows(self, slots, accepted_tokens, counts):
         slots = self._slot_tensor(slots)
-        tokens = torch.as_tensor(accepted_tokens)
+        tokens = accepted_tokens if type(accepted_tokens) is torch.Tensor else torch.as_tensor(accepted_tokens)
         if tokens.numel() == 0 and tokens.dim() <= 1:
             tokens = tokens.reshape(slots.shape[0], 0).to(torch.int64)
         _checks.tensor("accepted_tokens", tokens, dims=2, dtypes=_checks.INT_DTYPES)
         _checks.shape("accepted_tokens", tokens, (slots.shape[0], tokens.shape[1]))
-        tokens = tokens.to(device="cpu", dtype=torch.int64)
+        tokens = _int64("accepted_tokens", tokens, 2)
         if counts is None:
             counts = torch.full((slots.shape[0],), tokens.shape[1], dtype=torch.int64)
         counts = _int64("counts", counts, 1)
         _checks.shape("counts", counts, (slots.shape[0],))
+        if not _checks.checking_values():  # (the compiled index checks counts and ids itself)
+            return slots, tokens, counts
         if counts.numel() and (int(counts.min()) < 0 or int(counts.max()) > tokens.shape[1]):
             _checks.fail("counts", f"expected 0 <= counts[r] <= K = {tokens.shape[1]}, got {counts.tolist()}")
-        if _checks.checking_values() and tokens.numel():
+        if tokens.numel():
             j = torch.arange(tokens.shape[1])
             appended = tokens[j[None, :] < counts[:, None]]
             self._check_values("accepted_tokens", appended)
