@@ -4,6 +4,7 @@
 #include "specdec/ngram.h"
 #include "specdec/ngram_index.h"
 #include "specdec/small_linear.h"
+#include "specdec/suffix_index.h"
 #include "specdec/tree.h"
 #include "specdec/tree_attention.h"
 #include "specdec/verify.h"
@@ -21,6 +22,8 @@ template void specdec::cpu::ngram_propose_tree_row<int32_t>(const int32_t*, int6
                                                             int64_t, bool, int32_t*, int64_t*,
                                                             specdec::cpu::TreeScratch&);
 template int64_t specdec::cpu::NgramHistoryIndex::propose<int64_t>(int64_t, int64_t, int64_t, bool, int64_t*) const;
+template int64_t specdec::cpu::SuffixCache::draft<int64_t>(int64_t, int64_t, int64_t, int64_t*, int64_t*, int32_t*) const;
+template void specdec::cpu::SuffixCache::add<int64_t>(const int64_t*, int64_t);
 
 namespace specdec::cpu {
 #define SPECDEC_INSTANTIATE_VERIFY(Logit, Prob) \

@@ -1,4 +1,4 @@
-// The specdec op library: every schema (and the NgramIndex class), in one place, and the
+// The specdec op library: every schema (and the NgramIndex and SuffixIndex classes), in one place, and the
 // Python module that loads it.
 //
 // `import specdec_kernels._C` loads this shared library; its static initializers run the
@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include "ngram_index_class.h"
+#include "suffix_index_class.h"
 
 extern "C" {
 // A module with no methods: registering the ops happens when the library loads.
@@ -56,6 +57,22 @@ TORCH_LIBRARY(specdec, m) {
       .def("append", &specdec::NgramIndex::append)
       .def("propose", &specdec::NgramIndex::propose)
       .def("append_and_propose", &specdec::NgramIndex::append_and_propose);
+  // The cross-sequence suffix cache (a stateful object, CPU only): csrc/suffix_index.cpp.
+  m.class_<specdec::SuffixIndex>("SuffixIndex")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>())
+      .def("num_slots", &specdec::SuffixIndex::num_slots)
+      .def("reserve_slots", &specdec::SuffixIndex::reserve_slots)
+      .def("cached", &specdec::SuffixIndex::cached)
+      .def("appended", &specdec::SuffixIndex::appended)
+      .def("memory_bytes", &specdec::SuffixIndex::memory_bytes)
+      .def("length", &specdec::SuffixIndex::length)
+      .def("clear", &specdec::SuffixIndex::clear)
+      .def("add", &specdec::SuffixIndex::add)
+      .def("start", &specdec::SuffixIndex::start)
+      .def("fork", &specdec::SuffixIndex::fork)
+      .def("append", &specdec::SuffixIndex::append)
+      .def("draft", &specdec::SuffixIndex::draft)
+      .def("append_and_draft", &specdec::SuffixIndex::append_and_draft);
   // Few-row linear products on the CPU (specdec_kernels/small_linear.py): y = x @ weight^T (+ bias), fp32; csrc/small_linear.cpp.
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   // Paged KV caches: k/v (every cache) [num_pages, page_size, H, D], block_table int32 [B, P].

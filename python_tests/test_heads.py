@@ -514,7 +514,7 @@ def test_sampling_with_top_k_top_p_temperature(small_target_heads, kind):
 
 def test_default_drafter_finds_a_saved_head_by_identity(target, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
-    assert isinstance(default_drafter(target), sk.NgramDrafter)  # no head for it yet
+    assert isinstance(default_drafter(target), sk.ScoredMergedDrafter)  # no head for it yet: n-gram + suffix cache
     folder = train(target, tmp_path / "cache" / "heads", "eagle", VOCAB, steps=2, name="tiny-eagle")
     train(tiny_model(5), tmp_path / "cache" / "heads", "eagle", VOCAB, steps=2, name="another-target")
     drafter = default_drafter(target)

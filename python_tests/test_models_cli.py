@@ -206,11 +206,12 @@ def test_cli_default_method(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))  # no user heads
     target, other = tiny_model(0), tiny_model(1, hidden=48)
     alone = cli.make_drafter("default", target=target)
-    assert type(alone) is specdec_kernels.NgramDrafter and cli.describe_drafter(alone) == "NgramDrafter"
+    assert type(alone) is specdec_kernels.ScoredMergedDrafter
+    assert cli.describe_drafter(alone) == "NgramDrafter + SuffixDrafter"
     head = train_draft_head(target, [[5, 6, 7, 8, 9]], kind="eagle", out_dir=tmp_path / "head", steps=1,
                             max_new_tokens=4, batch_tokens=64, eval_fraction=0.0, draft_vocab_size=64, progress=False)
     merged = cli.make_drafter("default", target=target, head=head)
-    assert isinstance(merged, HeadNgramDrafter) and cli.describe_drafter(merged) == "EagleDrafter + NgramDrafter"
+    assert isinstance(merged, HeadNgramDrafter) and cli.describe_drafter(merged) == "EagleDrafter + NgramDrafter + SuffixDrafter"
     assert cli.describe_drafter(None) == "no drafts"
     with pytest.raises(ValueError, match="target"):
         cli.make_drafter("default")

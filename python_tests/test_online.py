@@ -405,7 +405,7 @@ def test_same_object_keeps_learning_across_calls(target):
 
 def test_default_drafter_online(target, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
-    assert isinstance(default_drafter(target, online=True), sk.NgramDrafter)  # no head: nothing to adapt
+    assert isinstance(default_drafter(target, online=True), sk.ScoredMergedDrafter)  # no head: nothing to adapt
     train(target, tmp_path / "cache" / "heads", "eagle", VOCAB, steps=2, name="tiny-eagle")
     drafter = default_drafter(target, online=dict(interval=1, min_positions=4))
     assert isinstance(drafter, HeadNgramDrafter) and drafter.online is not None

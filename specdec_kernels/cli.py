@@ -190,7 +190,7 @@ def describe_drafter(drafter) -> str:
     if drafter is None:
         return "no drafts"
     parts = getattr(drafter, "drafters", None)
-    return " + ".join(type(d).__name__ for d in parts) if parts else type(drafter).__name__
+    return " + ".join(describe_drafter(d) for d in parts) if parts else type(drafter).__name__
 
 
 def cmd_demo(args) -> int:
@@ -307,6 +307,11 @@ def cmd_generate(args) -> int:
     print(f"prompt: {input_ids.shape[1]} tokens; method {args.method} ({describe_drafter(drafter)}); "
           f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}\n", flush=True)
 
+    n = args.num_return_sequences
+    if n < 1:
+        raise _fail(f"--num-return-sequences: expected >= 1, got {n}")
+    if n > 1:
+        return _generate_several(sk, args, model, tokenizer, drafter, input_ids, n)
     streamer = _TextStreamer(tokenizer)
     stream = _streamer_kwargs(sk.generate, streamer)
     if not stream:
@@ -324,6 +329,24 @@ def cmd_generate(args) -> int:
         print(mark.strip(), flush=True)
     print()
     _print_stats(out.stats, seconds, int(out.stats.new_tokens[0]) if out.stats.new_tokens else new.numel())
+    return 0
+
+
+def _generate_several(sk, args, model, tokenizer, drafter, input_ids, n: int) -> int:
+    """--num-return-sequences n > 1: one call, n rows of the prompt (drafting from each other
+    with the suffix cache), each printed when all are done, then the stats."""
+    start = time.perf_counter()
+    out = sk.generate(model, input_ids, drafter=drafter, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                      kv_page_size=args.kv_page_size, num_return_sequences=n)
+    seconds = time.perf_counter() - start
+    eos = stop_ids(model, tokenizer)[0]
+    for i in range(n):
+        new = out.sequences[i, input_ids.shape[1]:][: out.stats.new_tokens[i]]
+        print(f"--- sequence {i + 1} of {n} ---", flush=True)
+        print(tokenizer.decode(new, skip_special_tokens=True) + cut_mark(new, args.max_new_tokens, eos), flush=True)
+    print()
+    _print_stats(out.stats, seconds, sum(out.stats.new_tokens))
     return 0
 
 
@@ -505,6 +528,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--num-return-sequences", type=int, default=1, metavar="N",
+                     help="N samples of the prompt in one batch (best-of-N; use --temperature > 0): the rows "
+                          "draft from each other through the suffix cache (default 1)")
     gen.add_argument("--kv-page-size", type=int, default=None, metavar="N",
                      help="paged KV cache with N slots per page (default: dense)")
     source = gen.add_mutually_exclusive_group()

@@ -1,4 +1,5 @@
-"""Drafters built on learned heads: `EagleDrafter`, `MedusaDrafter`, and `default_drafter`.
+"""Drafters built on learned heads: `EagleDrafter`, `MedusaDrafter` (`default_drafter`, in
+`heads.default`, merges them with n-gram and suffix-cache drafts).
 
 Both read the target's features (its LM head's input) that `generate` hands to `observe`
 after the prefill and after every verify forward: no extra target pass. Both keep a feature
@@ -29,7 +30,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..loop.drafters import Draft, Drafter, MergedDrafter, NgramDrafter, root_tokens, trimmed
+from ..loop.drafters import (Draft, Drafter, MergedDrafter,
+                             root_tokens, trimmed)
 from ..ops.small_linear import choose_small_linear_rows, linear_weights, routed_linear, small_linears
 from ..ops.sampling import target_probs
 from ..ops.tree import TokenTree
@@ -605,39 +607,6 @@ def find_head(target, kind: Optional[str] = None) -> Optional[Path]:
         if config.get("target") == identity:
             return folder
     return None
-
-
-# Drafters on the target's own layers (its checkpoint's MTP layers: `heads.mtp`), which
-# default_drafter prefers when a target has them: callables target -> Drafter or None,
-# registered by the modules defining them (they build on this one, which cannot import them).
-OWN_LAYER_DRAFTERS = []
-
-
-def default_drafter(target, *, online=False, head=None) -> Drafter:
-    """The best drafter this package has for `target`: the MTP layers of its own checkpoint
-    (`MtpDrafter`; nothing to learn online) merged with n-gram drafts, else its trained head (shipped in
-    `specdec_kernels/heads/trained/`, or saved by the user under `<cache_dir>/heads/`, found
-    by the target's identity) merged with n-gram drafts, else n-gram drafts alone.
-
-    head: a head directory to use instead of looking one up (checked against `target`).
-
-    online: False (a frozen head), True (default settings) or a dict / `OnlineOptions` of
-    settings (`heads.online`): the head keeps learning from the target's verified features
-    while it serves, and the same drafter object reused across `generate` calls keeps what
-    it learned (`drafter.online.stats`; `drafter.save(dir)` writes the adapted head, which
-    `EagleDrafter(target, dir)` loads, and which `default_drafter` finds when dir is under
-    `<cache_dir>/heads/`). Output stays exactly the target's either way. Without a head for
-    `target` there is nothing to adapt: n-gram drafts alone, whatever `online` says."""
-    options = OnlineOptions.coerce(online)  # bad settings fail here, head or not
-    ngram = NgramDrafter(num_tokens=16)  # the planner verifies what pays of up to 16 (a long copy pays)
-    for make in OWN_LAYER_DRAFTERS if head is None else ():  # the model's own MTP layers come first
-        own = make(target)
-        if own is not None:
-            return HeadNgramDrafter(own, ngram)
-    folder = find_head(target) if head is None else head
-    if folder is None:
-        return ngram
-    return HeadNgramDrafter(head_drafter(target, folder, online=options or False), ngram)
 
 
 def head_drafter(target, head=None, *, online=False) -> Drafter:

@@ -63,7 +63,7 @@ from torch import nn
 
 from ..loop.drafters import Draft
 from .common import decoder_layer_class, input_embedding, lm_head_weight, text_config
-from .drafters import OWN_LAYER_DRAFTERS, _HeadDrafter
+from .drafters import _HeadDrafter
 
 LAYOUTS = ("deepseek", "mimo", "qwen3_next")
 # (embedding norm, hidden norm, projection, final norm) key names per layout; the projection's
@@ -168,7 +168,7 @@ def _detect(target, folder: Path, files: Dict[str, Path]) -> dict:
         if not prefixes:
             raise ValueError(f"checkpoint_dir: {folder} has mtp.fc.weight (Qwen3-Next MTP layout) but no mtp.layers.0.* block")
     if layout is None:
-        hints = sorted(k for k in keys if re.search(r"(^|\.)(mtp|nextn)", k) or re.match(rf"model\.layers\.(\d+)\.", k)
+        hints = sorted(k for k in keys if re.search(r"(^|\.)(mtp|nextn)", k) or re.match(r"model\.layers\.(\d+)\.", k)
                        and int(re.match(r"model\.layers\.(\d+)\.", k).group(1)) >= num)
         what = f"; it has keys in no layout we know: {', '.join(hints[:4])}{' ...' if len(hints) > 4 else ''}" if hints else ""
         raise ValueError(f"checkpoint_dir: no MTP layers in {folder} (looked for {_looked_for(num)}){what}")
@@ -599,12 +599,3 @@ class MtpDrafter(_HeadDrafter):
 
         first = self.logits(0, g_root[:, 0])
         return self._build(history, lengths, first, expand, sampling, budget, can_draft)
-
-
-def own_mtp_drafter(target) -> Optional[MtpDrafter]:
-    """`default_drafter`'s first choice: an `MtpDrafter` when the target's checkpoint has MTP
-    layers (`find_mtp`), else None."""
-    return MtpDrafter(target) if find_mtp(target) is not None else None
-
-
-OWN_LAYER_DRAFTERS.append(own_mtp_drafter)

@@ -15,7 +15,11 @@ and get them through `observe`.
   Greedy: the top-w distinct tokens per node (deterministic, verified with draft_probs=None).
   Sampling: siblings drawn i.i.d. from the draft's warped distribution, whose probabilities
   are passed to `verify` (multi-step speculative sampling).
+- `SuffixDrafter`: trees from a cache of every sequence seen (`SuffixIndex`): this call's
+  rows (siblings draft from each other), earlier calls' prompts and outputs, added texts.
 - `MergedDrafter`: several drafters' proposals merged into one trie (shared prefixes once).
+  `ScoredMergedDrafter`: the same for drafters with scores, each node scored by the best of
+  its sources (what the planner prunes by).
   It always asks its drafters for deterministic proposals (a draft model then proposes its
   top-w tokens even when sampling) and verifies with draft_probs=None, which is exact for
   any deterministic proposal set: verification samples from the target and follows the
@@ -30,7 +34,9 @@ import torch
 from ..ops._extension import COMPILED
 from ..ops.ngram import ngram_propose, ngram_propose_tree
 from ..ops.ngram_index import NgramIndex
+from ..ops.suffix_index import SuffixIndex
 from ..ops.tree import TokenTree, tree_mask
+from ..ops.trie import merge_scored_trees
 
 
 @dataclass
@@ -581,3 +587,146 @@ class MergedDrafter(Drafter):
         roots = root_tokens(history, lengths).tolist()
         merged = Draft(TokenTree.from_sequences(roots, sequences, self.max_nodes).to(history.device))
         return first_nodes(merged, budget) if budget is not None else Draft(trimmed(merged.tree))
+
+
+class SuffixDrafter(Drafter):
+    """Drafts from a suffix cache of every token sequence it has seen (`SuffixIndex`).
+
+    What it sees: each `generate` call's prompts and every token its rows emit, as soon as
+    they are emitted, so the rows of one batch draft from each other (best-of-n samples of
+    one prompt: what one sibling wrote is a likely draft for the others); what earlier calls
+    with this same object saw (the cache persists in the object, up to `max_tokens`, oldest
+    evicted first); and what `add(token_lists)` gives it (a code base, documents, earlier
+    transcripts). Each step, per row: the longest suffix of the row's tokens (up to
+    `max_depth`) found in the cache, and the trie of the continuations that followed its
+    newest `max_candidates` occurrences (up to `num_tokens` deep, the `max_nodes` most
+    frequent nodes). Rows with the same prompt share its cached copy (`SuffixIndex.fork`), so
+    n samples do not count the prompt n times.
+
+    Drafts are deterministic (verified with draft_probs None: sampled rows stay exact). Each
+    node's score is its empirical path probability, shrunk for few occurrences and weighted
+    by how long the matched suffix was: count / (occurrences + 0.5) * first(n) * next(n) **
+    (depth - 1), with first/next the n-gram match curves of `match_scores`; the adaptive
+    planner keeps what pays. The cost per step (append + draft) does not grow with the cache.
+
+    A seed reproduces a sampled output only with the same cache contents (the tree verified
+    depends on them; its distribution does not). The tokens of each row's last step are not
+    cached (a drafter sees tokens when asked for the next draft).
+
+    Args:
+        max_tokens: cache budget in tokens (92 bytes each, fixed at creation).
+        num_tokens: deepest continuation drafted.
+        max_nodes: most drafted nodes per row and step.
+        max_depth: longest suffix matched (<= 32).
+        max_candidates: occurrences whose continuations form the tree.
+    """
+
+    drafts_for_free = True
+
+    def __init__(self, max_tokens: int = 1 << 20, num_tokens: int = 16, max_nodes: int = 32, max_depth: int = 32,
+                 max_candidates: int = 8):
+        if num_tokens < 1 or max_nodes < 1:
+            raise ValueError(f"num_tokens and max_nodes must be >= 1, got {num_tokens} and {max_nodes}")
+        self.num_tokens, self.max_nodes = num_tokens, max_nodes
+        self.index = SuffixIndex(1, max_tokens=max_tokens, max_depth=max_depth, max_candidates=max_candidates)
+        self.slots = None
+
+    def add(self, token_lists) -> None:
+        """Cache finished token sequences (lists or 1-D int tensors of token ids)."""
+        self.index.add(token_lists)
+
+    def clear(self) -> None:
+        """Forget everything cached."""
+        self.index.clear()
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens the cache holds."""
+        return self.index.cached_tokens
+
+    def start(self, history, lengths, capacity):
+        """Each row starts a live sequence in slot b; a prompt equal to an earlier row's is
+        forked from it (cached once)."""
+        batch = history.shape[0]
+        self.index.reserve_slots(batch)
+        host = history.cpu()
+        seen = {}
+        for b, n in enumerate(lengths.tolist()):
+            prompt = host[b, :n]
+            key = tuple(prompt.tolist())
+            if key in seen:
+                self.index.fork(b, seen[key])
+            else:
+                self.index.start(b, prompt)
+                seen[key] = b
+        self.slots = torch.arange(batch)
+        self.indexed = lengths.long().cpu().clone()  # tokens of each row the index holds
+
+    def keep_rows(self, rows):
+        rows = rows.cpu()
+        self.slots, self.indexed = self.slots[rows], self.indexed[rows]
+
+    def finish(self):
+        self.slots = None
+
+    def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
+        """Append what each row emitted since the last step (every row first: siblings see
+        each other's tokens), then draft every row (see the class docstring). `sampling` is
+        not used; a `budget` keeps each row's best budget[b] nodes."""
+        host_lengths = lengths.long().cpu()
+        new = host_lengths - self.indexed
+        j = torch.arange(max(int(new.max()), 1))
+        gather_at = (self.indexed[:, None] + j).clamp(max=history.shape[1] - 1)
+        appended = history.gather(1, gather_at.to(history.device)).cpu()
+        out = self.index.append_and_draft(self.slots, appended, new, num_tokens=self.num_tokens,
+                                          max_nodes=self.max_nodes)
+        self.indexed = host_lengths
+        tree = trimmed(TokenTree(out.tokens, out.parents))
+        width = tree.tokens.shape[1]
+        depths = tree.depths
+        curve = match_scores(out.match_lengths.long(), self.num_tokens)  # [B, 1 + num_tokens]
+        counts = out.counts[:, :width].double()
+        share = counts / (counts[:, :1] + 0.5)
+        scores = torch.where(tree.parents >= 0, share * curve.gather(1, depths.clamp(min=0)).double(), 0.0)
+        scores[:, 0] = 1.0
+        draft = Draft(tree, None, scores.float())
+        if budget is not None:
+            _, position = rank_nodes(draft.scores, tree.parents >= 0)
+            keep = (position <= budget.cpu()[:, None]) & ((tree.parents >= 0) | (position == 0))
+            draft = keep_nodes(draft, keep)[0]
+        device = history.device
+        return Draft(TokenTree(draft.tree.tokens.to(device), draft.tree.parents.to(device)), None,
+                     draft.scores.to(device))
+
+
+class ScoredMergedDrafter(MergedDrafter):
+    """Several drafters' deterministic proposals merged into one tree per row, each node
+    scored by the best of its sources' scores (an unscored proposal counts each node as
+    0.5 ** depth), so the adaptive planner keeps the nodes most likely accepted from any
+    source. Used by `default_drafter` to put a row's own n-gram drafts and the suffix cache
+    into one tree.
+
+    Args:
+        drafters: the drafters to merge, in priority order (earlier ones get lower node ids).
+    """
+
+    def __init__(self, drafters: Sequence[Drafter]):
+        super().__init__(drafters)
+        self.drafts_for_free = all(d.drafts_for_free for d in self.drafters)
+
+    def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
+        """Merge the drafters' proposals with scores (`sampling` is not used); with a
+        `budget`, each drafter gets its share (`MergedDrafter.split_budget`)."""
+        shares = [None] * len(self.drafters) if budget is None else self.split_budget(budget)
+        drafts = [d.propose(history, lengths, None, share) for d, share in zip(self.drafters, shares)]
+        scores = [d.scores if d.scores is not None else 0.5 ** d.tree.depths.clamp(min=0).float() for d in drafts]
+        tokens, parents, merged = merge_scored_trees(root_tokens(history, lengths).tolist(),
+                                                     [(d.tree.tokens.cpu(), d.tree.parents.cpu()) for d in drafts],
+                                                     [s.cpu() for s in scores], self.max_nodes)
+        tree = trimmed(TokenTree(tokens, parents))
+        draft = Draft(tree, None, merged[:, : tree.tokens.shape[1]])
+        if budget is not None:
+            draft = first_nodes(draft, budget.cpu())
+        device = history.device
+        return Draft(TokenTree(draft.tree.tokens.to(device), draft.tree.parents.to(device)), None,
+                     draft.scores.to(device))

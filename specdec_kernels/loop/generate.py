@@ -256,6 +256,7 @@ def generate(
     adaptive: Union[bool, Planner] = True,
     timing: bool = False,
     kv_page_size: Optional[int] = None,
+    num_return_sequences: Optional[int] = None,
     generation_config=None,
     **generation_kwargs,
 ) -> GenerateOutput:
@@ -271,8 +272,8 @@ def generate(
             sampling from softmax(logits / temperature) after top_k and top_p. None (the
             default): as HF `generate`, greedy unless the generation config says do_sample,
             then its temperature / top_k / top_p (HF's defaults where it sets none).
-        seed: None, int (each row its own stream) or int64 [B]; every step uses fresh
-            per-row seeds derived from it.
+        seed: None, int (each row its own stream) or int64 [B * num_return_sequences] (one
+            per output row); every step uses fresh per-row seeds derived from it.
         eos_token_id: int or list; a row stops after emitting one. None: the target's
             generation_config.eos_token_id (as HF generate); [] disables.
         attention_mask: [B, L], 1 for prompt tokens, 0 for left padding (default all ones).
@@ -286,6 +287,11 @@ def generate(
             asked for no more. When sampling, plans use only the calibration and this
             call's rows (never measured times), so a seed still reproduces the output. False: the drafter's fixed size. A `Planner` instance: that planner
             (its settings, or a given cost model). No effect without a drafter.
+        num_return_sequences: n >= 1 (None: the generation config's, else 1): each prompt is
+            repeated n times, as in HF `generate`: the rows are independent (each its own
+            seed stream when sampling; greedy rows are n equal copies), and the output has
+            B * n rows, prompt 0's n rows first. One call is then best-of-n, and a drafter
+            that sees the whole batch (`SuffixDrafter`) drafts each row from its siblings.
         generation_config: a transformers GenerationConfig (default: target.generation_config);
             `generation_kwargs` (e.g. repetition_penalty=1.2, do_sample=True) update a copy of
             it, as in HF `generate`. Its logits processing (repetition penalty, no-repeat
@@ -311,6 +317,8 @@ def generate(
     gen_config = _generation_config(target, generation_config, generation_kwargs)
     temperature, top_k, top_p = sampling_settings(gen_config, temperature, top_k, top_p)
     lengths = _check_inputs(target, input_ids, attention_mask, max_new_tokens, temperature, streamer)
+    input_ids, attention_mask, lengths = _repeat_rows(input_ids, attention_mask, lengths, gen_config,
+                                                      num_return_sequences, streamer)
     device = input_ids.device
     batch, prompt_len = input_ids.shape
     eos = eos_ids(target, eos_token_id if eos_token_id is not None else gen_config.eos_token_id)
@@ -439,6 +447,24 @@ def _small_linear_rows(target, planner: Optional[Planner]):
     if planner is not None and planner.cost_model is not None:
         return planner.cost_model.small_linear_rows
     return CostModel.for_model(target, verbose=planner.verbose if planner is not None else True).small_linear_rows
+
+
+def _repeat_rows(input_ids, attention_mask, lengths, gen_config, num_return_sequences, streamer):
+    """(input_ids, attention_mask, lengths) with each row repeated n times in place (HF's
+    order: row b's copies at b * n .. b * n + n - 1), n = num_return_sequences, else the
+    config's (which is then cleared: the repetition is done here). n = 1: unchanged."""
+    n = num_return_sequences if num_return_sequences is not None else getattr(gen_config, "num_return_sequences", None)
+    n = 1 if n is None else n
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"num_return_sequences: expected an int >= 1, got {n!r}")
+    if hasattr(gen_config, "num_return_sequences"):
+        gen_config.num_return_sequences = None
+    if n == 1:
+        return input_ids, attention_mask, lengths
+    if streamer is not None:
+        raise ValueError("streamer: streaming needs a batch of one prompt and num_return_sequences=1")
+    mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+    return input_ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0), lengths.repeat_interleave(n, 0)
 
 
 def _generation_config(target, generation_config, generation_kwargs):

@@ -30,10 +30,24 @@ Methods:
   ours_eagle_fixed  ours_eagle with the head's tree fixed at EagleDrafter's GPU shape (24 nodes, depth 6, top-k 6)
                     and adaptive=False: acceptance at the tree a GPU verifies at batch 1 (in the default set on a
                     GPU only: on a CPU every node costs target compute)
+  ours_default_nocache  default_drafter(target, suffix_cache=False): ours_default without its suffix cache
+                    (not in the default set)
+  ours_suffix       SuffixDrafter() alone (not in the default set)
   ours_default_fixed  ours_default's composition (that tree merged with n-gram drafts of up to 16), adaptive=False
                     (in the default set on a GPU only)
   ours_eagle_fixed:N/D/K, ours_default_fixed:N/D/K  the same with the head's tree fixed at N nodes, depth D, top-k K,
                     to sweep tree sizes in one run (e.g. --methods hf,ours_eagle_fixed,ours_eagle_fixed:64/8/8)
+
+A suffix cache (ours_default, ours_suffix) is emptied at the start of each row of the table:
+it fills with that row's distinct prompts and outputs only.
+
+Best-of-n: --num-return-sequences N samples every prompt N times in one call (HF:
+generate(num_return_sequences=N); ours the same; B prompts make B * N rows; greedy cells are
+skipped, HF refuses them); results go to e2e_n<N>_<device>.*, e.g.
+    specdec bench e2e --num-return-sequences 8 --batch-sizes 1 --temperatures 0.7,1.0 \
+        --workloads code_edit,summarization,chat --methods hf,ours_default_nocache,ours_default
+A stream of distinct requests through one drafter, cache filling (`stream.py`):
+    specdec bench e2e --stream code_edit --prompts-per-workload 12
 
 No hf_assisted row for the default model: HF assisted generation needs a smaller model with
 the same tokenizer, and SmolLM2-135M is the smallest SmolLM2 (none smaller is installed here;
@@ -108,6 +122,12 @@ def add_arguments(parser):
                         help=f"weights (default float32; {RANDOM_LLAMA}: bfloat16)")
     parser.add_argument("--kernel-share", choices=("auto", "on", "off"), default="auto",
                         help="profile each of our runs once for the share of step time in our ops (auto: on GPU only)")
+    parser.add_argument("--num-return-sequences", type=int, default=1, metavar="N",
+                        help="best-of-N: every prompt sampled N times in one call, HF and ours (default 1)")
+    parser.add_argument("--stream", default=None, metavar="WORKLOAD",
+                        help="instead of the table: that workload's distinct requests, one after the other, through "
+                             "one drafter per method (default ours_default_nocache,ours_default), for acceptance as the "
+                             "suffix cache fills (e2e_stream_<workload>_<device>.json/.png)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -137,12 +157,18 @@ def run_args(args) -> int:
     batch_sizes = args.batch_sizes or preset["batch_sizes"]
     max_new_tokens = args.max_new_tokens or preset["max_new_tokens"]
     prompts = args.prompts_per_workload or preset["prompts_per_workload"]
-    if min(batch_sizes) < 1 or max_new_tokens < 1 or prompts < 1 or args.repeats < 1:
-        raise SystemExit("specdec bench e2e: batch sizes, --max-new-tokens, --prompts-per-workload and --repeats "
-                         "must be >= 1")
+    if min(batch_sizes) < 1 or max_new_tokens < 1 or prompts < 1 or args.repeats < 1 or args.num_return_sequences < 1:
+        raise SystemExit("specdec bench e2e: batch sizes, --max-new-tokens, --prompts-per-workload, --repeats and "
+                         "--num-return-sequences must be >= 1")
+    if args.stream is not None and args.stream not in WORKLOADS:
+        raise SystemExit(f"specdec bench e2e: --stream: unknown workload {args.stream!r}; choose from {', '.join(WORKLOADS)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     start = time.perf_counter()
     model, tokenizer, draft, label = load_models(args, device)
+    if args.stream is not None:
+        from .stream import run_stream_args
+
+        return run_stream_args(args, model, tokenizer, label, device, max_new_tokens, prompts)
     methods = args.methods or default_methods(device)
     if draft is None and any(m in NEEDS_DRAFT for m in methods) and args.methods:
         print(f"no --draft-model: leaving out {', '.join(m for m in methods if m in NEEDS_DRAFT)}", flush=True)
@@ -156,6 +182,8 @@ def run_args(args) -> int:
           f"{prompts} prompt(s) per workload and batch size", flush=True)
     out_dir = args.out_dir or common.results_dir()
     name = common.device_slug(device) + ("_llama3_8b_random" if args.model == RANDOM_LLAMA else "")
+    if args.num_return_sequences > 1:
+        name = f"n{args.num_return_sequences}_{name}"
 
     def settings(rows):
         return dict(mode="full" if args.full else "short", max_new_tokens=max_new_tokens, prompts_per_workload=prompts,
@@ -164,7 +192,8 @@ def run_args(args) -> int:
                     hf_prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS, ngram_num_tokens=NGRAM_TOKENS,
                     ngram_fixed_num_tokens=NGRAM_FIXED_TOKENS, ngram_tree_width=NGRAM_TREE_WIDTH,
                     draft_model=args.draft_model, draft_num_tokens=DRAFT_TOKENS,
-                    draft_tree_widths=list(DRAFT_TREE_WIDTHS), wall_s=time.perf_counter() - start)
+                    draft_tree_widths=list(DRAFT_TREE_WIDTHS), num_return_sequences=args.num_return_sequences,
+                    wall_s=time.perf_counter() - start)
 
     def write_partial(rows, planned):  # after every run: a run stopped at a time limit keeps its rows
         write_results(rows, out_dir, device=device, model_label=label, settings=settings(rows), name=name,
@@ -173,7 +202,7 @@ def run_args(args) -> int:
     rows = run(model, tokenizer, requests, draft=draft, methods=methods, batch_sizes=batch_sizes,
                temperatures=args.temperatures or TEMPERATURES, max_new_tokens=max_new_tokens,
                prompts_per_workload=prompts, profile_kernels=profile, progress=not args.no_progress,
-               repeats=args.repeats, on_rows=write_partial)
+               repeats=args.repeats, on_rows=write_partial, num_return_sequences=args.num_return_sequences)
     headers, cells = table_rows(rows)
     print()
     common.print_table(headers, cells)

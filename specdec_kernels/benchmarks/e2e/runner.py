@@ -14,13 +14,17 @@ from ...loop.generate import eos_ids as target_eos_ids
 
 METHODS = ("hf", "hf_prompt_lookup", "hf_assisted", "ours_plain", "ours_ngram", "ours_ngram_fixed", "ours_ngram_tree",
            "ours_draft", "ours_draft_tree", "ours_ngram_paged", "ours_eagle", "ours_default", "ours_eagle_fixed",
-           "ours_default_fixed")
+           "ours_default_fixed", "ours_default_nocache", "ours_suffix")
 # The head methods with a fixed tree (HEAD_FIXED_TREE, or a shape named after the method: split_method).
 FIXED_TREE_HEAD_METHODS = ("ours_eagle_fixed", "ours_default_fixed")
 # Not by default: ours_plain (no drafts) and the paged cache; the GPU-sized fixed head trees
 # only on a GPU (on a CPU a 24-node verify costs ~4x a one-token step).
 GPU_ONLY_DEFAULTS = FIXED_TREE_HEAD_METHODS
-DEFAULT_METHODS = tuple(m for m in METHODS if m not in ("ours_plain", "ours_ngram_paged") + GPU_ONLY_DEFAULTS)
+# Not by default either: the suffix cache's comparison rows (ours_default is default_drafter,
+# suffix cache included; these are its parts), named with --methods.
+SUFFIX_METHODS = ("ours_default_nocache", "ours_suffix")
+DEFAULT_METHODS = tuple(m for m in METHODS
+                        if m not in ("ours_plain", "ours_ngram_paged") + GPU_ONLY_DEFAULTS + SUFFIX_METHODS)
 
 
 def default_methods(device) -> tuple:
@@ -54,7 +58,12 @@ OURS = {
 # target without a head), both adaptive; and the same two with the head's tree fixed at
 # EagleDrafter's GPU shape (adaptive=False: every node verified, as a GPU's planner would at
 # batch 1 where a wide verify costs about one token's forward), for their acceptance.
-HEAD_METHODS = frozenset({"ours_eagle", "ours_default", "ours_eagle_fixed", "ours_default_fixed"})
+# ours_default_nocache: default_drafter(target, suffix_cache=False) (head + n-gram, no suffix
+# cache); ours_suffix: SuffixDrafter() alone. A suffix cache is emptied at the start of every
+# row (cell) of the table: within a cell it fills with that cell's distinct prompts and
+# outputs, never with another cell's (the same prompts at another temperature or pass).
+HEAD_METHODS = frozenset({"ours_eagle", "ours_default", "ours_eagle_fixed", "ours_default_fixed",
+                          "ours_default_nocache", "ours_suffix"})
 HEAD_FIXED_TREE = dict(max_nodes=24, depth=6, top_k=6, min_score=0.0)  # EagleDrafter's GPU defaults
 
 
@@ -118,7 +127,7 @@ def new_token_counts(sequences, prompt_len, eos_ids, max_new_tokens):
 def head_drafter(method, model):
     """The drafter of a learned-head method (HEAD_METHODS) for `model` (built once per head
     found), or None (but for ours_default) when the model has no trained EAGLE head."""
-    from ...loop.drafters import NgramDrafter
+    from ...loop.drafters import NgramDrafter, SuffixDrafter
     from ...heads import EagleDrafter, HeadNgramDrafter, default_drafter
     from ...heads.drafters import find_head
 
@@ -128,6 +137,10 @@ def head_drafter(method, model):
     if key not in _HEAD_DRAFTERS:
         if base == "ours_default":
             _HEAD_DRAFTERS[key] = default_drafter(model)
+        elif base == "ours_default_nocache":
+            _HEAD_DRAFTERS[key] = default_drafter(model, suffix_cache=False)
+        elif base == "ours_suffix":
+            _HEAD_DRAFTERS[key] = SuffixDrafter()
         elif folder is None:
             _HEAD_DRAFTERS[key] = None
         elif base == "ours_eagle":
@@ -149,8 +162,17 @@ def drafter(method, draft, model=None):
     return make_drafter(cli_method, draft_model=draft, **settings)
 
 
-def run_method(method, model, draft, input_ids, mask, *, max_new_tokens, temperature, eos, pad, seed):
-    """One timed call: (sequences [B, L + new], seconds, GenerateStats or None)."""
+def clear_suffix_cache(chosen) -> None:
+    """Empty a drafter's suffix cache, if it has one (default_drafter's, or a SuffixDrafter)."""
+    cache = chosen if hasattr(chosen, "clear") and hasattr(chosen, "cached_tokens") else \
+        getattr(chosen, "suffix_cache", None)
+    if cache is not None:
+        cache.clear()
+
+
+def run_method(method, model, draft, input_ids, mask, *, max_new_tokens, temperature, eos, pad, seed,
+               num_return_sequences=1):
+    """One timed call: (sequences [B * num_return_sequences, L + new], seconds, GenerateStats or None)."""
     from ...loop.generate import generate
 
     chosen = None if method.startswith("hf") else drafter(method, draft, model)  # built before the clock starts
@@ -162,6 +184,8 @@ def run_method(method, model, draft, input_ids, mask, *, max_new_tokens, tempera
             kwargs["prompt_lookup_num_tokens"] = HF_PROMPT_LOOKUP_TOKENS
         elif method == "hf_assisted":
             kwargs["assistant_model"] = draft
+        if num_return_sequences > 1:
+            kwargs["num_return_sequences"] = num_return_sequences
         torch.manual_seed(seed)
         with torch.inference_mode():
             sequences = model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos,
@@ -170,7 +194,8 @@ def run_method(method, model, draft, input_ids, mask, *, max_new_tokens, tempera
     else:
         out = generate(model, input_ids, drafter=chosen, max_new_tokens=max_new_tokens,
                           temperature=temperature, seed=seed, eos_token_id=eos, attention_mask=mask,
-                          adaptive=not split_method(method)[0].endswith("_fixed"), kv_page_size=PAGED.get(method))
+                          adaptive=not split_method(method)[0].endswith("_fixed"), kv_page_size=PAGED.get(method),
+                          num_return_sequences=num_return_sequences)
         sequences, stats = out.sequences, out.stats
     return sequences, device_clock(input_ids.device) - start, stats
 
@@ -215,23 +240,34 @@ def kernel_share(method, model, draft, input_ids, mask, *, max_new_tokens, tempe
 
 
 def bench_row(method, batches, model, draft, *, workload, batch_size, temperature, max_new_tokens, eos, pad,
-              eos_ids, hf_greedy, profile_kernels):
+              eos_ids, hf_greedy, profile_kernels, num_return_sequences=1):
     """Every batch of one (workload, batch size, temperature, method); the row for the JSON.
 
     hf_greedy: {request id: HF greedy generated tokens} filled by the `hf` greedy row and used
-    by the others for the token-for-token check."""
+    by the others for the token-for-token check. num_return_sequences n: each prompt sampled
+    n times in its batch (B * n rows; best-of-n), HF and ours alike."""
+    n = num_return_sequences
     row = {"config": dict(workload=workload, batch=batch_size, temperature=temperature, method=method,
                           prompts=sum(len(ids) for _, _, ids in batches), max_new_tokens=max_new_tokens)}
-    if method in BATCH1_ONLY and batch_size > 1:
+    if n > 1:
+        row["config"]["num_return_sequences"] = n
+    if method in BATCH1_ONLY and (batch_size > 1 or n > 1):
         row["skipped"] = "transformers' assisted / prompt lookup decoding supports batch size 1 only"
+        return row
+    if n > 1 and temperature == 0:
+        row["skipped"] = "HF generate refuses greedy decoding with num_return_sequences > 1"
         return row
     if split_method(method)[0] in HEAD_METHODS and head_drafter(method, model) is None:
         row["skipped"] = "no trained EAGLE head for this target"
         return row
     total_tokens, total_s, stats_list, mismatches, compared = 0, 0.0, [], [], 0
+    if not method.startswith("hf"):
+        clear_suffix_cache(drafter(method, draft, model))  # this cell's prompts only (see HEAD_METHODS)
     for index, (input_ids, mask, ids) in enumerate(batches):
         seq, seconds, stats = run_method(method, model, draft, input_ids, mask, max_new_tokens=max_new_tokens,
-                                         temperature=temperature, eos=eos, pad=pad, seed=SEED + index)
+                                         temperature=temperature, eos=eos, pad=pad, seed=SEED + index,
+                                         num_return_sequences=n)
+        ids = [rid for rid in ids for _ in range(n)]
         prompt_len = input_ids.shape[1]
         counts = new_token_counts(seq, prompt_len, eos_ids, max_new_tokens)
         total_tokens += sum(counts)
@@ -288,7 +324,7 @@ def size_vs_acceptance(traces):
     return {str(size): [steps, accepted / steps] for size, (steps, accepted) in sorted(buckets.items())}
 
 
-def warm_up(methods, batches_by_size, model, draft, temperatures, eos, pad):
+def warm_up(methods, batches_by_size, model, draft, temperatures, eos, pad, num_return_sequences=1):
     """A short call of every (method, batch size, sampling) first: lazy imports, allocator,
     first-call caches stay out of the timings."""
     for batch_size, batches in batches_by_size.items():
@@ -300,8 +336,10 @@ def warm_up(methods, batches_by_size, model, draft, temperatures, eos, pad):
                                                                 and head_drafter(method, model) is None):
                 continue
             for temperature in temperatures:
+                if num_return_sequences > 1 and temperature == 0:
+                    continue
                 run_method(method, model, draft, input_ids, mask, max_new_tokens=4, temperature=temperature, eos=eos,
-                           pad=pad, seed=SEED)
+                           pad=pad, seed=SEED, num_return_sequences=num_return_sequences)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -309,7 +347,7 @@ def warm_up(methods, batches_by_size, model, draft, temperatures, eos, pad):
 
 def run(model, tokenizer, requests_by_workload, *, draft=None, methods=DEFAULT_METHODS, batch_sizes=(1, 8),
         temperatures=TEMPERATURES, max_new_tokens=64, prompts_per_workload=2, profile_kernels=None, progress=True,
-        repeats=1, on_rows=None):
+        repeats=1, on_rows=None, num_return_sequences=1):
     """The benchmark on loaded models: a list of rows (see `bench_row`), in table order.
 
     requests_by_workload: {workload: [Request, ...]} with at least max(batch_sizes) requests
@@ -323,6 +361,7 @@ def run(model, tokenizer, requests_by_workload, *, draft=None, methods=DEFAULT_M
     on_rows: called as on_rows(rows, planned) after every finished run with the rows so far
     (each cell that ran at least once, as the result would have it after that many passes) and
     the number of rows of the whole plan: the caller writes partial results with it.
+    num_return_sequences: n > 1 samples each prompt n times (best-of-n; greedy cells skipped).
     """
     if repeats < 1:
         raise ValueError(f"repeats: expected >= 1, got {repeats}")
@@ -341,7 +380,8 @@ def run(model, tokenizer, requests_by_workload, *, draft=None, methods=DEFAULT_M
             count = batch_size * math.ceil(prompts_per_workload / batch_size)
             batches[workload, batch_size] = make_batches(requests[:count], tokenizer, batch_size, device)
     first = next(iter(requests_by_workload))
-    warm_up(methods, {b: batches[first, b] for b in batch_sizes}, model, draft, temperatures, eos, pad)
+    warm_up(methods, {b: batches[first, b] for b in batch_sizes}, model, draft, temperatures, eos, pad,
+            num_return_sequences)
     cells = [(w, b, t, m) for w in requests_by_workload for b in batch_sizes for t in temperatures for m in methods]
     plan = [(r, cell) for r in range(repeats) for cell in cells]
     passes, hf_greedy = [[] for _ in range(repeats)], {}
@@ -353,7 +393,8 @@ def run(model, tokenizer, requests_by_workload, *, draft=None, methods=DEFAULT_M
         passes[repeat].append(bench_row(method, batches[workload, batch_size], model, draft, workload=workload,
                                         batch_size=batch_size, temperature=temperature, max_new_tokens=max_new_tokens,
                                         eos=eos, pad=pad, eos_ids=eos_ids, hf_greedy=hf_greedy,
-                                        profile_kernels=profile_kernels and repeat == 0))
+                                        profile_kernels=profile_kernels and repeat == 0,
+                                        num_return_sequences=num_return_sequences))
         rate = passes[repeat][-1].get("tokens_per_s")
         # tqdm.write keeps a live bar intact (it is cleared and redrawn around the line).
         tqdm.write(f"  [{index + 1}/{len(plan)}] {workload} B={batch_size} t={temperature:g} {method}: "
