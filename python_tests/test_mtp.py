@@ -366,7 +366,7 @@ def test_loader_errors(tmp_path, checkpoints):
     with pytest.raises(ValueError, match=r"no MTP layers .*model\.layers\.2\.eh_proj\.weight.*model\.mtp_layers\.0\.input_proj"):
         MtpDrafter(plain)
     assert find_mtp(plain) is None
-    assert isinstance(default_drafter(plain), sk.NgramDrafter)  # no MTP layers, no trained head: n-gram
+    assert isinstance(default_drafter(plain), sk.ScoredMergedDrafter)  # no MTP layers, no trained head: n-gram + suffix cache
     with pytest.raises(ValueError, match="checkpoint_dir"):
         MtpDrafter(target, checkpoint_dir=tmp_path / "nowhere")
     # An unknown key under the MTP prefix, a missing one, an unknown layout.
