@@ -58,6 +58,33 @@ if _C is None:
     )
 
 
+
+def has_compiled_class(name: str) -> bool:
+    """Whether the loaded `_C` registered the torch custom class `specdec.<name>` (the host
+    indexes: NgramIndex, SuffixIndex)."""
+    if LOAD_ERROR is not None:
+        return False
+    try:
+        getattr(torch.classes.specdec, name)  # raises if _C did not register it
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+def host_index_backend(name: str, backend) -> str:
+    """The backend of a host index class `name`: None picks "cpu" (the compiled class) when
+    `_C` has it, else "python" (its plain-Python reference); a forced "cpu" without it raises."""
+    if backend is None:
+        return "cpu" if has_compiled_class(name) else "python"
+    if backend not in ("cpu", "python"):
+        raise ValueError(f"backend: expected None or one of ('cpu', 'python'), got {backend!r}")
+    if backend == "cpu" and not has_compiled_class(name):
+        raise RuntimeError(
+            f"{name}(backend='cpu'): specdec_kernels._C has no compiled {name} "
+            f"({LOAD_ERROR or 'the loaded build predates it'}); use backend='python' or rebuild"
+        )
+    return backend
+
 def _compiled_keys(op: str) -> frozenset:
     """Dispatch keys ("CPU", "CUDA") for which `_C` registered a compiled kernel of `op`."""
     if _C is None:

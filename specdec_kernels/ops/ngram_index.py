@@ -32,11 +32,10 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import _checks
-from ._extension import LOAD_ERROR
+from ._extension import has_compiled_class, host_index_backend
 from .reference.ngram_index import NgramIndex as _ReferenceIndex
 
 POLICIES = _checks.NGRAM_POLICIES
-BACKENDS = ("cpu", "python")
 
 Slots = Union[int, Sequence[int], torch.Tensor]
 
@@ -48,13 +47,7 @@ def _cpu_int64(x: torch.Tensor) -> torch.Tensor:
 
 
 def _has_compiled_class() -> bool:
-    if LOAD_ERROR is not None:
-        return False
-    try:
-        torch.classes.specdec.NgramIndex  # noqa: B018  (raises if _C did not register it)
-    except (RuntimeError, AttributeError):
-        return False
-    return True
+    return has_compiled_class("NgramIndex")
 
 
 class NgramIndex:
@@ -83,15 +76,7 @@ class NgramIndex:
             _checks.fail("max_n", f"expected max_n <= 64, got {max_n}")
         if dtype not in _checks.INT_DTYPES:
             _checks.fail("dtype", f"expected torch.int32 or torch.int64, got {dtype}")
-        if backend is None:
-            backend = "cpu" if _has_compiled_class() else "python"
-        if backend not in BACKENDS:
-            _checks.fail("backend", f"expected None or one of {BACKENDS}, got {backend!r}")
-        if backend == "cpu" and not _has_compiled_class():
-            raise RuntimeError(
-                "NgramIndex(backend='cpu'): specdec_kernels._C has no compiled NgramIndex "
-                f"({LOAD_ERROR or 'the loaded build predates it'}); use backend='python' or rebuild"
-            )
+        backend = host_index_backend("NgramIndex", backend)
         self.num_slots, self.max_n, self.dtype, self.backend = num_slots, max_n, dtype, backend
         if backend == "cpu":
             # _hash_bits < 64 keeps only that many hash bits: a test hook to force collisions.

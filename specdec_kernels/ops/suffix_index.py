@@ -40,10 +40,9 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 
 from . import _checks
-from ._extension import LOAD_ERROR
+from ._extension import has_compiled_class, host_index_backend
 from .reference.suffix_index import SuffixIndex as _ReferenceIndex
 
-BACKENDS = ("cpu", "python")
 Slots = Union[int, Sequence[int], torch.Tensor]
 
 
@@ -61,13 +60,7 @@ class SuffixDraft(NamedTuple):
 
 
 def _has_compiled_class() -> bool:
-    if LOAD_ERROR is not None:
-        return False
-    try:
-        torch.classes.specdec.SuffixIndex  # noqa: B018  (raises if _C did not register it)
-    except (RuntimeError, AttributeError):
-        return False
-    return True
+    return has_compiled_class("SuffixIndex")
 
 
 def _int64(name: str, x, dims: int) -> torch.Tensor:
@@ -111,15 +104,7 @@ class SuffixIndex:
             _checks.int_arg("vocab_size", vocab_size, minimum=1)
             if vocab_size > 2**31 - 1:
                 _checks.fail("vocab_size", f"expected < 2^31, got {vocab_size}")
-        if backend is None:
-            backend = "cpu" if _has_compiled_class() else "python"
-        if backend not in BACKENDS:
-            _checks.fail("backend", f"expected None or one of {BACKENDS}, got {backend!r}")
-        if backend == "cpu" and not _has_compiled_class():
-            raise RuntimeError(
-                "SuffixIndex(backend='cpu'): specdec_kernels._C has no compiled SuffixIndex "
-                f"({LOAD_ERROR or 'the loaded build predates it'}); use backend='python' or rebuild"
-            )
+        backend = host_index_backend("SuffixIndex", backend)
         self.num_slots, self.max_tokens, self.max_depth = num_slots, max_tokens, max_depth
         self.vocab_size, self.backend = vocab_size, backend
         args = (max_tokens, max_depth, num_slots, max_candidates, max_probes, vocab_size or 0, _table_bits)
