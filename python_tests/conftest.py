@@ -12,6 +12,8 @@ import random
 import re
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -361,3 +363,17 @@ def run_in_fresh_cpu_process(test_file: str, *pytest_args) -> None:
     if " passed" not in result.stdout and defect:
         pytest.skip(defect.group(1))  # this triton cannot interpret them (INTERPRETER_DEFECT)
     assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+def max_gap_while(fn) -> float:
+    """Longest pause (s) of a Python loop in this thread while `fn` runs in another: short when
+    `fn` releases the GIL (the GIL-release tests of the host indexes)."""
+    thread = threading.Thread(target=fn)
+    gaps, last = [], time.perf_counter()
+    thread.start()
+    while thread.is_alive():
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    thread.join()
+    return max(gaps)

@@ -1,7 +1,6 @@
 """The compiled CPU n-gram kernels on long and adversarial histories (against `reference`),
 and `NgramIndex` (compiled and pure-Python) fed step by step against `ngram_propose`."""
 
-import threading
 import time
 
 import pytest
@@ -11,7 +10,7 @@ import specdec_kernels as sk
 from specdec_kernels import ngram_propose, ngram_propose_tree
 from specdec_kernels.ops.ngram_index import NgramIndex, _has_compiled_class
 
-from conftest import HAS_C, randint, requires_c, requires_cuda
+from conftest import HAS_C, max_gap_while, randint, requires_c, requires_cuda
 from test_ngram import pack, planted, zipf_tokens
 
 POLICIES = ("earliest", "latest")
@@ -369,19 +368,6 @@ def test_index_constructor_errors():
 # ----------------------------------------------------------------------------- the GIL
 
 
-def _max_gap_while(fn):
-    """Longest pause (s) of a Python loop in this thread while `fn` runs in another."""
-    thread = threading.Thread(target=fn)
-    gaps, last = [], time.perf_counter()
-    thread.start()
-    while thread.is_alive():
-        now = time.perf_counter()
-        gaps.append(now - last)
-        last = now
-    thread.join()
-    return max(gaps)
-
-
 @requires_cpu_kernel
 @pytest.mark.skipif(not HAS_INDEX, reason="no compiled NgramIndex")
 def test_gil_released():
@@ -402,7 +388,7 @@ def test_gil_released():
         alone = time.perf_counter() - start
         if alone < 0.02:
             pytest.skip(f"{name}: one call takes {alone * 1e3:.1f} ms here, too short to tell")
-        assert _max_gap_while(fn) < 0.6 * alone, name
+        assert max_gap_while(fn) < 0.6 * alone, name
 
 
 @requires_c
