@@ -26,6 +26,22 @@ import torch.nn.functional as F
 from torch import nn
 
 
+
+def init_decoder_parameters(module: nn.Module, generator: torch.Generator) -> None:
+    """The heads' deterministic init: norms 1, biases 0, other weights normal(0, 0.02) drawn in
+    parameter order, the residual-stream output projections (o_proj, down_proj) scaled by
+    1/sqrt(2) so a fresh decoder layer starts close to the identity on its residual stream."""
+    for name, p in module.named_parameters():
+        if name.endswith("norm.weight"):
+            nn.init.ones_(p)
+        elif name.endswith("bias"):
+            nn.init.zeros_(p)
+        else:
+            output_projection = name.rsplit(".", 2)[-2] in ("o_proj", "down_proj")
+            std = 0.02 / (math.sqrt(2.0) if output_projection else 1.0)
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=generator) * std)
+
 class RMSNorm(nn.Module):
     """Llama's RMSNorm (computed in fp32)."""
 
@@ -95,15 +111,7 @@ class EagleHead(nn.Module):
     def reset_parameters(self, generator: torch.Generator) -> None:
         """Deterministic init: normal(0, 0.02) weights, output projections scaled down (so
         the layer starts close to the identity on its residual stream), zero biases."""
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                nn.init.ones_(p)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-            else:
-                std = 0.02 / (math.sqrt(2.0) if name.startswith(("o_proj", "down_proj")) else 1.0)
-                with torch.no_grad():
-                    p.copy_(torch.randn(p.shape, generator=generator) * std)
+        init_decoder_parameters(self, generator)
 
     def input_features(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head's input feature from the target's hidden states: hidden [..., H] (the LM
@@ -218,13 +226,7 @@ class MtpHead(nn.Module):
 
     def reset_parameters(self, generator: torch.Generator) -> None:
         """As `EagleHead.reset_parameters` (norms 1, normal(0, 0.02), output projections scaled down)."""
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                nn.init.ones_(p)
-            else:
-                std = 0.02 / (math.sqrt(2.0) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0)
-                with torch.no_grad():
-                    p.copy_(torch.randn(p.shape, generator=generator) * std)
+        init_decoder_parameters(self, generator)
 
     def input_features(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's LM-head input as is (no multi-layer fusion)."""
