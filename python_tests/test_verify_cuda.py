@@ -212,7 +212,8 @@ def test_verify_chain_and_row_independence(gen):
     kw = dict(draft_probs=probs, temperature=0.8, top_p=0.9, seed=seed, backend="cuda")
     full = verify_chain(logits, drafts, **kw)
     for b in (0, batch - 1):
-        one = verify_chain(logits[b : b + 1], drafts[b : b + 1], **{**kw, "seed": seed[b : b + 1]})
+        row = {**kw, "seed": seed[b : b + 1], "draft_probs": probs[b : b + 1]}
+        one = verify_chain(logits[b : b + 1], drafts[b : b + 1], **row)
         assert torch.equal(one.output_tokens[0], full.output_tokens[b])
         assert torch.equal(one.accepted_nodes[0], full.accepted_nodes[b])
 
