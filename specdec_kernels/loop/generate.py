@@ -39,7 +39,8 @@ class GenerateStats:
     nodes_per_step: mean verified draft nodes per (step, unfinished row).
     trace: one dict per step: rows (in the batch), width (tree nodes per row, root included,
         padding too), nodes_per_row and accepted_per_row (means over the rows), seconds (the
-        step's wall time, drafting to bookkeeping). Plot width or nodes_per_row against
+        step's wall time, drafting to bookkeeping), compiled_graph (its forward compiled a new
+        graph: its seconds are mostly compiling, and the planner did not learn from them). Plot width or nodes_per_row against
         accepted_per_row to see what the planner chose against what was accepted.
     time_plan: host seconds the adaptive planner spent (inside time_draft when timing).
     time_prefill / time_total: seconds. time_draft / time_verify / time_accept: the split of
@@ -230,6 +231,7 @@ class _Trace:
         now, upkeep, compiles = time.perf_counter(), upkeep_seconds(self.drafter), self._compiles()
         if self.records and "seconds" not in self.records[-1]:
             self.records[-1]["seconds"] = now - self.start
+            self.records[-1]["compiled"] = compiles != self.compiles
             if self.planner is not None and len(self.records) > 1 and compiles == self.compiles:
                 self.planner.observe_time(now - self.start - (upkeep - self.upkeep))
         self.start, self.upkeep, self.compiles = now, upkeep, compiles
@@ -244,7 +246,8 @@ class _Trace:
 
     def steps(self) -> List[dict]:
         return [dict(rows=r["rows"], width=r["width"], nodes_per_row=int(r["nodes"]) / r["rows"],
-                     accepted_per_row=int(r["accepted"]) / r["rows"], seconds=r.get("seconds", 0.0))
+                     accepted_per_row=int(r["accepted"]) / r["rows"], seconds=r.get("seconds", 0.0),
+                     compiled_graph=r.get("compiled", False))
                 for r in self.records]
 
 
