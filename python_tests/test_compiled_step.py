@@ -189,3 +189,20 @@ def test_default_model_greedy_matches_hf():
     eager = sk.generate(model, ids, drafter=drafter, max_new_tokens=24, adaptive=False, compile=False)
     assert torch.equal(out.sequences, expected)
     assert torch.equal(eager.sequences, expected)
+
+
+def test_family_with_a_graph_break_is_refused_clearly():
+    """StableLM's decoder layers drop the forward kwargs, so its attention reads the tree
+    metadata from a context variable, which dynamo cannot trace: compile=True says so
+    (naming the family and compile=False) instead of running a broken graph."""
+    from test_model_coverage import FAMILIES
+
+    stablelm = next((f for f in FAMILIES if f.name == "StableLM" and f.available()), None)
+    if stablelm is None:
+        pytest.skip("this transformers has no StableLM")
+    model = stablelm.build(0)
+    ids, mask = left_pad(repetitive_prompts(2))
+    with pytest.raises(compiled.CompileError, match=r"stablelm.*compile=False"):
+        sk.generate(model, ids, attention_mask=mask, max_new_tokens=4, compile=True)
+    out = sk.generate(model, ids, attention_mask=mask, max_new_tokens=4, compile=False)
+    assert torch.equal(out.sequences, hf_greedy(model, ids, mask, 4))

@@ -33,9 +33,9 @@ cache buffers are marked as static addresses). The CUDA paths are written but un
 Paged caches (`kv_page_size`) are not compiled.
 """
 
+import contextlib
 import time
-import warnings
-import weakref
+from functools import partial
 from typing import Optional, Tuple, Union
 
 import torch
@@ -43,6 +43,7 @@ import torch
 from .hf.attention import SEQLENS_KWARG, TREE_MASK_KWARG, _hidden
 from .hf.cache import TreeKVCache
 from .hf.families import family
+from ..ops import small_linear as _small_linear
 
 CAPACITY_STEP = 256  # cache capacities are rounded up to a multiple of this
 WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # tree widths are padded up to one of these (then multiples of 64)
@@ -207,8 +208,6 @@ def _tree_forward(model, cache, tokens, positions, tree_mask, seqlens, return_hi
 
 
 _COMPILED = {}  # mode -> torch.compile(_tree_forward, mode=mode)
-# Models whose forward failed to compile (model -> the reason), so "try" happens once.
-_FAILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _compiled(mode: str):
@@ -274,9 +273,14 @@ class StaticForward:
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=4 * RECOMPILE_LIMIT):
                 out = _compiled(self.mode)(model, cache, pad_tokens, pad_positions, mask, seqlens, hidden)
         except Exception as error:
-            raise CompileError(f"compile: torch.compile could not run the tree forward of {family(model)} "
-                               f"without a graph break ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
-                               "pass compile=False") from error
+            from torch._dynamo.exc import TorchDynamoException
+            from torch._inductor.exc import InductorError
+
+            if not isinstance(error, (TorchDynamoException, InductorError)):
+                raise
+            first_line = (str(error).splitlines() or [""])[0]
+            raise CompileError(f"compile: torch.compile failed on the tree forward of {family(model)} "
+                               f"({type(error).__name__}: {first_line}); pass compile=False") from error
         finally:
             cache.static_forward, cache.static_seqlens = False, None
         if _graphs_compiled() != frames:  # this call compiled a graph: all its time was compiling
@@ -288,14 +292,37 @@ class StaticForward:
         return logits[:rows, :width], states[:rows, :width]
 
 
+@contextlib.contextmanager
+def small_linears(model: torch.nn.Module, rows_range: Tuple[int, int]):
+    """`ops.small_linear.small_linears` for compiled forwards: the same routing, but each
+    linear gets the same forward object in every call (kept on the model). Dynamo guards on
+    the identity of a module's patched forward, so fresh ones would recompile every graph in
+    every `generate` call."""
+    lo, hi = (int(r) for r in rows_range)
+    installed = []
+    if 1 <= lo <= hi and _small_linear.has_kernel():
+        table = model.__dict__.setdefault("_specdec_compiled_linears", {})
+        if (lo, hi) not in table:
+            table[(lo, hi)] = [(module, partial(_small_linear._forward, module, (lo, hi)))
+                               for module in model.modules() if _small_linear._qualifies(module)]
+        for module, forward in table[(lo, hi)]:
+            if "forward" not in module.__dict__:
+                module.forward = forward
+                installed.append(module)
+    try:
+        yield
+    finally:
+        for module in installed:
+            del module.forward
+
+
 class CompileError(RuntimeError):
     """torch.compile could not compile the tree forward (a graph break, an unsupported op)."""
 
 
 def static_forward(target, compile: Union[bool, str], device: torch.device, paged: bool) -> Optional[StaticForward]:
-    """A `StaticForward` for `generate(..., compile=compile)`, or None to run eagerly (compile
-    off, "auto" choosing eager, or a model whose forward failed to compile before: a warning
-    says why, once per model)."""
+    """A `StaticForward` for `generate(..., compile=compile)`, or None to run eagerly
+    (`resolve_mode`; bad arguments raise ValueError)."""
     mode = resolve_mode(compile, device, paged)
     if mode is None:
         return None

@@ -377,8 +377,9 @@ def generate(
     static = compiled.static_forward(target, compile, device, kv_page_size is not None)
     stats.compiled = static is not None
     tree_forward = hf.forward if static is None else static.forward
+    route_linears = small_linears if static is None else compiled.small_linears
     with hf.use_tree_attention(target, *drafter.models), config.value_checks(False), \
-            small_linears(target, linear_rows):
+            route_linears(target, linear_rows):
         cache = hf.TreeKVCache.for_model(target, batch, capacity, page_size=kv_page_size) if static is None else \
             static.cache(target, batch, capacity)
         hidden = hf.prefill(target, cache, rows.history, rows.lengths, return_hidden=with_hidden)
