@@ -95,8 +95,11 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--linear-rows", type=int, nargs=2, default=None, metavar=("LO", "HI"),
                         help="few-row linear routing (default: the cost model's calibration, as generate does)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/compiled_step_<device>.json)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, _ = models.load_model(args.model, verbose=False)
     linear_rows = tuple(args.linear_rows) if args.linear_rows else CostModel.for_model(model).small_linear_rows
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, small_linear_rows {linear_rows}, "

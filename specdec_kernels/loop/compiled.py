@@ -112,6 +112,7 @@ class StaticTreeKVCache(TreeKVCache):
         if self.block_table is not None:
             raise ValueError("StaticTreeKVCache: dense caches only (page_size=None)")
         self.allocated_rows = self.seqlens.shape[0]
+        self.mark_static = False  # mark the buffers the graphs read as static addresses (CUDA graphs)
         self.static_forward = False
         self.static_seqlens: Optional[torch.Tensor] = None
         for layer in self.layers:
@@ -123,12 +124,9 @@ class StaticTreeKVCache(TreeKVCache):
         """A cache for `batch_size` rows of at least `capacity` slots, shaped for `model`.
         mark_static: mark the buffers as static addresses (CUDA graphs)."""
         cache = cls.for_model(model, rows_bucket(batch_size), capacity_bucket(capacity))
+        cache.mark_static = mark_static
         cache.seqlens = cache.seqlens[:batch_size].contiguous()
         cache._use_rows(batch_size)
-        if mark_static:
-            for layer in cache.layers:
-                torch._dynamo.mark_static_address(layer.k_full)
-                torch._dynamo.mark_static_address(layer.v_full)
         return cache
 
     @property
@@ -147,6 +145,9 @@ class StaticTreeKVCache(TreeKVCache):
             layer.k_buf, layer.v_buf = layer.k_full[:rows], layer.v_full[:rows]
             layer.keys, layer.values = layer.k_buf.transpose(1, 2), layer.v_buf.transpose(1, 2)
             layer.k_static, layer.v_static = layer.k_full[:bucket], layer.v_full[:bucket]
+            if self.mark_static:  # unguarded: a new view of the same memory is no recompile
+                torch._dynamo.mark_static_address(layer.k_static)
+                torch._dynamo.mark_static_address(layer.v_static)
         self._slots = (rows, self.capacity)
         self._rows = torch.arange(rows, device=self.seqlens.device)[:, None]
 
@@ -241,6 +242,7 @@ class StaticForward:
     def cache(self, model, batch_size: int, capacity: int) -> StaticTreeKVCache:
         """The call's KV cache: `capacity` slots per row plus room for padding the widest tree
         (the caller's capacity counts the drafter's widest tree, root included)."""
+        # (a tree of W nodes is padded to at most W + 63: width_bucket)
         return StaticTreeKVCache.for_generate(model, batch_size, capacity + 64,
                                               mark_static=self.mode == "reduce-overhead")
 
@@ -266,9 +268,11 @@ class StaticForward:
         seqlens[:rows] = cache.seqlens
         hidden = tuple(return_hidden) if isinstance(return_hidden, (list, tuple)) else bool(return_hidden)
 
-        frames = _graphs_compiled()
+        graphs = _graphs_compiled()
         start = time.perf_counter()
         cache.static_forward, cache.static_seqlens = True, seqlens
+        if self.mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were consumed
         try:
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=4 * RECOMPILE_LIMIT):
                 out = _compiled(self.mode)(model, cache, pad_tokens, pad_positions, mask, seqlens, hidden)
@@ -283,9 +287,11 @@ class StaticForward:
                                f"({type(error).__name__}: {first_line}); pass compile=False") from error
         finally:
             cache.static_forward, cache.static_seqlens = False, None
-        if _graphs_compiled() != frames:  # this call compiled a graph: all its time was compiling
+        if _graphs_compiled() != graphs:  # this call compiled a graph: all its time was compiling
             self.compiles += 1
             self.compile_seconds += time.perf_counter() - start
+        if self.mode == "reduce-overhead":  # CUDA graph outputs are overwritten by the next replay
+            out = out.clone() if hidden is False else tuple(o.clone() for o in out)
         if hidden is False:
             return out[:rows, :width]
         logits, states = out
