@@ -206,3 +206,25 @@ def test_family_with_a_graph_break_is_refused_clearly():
         sk.generate(model, ids, attention_mask=mask, max_new_tokens=4, compile=True)
     out = sk.generate(model, ids, attention_mask=mask, max_new_tokens=4, compile=False)
     assert torch.equal(out.sequences, hf_greedy(model, ids, mask, 4))
+
+
+@pytest.mark.parametrize("return_hidden", [True, (0, 2)], ids=["last", "layers"])
+def test_hidden_states_match_eager(target, return_hidden):
+    """Drafters that read the target's hidden states (heads) get the same states: the last
+    layer's compiled (a padded tree step: 3 rows -> 4, 5 nodes -> 8), chosen layers' eagerly
+    (transformers' output_hidden_states does not trace), both as hf.forward."""
+    batch = 3
+    history, lengths = torch.randint(1, 100, (batch, 40)), torch.tensor([20, 13, 30])
+    tree = TokenTree(torch.randint(1, 100, (batch, 5)), torch.tensor([[-1, 0, 0, 1, 1]] * batch))
+    with torch.inference_mode(), hf.use_tree_attention(target):
+        forward = compiled.StaticForward("default")
+        static_cache, eager_cache = forward.cache(target, batch, 48), hf.TreeKVCache.for_model(target, batch, 48)
+        hf.prefill(target, static_cache, history, lengths)
+        hf.prefill(target, eager_cache, history, lengths)
+        positions = tree.position_ids(eager_cache.seqlens)
+        logits, hidden = forward.forward(target, static_cache, tree.tokens, positions, tree.mask(), return_hidden=return_hidden)
+        want_logits, want_hidden = hf.forward(target, eager_cache, tree.tokens, positions, tree.mask(), return_hidden=return_hidden)
+    assert logits.shape == want_logits.shape and hidden.shape == want_hidden.shape
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(hidden, want_hidden, rtol=1e-4, atol=1e-4)
+    assert forward.compiled_steps == (1 if return_hidden is True else 0)

@@ -204,7 +204,7 @@ def _tree_forward(model, cache, tokens, positions, tree_mask, seqlens, return_hi
                 **{TREE_MASK_KWARG: tree_mask, SEQLENS_KWARG: seqlens})
     if not return_hidden:
         return model(logits_to_keep=0, **args).logits.float()
-    last, hidden = _hidden(model, args, return_hidden)
+    last, hidden = _hidden(model, args, True)
     return model.get_output_embeddings()(last).float(), hidden
 
 
@@ -228,7 +228,11 @@ def _graphs_compiled() -> int:
 class StaticForward:
     """The compiled tree forward of one `generate` call: pads each step's tree to the
     buckets, runs the compiled graph on a `StaticTreeKVCache`, and keeps the seconds spent
-    compiling (`compile_seconds`, `compiles`).
+    compiling (`compile_seconds`, `compiles`) and the steps run compiled (`compiled_steps`).
+
+    Hidden states of chosen layers (`return_hidden` a tuple: drafters with `hidden_layers`)
+    need transformers' `output_hidden_states`, whose output capture dynamo cannot trace (it
+    enters a lock): those forwards run eagerly on the same cache.
 
     Args:
         mode: a torch.compile mode (MODES).
@@ -238,6 +242,7 @@ class StaticForward:
         self.mode = mode
         self.compile_seconds = 0.0
         self.compiles = 0
+        self.compiled_steps = 0
 
     def cache(self, model, batch_size: int, capacity: int) -> StaticTreeKVCache:
         """The call's KV cache: `capacity` slots per row plus room for padding the widest tree
@@ -247,9 +252,13 @@ class StaticForward:
                                               mark_static=self.mode == "reduce-overhead")
 
     def forward(self, model, cache: StaticTreeKVCache, tokens: torch.Tensor, position_ids: torch.Tensor,
-                tree_mask: torch.Tensor, return_hidden=False):
+                tree_mask: torch.Tensor, *, return_hidden=False):
         """`hf.forward(model, cache, tokens, position_ids, tree_mask, return_hidden=...)` for a
         tree step, compiled: same results (logits [B, T, V] fp32, and hidden states as asked)."""
+        if isinstance(return_hidden, (list, tuple)):  # does not trace (see the class docstring)
+            from .hf.attention import forward
+
+            return forward(model, cache, tokens, position_ids, tree_mask, return_hidden=tuple(return_hidden))
         rows, width = tokens.shape
         bucket_rows, bucket_width = cache.bucket_rows, width_bucket(width)
         if int(cache.max_len) + bucket_width > cache.capacity:
@@ -266,7 +275,7 @@ class StaticForward:
         mask[:rows, :width, :width] = tree_mask if tree_mask.dim() == 3 else tree_mask[None]
         seqlens = torch.zeros(bucket_rows, dtype=torch.int32, device=device)
         seqlens[:rows] = cache.seqlens
-        hidden = tuple(return_hidden) if isinstance(return_hidden, (list, tuple)) else bool(return_hidden)
+        hidden = bool(return_hidden)
 
         graphs = _graphs_compiled()
         start = time.perf_counter()
@@ -290,6 +299,7 @@ class StaticForward:
         if _graphs_compiled() != graphs:  # this call compiled a graph: all its time was compiling
             self.compiles += 1
             self.compile_seconds += time.perf_counter() - start
+        self.compiled_steps += 1
         if self.mode == "reduce-overhead":  # CUDA graph outputs are overwritten by the next replay
             out = out.clone() if hidden is False else tuple(o.clone() for o in out)
         if hidden is False:

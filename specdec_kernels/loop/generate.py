@@ -46,7 +46,8 @@ class GenerateStats:
     time_prefill / time_total: seconds. time_draft / time_verify / time_accept: the split of
         the steps' time (only with generate(..., timing=True), else 0); verify includes the
         target's tree forward, accept the cache compaction and bookkeeping.
-    compiled: whether the tree forwards ran compiled (`generate(..., compile=...)`).
+    compiled: whether the tree forwards ran compiled (`generate(..., compile=...)`; a drafter
+        reading hidden states of chosen layers keeps them eager, see `compiled.StaticForward`).
     time_compile: seconds of the steps whose forward compiled a new graph (inside time_total
         and, when timing, time_verify; 0 when every graph was compiled by an earlier call).
         Those steps are not shown to the adaptive planner's cost model.
@@ -375,7 +376,6 @@ def generate(
     # Few-row linears by our CPU kernel where the cost model found it faster (specdec_kernels/small_linear.py).
     linear_rows = _small_linear_rows(target, planner)
     static = compiled.static_forward(target, compile, device, kv_page_size is not None)
-    stats.compiled = static is not None
     tree_forward = hf.forward if static is None else static.forward
     route_linears = small_linears if static is None else compiled.small_linears
     with hf.use_tree_attention(target, *drafter.models), config.value_checks(False), \
@@ -459,6 +459,7 @@ def generate(
     stats.acceptance_per_depth = [int(r) / pairs for r in reached[:max_depth]] if pairs else []
     stats.trace = trace.steps()
     stats.nodes_per_step = sum(t["nodes_per_row"] * t["rows"] for t in stats.trace) / pairs if pairs else 0.0
+    stats.compiled = static is not None and static.compiled_steps > 0
     stats.time_compile = static.compile_seconds if static is not None else 0.0
     stats.time_total = time.perf_counter() - t_start
     return GenerateOutput(sequences, stats)
