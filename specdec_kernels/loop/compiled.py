@@ -132,11 +132,7 @@ class StaticTreeKVCache(TreeKVCache):
     @property
     def bucket_rows(self) -> int:
         """Rows the compiled forward runs on: the running rows' bucket."""
-        return self.static_k(self.layers[0]).shape[0]
-
-    @staticmethod
-    def static_k(layer) -> torch.Tensor:
-        return layer.k_static
+        return self.layers[0].k_static.shape[0]
 
     def _use_rows(self, rows: int) -> None:
         """The first `rows` entries of the buffers are the running rows."""
