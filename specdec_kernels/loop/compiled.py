@@ -75,9 +75,10 @@ def resolve_mode(compile: Union[bool, str], device: torch.device, paged: bool) -
     """The compile mode `generate(..., compile=compile)` runs with on `device`, or None (eager).
 
     False: eager. True: "default" (inductor), refused with a paged cache. A mode name (MODES):
-    that mode. "auto": eager (see docs/loop.md for the CPU measurement behind it: compiling
-    did not pay for the default model at the sizes measured), and always eager on CUDA,
-    where the compiled paths are unverified.
+    that mode. "auto": eager. On a CPU, measured (docs/loop.md, bench/bench_compiled.py): a
+    compiled step of the default model was 1.1-1.4x faster than eager, but each graph took
+    over a minute to compile, repaid only after thousands of steps at its shape; on CUDA the
+    compiled paths are unverified.
     """
     if compile is False or compile is None:
         return None
