@@ -40,8 +40,9 @@ class GenerateStats:
     trace: one dict per step: rows (in the batch), width (tree nodes per row, root included,
         padding too), nodes_per_row and accepted_per_row (means over the rows), seconds (the
         step's wall time, drafting to bookkeeping), compiled_graph (its forward compiled a new
-        graph: its seconds are mostly compiling, and the planner did not learn from them). Plot width or nodes_per_row against
-        accepted_per_row to see what the planner chose against what was accepted.
+        graph: its seconds are mostly compiling, and the planner did not learn from them).
+        Plot width or nodes_per_row against accepted_per_row to see what the planner chose
+        against what was accepted.
     time_plan: host seconds the adaptive planner spent (inside time_draft when timing).
     time_prefill / time_total: seconds. time_draft / time_verify / time_accept: the split of
         the steps' time (only with generate(..., timing=True), else 0); verify includes the
@@ -325,7 +326,8 @@ def generate(
             False: eager. True: inductor's default mode. "reduce-overhead" (CUDA graphs, CUDA
             only, unverified) or another mode name in `compiled.MODES`. "auto" (the default):
             eager, the measured choice for now (docs/loop.md). The first step at each new
-            shape bucket compiles (seconds); graphs are kept for later calls with the same
+            shape bucket compiles (seconds for a tiny model, over a minute per graph for
+            SmolLM2-135M on a 2-core CPU); graphs are kept for later calls with the same
             model, and `stats.time_compile` says what this call spent compiling. Same output
             as eager. Not with `kv_page_size`.
 
