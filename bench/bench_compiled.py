@@ -5,26 +5,25 @@ For the default model (SmolLM2-135M-Instruct) or --model, at batch 1 and 8 and t
 (`hf.forward` on a `TreeKVCache`, few-row linears routed as the cost model's calibration chose)
 against the compiled one (`compiled.StaticForward` on a `StaticTreeKVCache`, inside the same
 routing), timed interleaved, best and median of --repeats rounds. Compile time is reported per
-configuration, once, apart from the step times. Prints a table and writes
-bench/results/compiled_step_<device>.json.
+configuration, once, apart from the step times. Prints a line per configuration and writes
+bench/results/compiled_step_cpu.json (rows: ours_us = compiled, peers_us.eager, the ratios,
+compile seconds and the load average).
 
     python bench/bench_compiled.py              # ~10 min on 2 loaded cores (most of it compiling)
 """
 
 import argparse
-import datetime
-import json
 import os
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
 from specdec_kernels import models
+from specdec_kernels.benchmarks.common import metadata, results_dir, write_json
 from specdec_kernels.loop import compiled, hf
-from specdec_kernels.loop.cost_model import CostModel, device_identity
+from specdec_kernels.loop.cost_model import CostModel
 from specdec_kernels.ops.small_linear import small_linears
 from specdec_kernels.ops.tree import TokenTree, tree_mask
 
@@ -72,6 +71,7 @@ def run(model, batches, widths, prefix: int, repeats: int, linear_rows):
                     times_c.append(_time(fast))
                 load = os.getloadavg()[0]
                 row = {"config": {"batch": batch, "width": width, "prefix": prefix},
+                       "ours_us": min(times_c) * 1e6, "floor_us": None, "peers_us": {"eager": min(times_e) * 1e6},
                        "eager_ms": min(times_e) * 1e3, "compiled_ms": min(times_c) * 1e3,
                        "eager_median_ms": statistics.median(times_e) * 1e3,
                        "compiled_median_ms": statistics.median(times_c) * 1e3,
@@ -105,15 +105,9 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, small_linear_rows {linear_rows}, "
           f"load {os.getloadavg()}", flush=True)
     rows = run(model, args.batches, args.widths, args.prefix, args.repeats, linear_rows)
-    device = device_identity(torch.device("cpu"))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
-    result = {"benchmark": "compiled_step", "device": device, "backend": "cpu", "torch": torch.__version__,
-              "commit": commit, "date": datetime.date.today().isoformat(), "small_linear_rows": list(linear_rows),
-              "rows": rows}
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / "compiled_step_cpu.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    result = metadata("compiled_step", "cpu", "cpu", small_linear_rows=list(linear_rows), prefix=args.prefix,
+                      repeats=args.repeats, rows=rows)
+    write_json(result, Path(args.out) if args.out else results_dir() / "compiled_step_cpu.json")
     return 0
 
 
