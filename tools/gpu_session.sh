@@ -91,7 +91,7 @@ CALL2_EXTRA=(bench:wide e2e:llama)
 # the goal benchmarks ~1-2 min (FlexAttention's compile, numba's JIT); graphs: one capture and
 # the compiled op functions, each stopped at --check-timeout. Rehearsed on a CPU: docs/gpu.md.
 declare -A NEED=([build]=20 [test]=60 [sanitize]=60 [bench:goal]=60 [graphs]=60 [bench:wide]=60 [e2e:llama]=60 [e2e]=150)
-declare -A MAX=([build]=300 [test]=210 [sanitize]=130 [bench:goal]=180 [graphs]=150 [bench:wide]=300 [e2e:llama]=200 [e2e]=480)
+declare -A MAX=([build]=300 [test]=240 [sanitize]=150 [bench:goal]=180 [graphs]=150 [bench:wide]=300 [e2e:llama]=200 [e2e]=480)
 # STAGE_SECONDS="KIND=NEED/MAX,..." overrides them (e.g. "test=90/300"; the tests use it to
 # scale the deadline logic down to seconds).
 for override in $(tr ',' ' ' <<< "${STAGE_SECONDS:-}"); do
