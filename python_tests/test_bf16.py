@@ -223,16 +223,16 @@ def default_bf16():
     return models.load_model(str(folder), dtype=torch.bfloat16, verbose=False)
 
 
-@pytest.mark.parametrize("linears", ["ours", "torch"])
-@pytest.mark.parametrize("kind", ["plain", "ngram_chain"])
+@pytest.mark.parametrize("kind,linears", [("plain", "torch"), ("ngram_chain", "ours")])
 def test_default_model_bf16_greedy_matches_hf_up_to_ties(monkeypatch, default_bf16, kind, linears):
+    """(HF's bf16 decoding is slow on a CPU, ~0.1-0.3 s a token here: 3 prompts, 20 tokens.)"""
     if linears == "ours" and not linear.has_kernel():
         pytest.skip("needs the compiled extension")
     model, tokenizer = default_bf16
     fixed_cost_model(monkeypatch, model, (1, 32) if linears == "ours" else (0, 0))
-    texts = ["The capital of France is", "def fibonacci(n):\n   ", "List three colors: red,", "Once upon a time"]
+    texts = ["The capital of France is", "def fibonacci(n):\n   ", "List three colors: red,"]
     prompts = [tokenizer(t)["input_ids"] for t in texts]
-    mismatches = generate_and_check(model, prompts, DRAFTERS[kind](), 24, eos_token_id=tokenizer.eos_token_id)
+    mismatches = generate_and_check(model, prompts, DRAFTERS[kind](), 20, eos_token_id=tokenizer.eos_token_id)
     print(f"default model {kind} {linears}: mismatches (row, position, gap, margin) {mismatches}")
 
 

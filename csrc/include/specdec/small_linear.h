@@ -154,16 +154,37 @@ inline void small_linear_rows_bf16_portable(const cpu::BFloat16Bits* x, int64_t 
 #ifdef SPECDEC_SMALL_LINEAR_X86
 #define SPECDEC_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
-// The sum of 16 lanes, halves added pairwise (GCC 12's lane shuffles and
-// _mm512_reduce_add_ps trip -Wuninitialized inside its own headers; this runs once per
-// output, not in the K loop).
+// Horizontal sums of the accumulators, by GCC/Clang vector shuffles (GCC 12's AVX-512
+// shuffle intrinsics and _mm512_reduce_add_ps trip -Wuninitialized inside its own headers).
+// Each output is summed in one fixed order: 16 lanes -> 8 -> 4 -> 2 -> 1.
+typedef float SlVec16 __attribute__((vector_size(64)));
+typedef float SlVec8 __attribute__((vector_size(32)));
+typedef float SlVec4 __attribute__((vector_size(16)));
+
 SPECDEC_BF16_TARGET inline float hsum16(__m512 v) {
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, v);
-  for (int width = 8; width >= 1; width /= 2) {
-    for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
-  }
-  return lanes[0];
+  const SlVec16 a = (SlVec16)v;
+  const SlVec8 h8 = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  const SlVec4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+// The four sums of a, b, c, d at once (the same order per output as hsum16), with the
+// shuffles shared: [sum a, sum b, sum c, sum d].
+SPECDEC_BF16_TARGET inline SlVec4 hsum16x4(__m512 va, __m512 vb, __m512 vc, __m512 vd) {
+  const SlVec16 a = (SlVec16)va, b = (SlVec16)vb, c = (SlVec16)vc, d = (SlVec16)vd;
+  // [a's 8 halves-sums, b's 8], [c's 8, d's 8]
+  const SlVec16 ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                     __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const SlVec16 cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                     __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  // 4 partial sums each of a, b, c, d
+  const SlVec16 q = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                    __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  // 2 each, then 1 each: lanes (0 + 2) + (1 + 3) of each output's 4, as in hsum16
+  const SlVec8 p = __builtin_shufflevector(q, q, 0, 1, 4, 5, 8, 9, 12, 13) +
+                   __builtin_shufflevector(q, q, 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(p, p, 0, 2, 4, 6) + __builtin_shufflevector(p, p, 1, 3, 5, 7);
 }
 
 // WR weight rows [n, n + WR) against XR consecutive input rows from x (row stride k_dim),
@@ -197,9 +218,15 @@ SPECDEC_BF16_TARGET inline void small_linear_block_bf16(const cpu::BFloat16Bits*
       for (int j = 0; j < WR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xv, (__m512bh)wv[j]);
     }
   }
-  for (int j = 0; j < WR; ++j) {
-    const float b = bias != nullptr ? cpu::to_float(bias[n + j]) : 0.f;
-    for (int i = 0; i < XR; ++i) cpu::from_float(hsum16(acc[i][j]) + b, y + i * n_dim + n + j);
+  float b[WR];
+  for (int j = 0; j < WR; ++j) b[j] = bias != nullptr ? cpu::to_float(bias[n + j]) : 0.f;
+  for (int i = 0; i < XR; ++i) {
+    if constexpr (WR == 4) {
+      const SlVec4 sums = hsum16x4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+      for (int j = 0; j < 4; ++j) cpu::from_float(sums[j] + b[j], y + i * n_dim + n + j);
+    } else {
+      for (int j = 0; j < WR; ++j) cpu::from_float(hsum16(acc[i][j]) + b[j], y + i * n_dim + n + j);
+    }
   }
 }
 
