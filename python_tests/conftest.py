@@ -169,7 +169,7 @@ def cuda_kernel_marks(*ops: str) -> list:
     else:
         missing = [op for op in ops if "cuda" not in specdec_kernels.available_backends(op, "cuda")]
         reason = (f"specdec_kernels._C has no CUDA kernel for {', '.join(missing)} (build it with "
-                  "SPECDEC_ENABLE_UNVERIFIED_CUDA=1: tools/gpu_session.sh build)") if missing else None
+                  "torch with CUDA and nvcc at build time: tools/gpu_session.sh build)") if missing else None
     return [pytest.mark.gpu, pytest.mark.skipif(reason is not None, reason=reason or "")]
 
 

@@ -91,8 +91,8 @@ def test_small_linears_patches_plain_fp32_linears_for_the_range_and_restores(mon
     calls.clear()
     with linear.small_linears(net, (0, 0)):  # never: nothing patched
         net(torch.randn(2, 8))
-    with linear.small_linears(net.to(torch.bfloat16), (1, 32)):  # not fp32: nothing patched
-        net(torch.randn(2, 8, dtype=torch.bfloat16))
+    with linear.small_linears(net.to(torch.float64), (1, 32)):  # neither fp32 nor bf16: nothing patched
+        net(torch.randn(2, 8, dtype=torch.float64))
     assert calls == []
 
 

@@ -402,7 +402,7 @@ def test_tree_empty_history_root():
 
 
 # ----------------------------------------------------------------------------- CUDA ngram_propose_tree
-# The CUDA kernel (built only with SPECDEC_ENABLE_UNVERIFIED_CUDA=1) against the reference.
+# The CUDA kernel (built where torch has CUDA and nvcc is found) against the reference.
 
 HAS_CUDA_TREE = HAS_CUDA and "cuda" in sk.available_backends("ngram_propose_tree", "cuda")
 requires_cuda_tree = pytest.mark.skipif(

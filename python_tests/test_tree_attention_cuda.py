@@ -4,7 +4,7 @@ and the float64 oracles of test_tree_attention.py.
 Covers both paths of the CUDA op: the tensor-core kernel (bf16 / fp16, head dims 64 / 128 /
 256, 16-byte aligned rows; split-KV with a combine kernel when the cache is long) and the
 fallback kernel (fp32, other head dims, unaligned views). Everything here needs a GPU and an
-extension built with the CUDA kernels (SPECDEC_ENABLE_UNVERIFIED_CUDA=1); it skips otherwise.
+extension built with the CUDA kernels (torch with CUDA and nvcc at build time); it skips otherwise.
 """
 
 import pytest

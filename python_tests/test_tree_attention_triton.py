@@ -241,7 +241,7 @@ def test_available_backends_triton():
     assert "triton" not in sk.available_backends("tree_attention", "cpu")
     cuda = sk.available_backends("tree_attention", "cuda")
     compiled = ["cuda"] if "CUDA" in _extension.COMPILED["tree_attention"] else []
-    # Never run on a GPU yet: the default path uses Triton only when explicitly enabled.
+    # The default path prefers Triton over the reference unless config.triton_by_default is off.
     if sk.config.triton_by_default:
         assert cuda == compiled + ["triton", "reference"]
     else:

@@ -273,6 +273,46 @@ def test_extra_source_is_used_when_longer():
     assert source.events[-1] == ("extend", proposer.slot_of_row(0), [42])
 
 
+def test_suffix_cache_drafts_a_request_from_an_earlier_one():
+    """With the suffix cache, a second request with the first one's prompt drafts the first's
+    output (finished, its slot reused); the n-gram index alone has nothing to match. Output
+    equals plain decoding either way."""
+    def run(cache_tokens):
+        """(accepted, verified) draft tokens of the second request."""
+        proposer = proposer_for(k=5, max_rows=1, adaptive=False, suffix_cache_tokens=cache_tokens)
+        fake = FakeVllm(proposer, 1, 256)
+        reqs = [(name, [3, 9, 27, 4], 60, noisy_model(vocab=40, seed=1)) for name in ("first", "again")]
+        fake.add(*reqs[0])
+        first = fake.run()
+        before = proposer.stats()
+        fake.add(*reqs[1])
+        assert {**first, **fake.run()} == plain_outputs(reqs)
+        after = proposer.stats()
+        assert after["new_requests"] == 2
+        return after["accepted"] - before["accepted"], after["verified"] - before["verified"]
+
+    (accepted, verified), (cached_accepted, cached_verified) = run(0), run(4096)
+    # the repeat's 59 tokens after its first, 6 per step at most (5 drafts + 1): drafted from
+    # the first's output, nearly every draft holds
+    assert cached_accepted >= 35 and cached_accepted >= 0.9 * cached_verified, (cached_accepted, cached_verified)
+    assert accepted < 15
+
+
+def test_suffix_source_follows_the_most_frequent_path():
+    source = integ.SuffixCacheSource(num_slots=2, max_tokens=1024, min_prob=0.3)
+    source.index.add([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 2, 3, 9, 9], [1, 2, 7, 7, 7]])
+    source.start(0, np.array([8, 1, 2]))
+    # after "1 2": 3 (3 of 4) then 4 (2 of 4) then 5 (2 of 4); "7" (1 of 4) is not taken
+    assert source.propose([0], 5) == [[3, 4, 5]]
+    strict = integ.SuffixCacheSource(num_slots=1, max_tokens=1024, min_prob=0.6)
+    strict.index.add([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 2, 3, 9, 9], [1, 2, 7, 7, 7]])
+    strict.start(0, np.array([8, 1, 2]))
+    assert strict.propose([0], 5) == [[3]]  # 4 holds in 2 of 4 < 0.6
+    source.extend(1, np.array([], dtype=np.int64))  # nothing appended: no error
+    source.start(1, np.array([5]))
+    assert source.propose([1], 3) == [[]]  # 5 is never followed by anything
+
+
 def test_choose_lengths():
     rates = np.array([[0.9, 0.8, 0.7, 0.6], [0.2, 0.05, 0.01, 0.0]])
     counts = integ.choose_lengths(rates, np.array([4, 4]), 2, 0.05, 0.01)
@@ -373,7 +413,7 @@ def test_real_vllm_greedy_identity_acceptance_and_row_reuse(real_prompts):
     """vLLM with our proposer emits vLLM-without-speculation's greedy tokens, for concurrent
     requests of different lengths finishing at different steps; with 2 rows for 5 requests rows
     are reused (each reuse checked clean: check=True compares every row with its slot, every
-    step); code-edit drafts are accepted."""
+    step), with and without the suffix cache; code-edit drafts are accepted."""
     from specdec_kernels.benchmarks import vllm as bench
 
     model, prompts = real_prompts
@@ -382,16 +422,20 @@ def test_real_vllm_greedy_identity_acceptance_and_row_reuse(real_prompts):
     runs = [{"name": "concurrent", "prompts": prompts, "max_tokens": limits, "concurrency": 5},
             {"name": "two_rows", "prompts": prompts, "max_tokens": limits[::-1], "concurrency": 5}]
     results = {}
-    for method, rows in (("plain", 5), ("ours", 5), ("ours_2rows", 2)):
+    for method, rows in (("plain", 5), ("ours", 5), ("ours_2rows", 2), ("ours_suffix", 2)):
+        settings = {"check": True, **({"suffix_cache_tokens": 1 << 16} if method == "ours_suffix" else {})}
         job = {"model": model, "method": method.split("_")[0], "k": 8,
                "engine": {"max_num_seqs": rows, "max_model_len": 1024},
-               "specdec": {"check": True} if method.startswith("ours") else None,
-               "runs": runs if method != "ours_2rows" else runs[1:]}
+               "specdec": settings if method.startswith("ours") else None,
+               "runs": runs if method in ("plain", "ours") else runs[1:]}
         results[method] = bench.call_worker(job, timeout=1200)
     plain = {r["name"]: r["tokens"] for r in results["plain"]["runs"]}
     ours = {r["name"]: r["tokens"] for r in results["ours"]["runs"]}
     assert ours["concurrent"] == plain["concurrent"]
     assert results["ours_2rows"]["runs"][0]["tokens"] == plain["two_rows"]
+    # the suffix cache: request 4 repeats the start of request 1, which finished earlier
+    assert results["ours_suffix"]["runs"][0]["tokens"] == plain["two_rows"]
+    assert results["ours_suffix"]["proposer_stats"]["settings"]["suffix_cache_tokens"] == 1 << 16
     lengths = [len(t) for t in plain["concurrent"]]
     assert len(set(lengths)) >= 3, lengths
     stats = results["ours"]["proposer_stats"]

@@ -9,13 +9,12 @@ check_values: the process-wide default for the input checks that read tensor val
     asyncio task) only, without touching the process-wide default: `generate` uses it, since
     it builds every op input itself.
 
-triton_by_default: whether CUDA tensors run the Triton kernels (`tree_attention`, `verify`)
-    when the compiled extension has no CUDA kernel for the op (`backend=None`). The Triton
-    kernels are tested against the reference in the Triton interpreter but have not yet been
-    checked on a GPU, so this is off unless the environment variable
-    SPECDEC_ENABLE_UNVERIFIED_TRITON=1 was set when the package was imported (kept for
-    compatibility); set it here at any time instead. Off, such calls run the plain-torch
-    reference. `backend="triton"` always forces the Triton kernel, whatever this says.
+triton_by_default: whether CUDA tensors run the Triton kernels (`tree_attention`, `verify`,
+    `tree_attention_paged`) when the compiled extension has no CUDA kernel for the op
+    (`backend=None`). On by default: the Triton kernels pass their GPU tests (H200, Triton
+    3.6, 2026-11-26). The environment variable SPECDEC_TRITON_BY_DEFAULT=0 at import turns it
+    off; set it here at any time instead. Off, such calls run the plain-torch reference.
+    `backend="triton"` always forces the Triton kernel, whatever this says.
 """
 
 import contextlib
@@ -25,7 +24,7 @@ from typing import Optional
 
 check_values: bool = True
 
-triton_by_default: bool = os.environ.get("SPECDEC_ENABLE_UNVERIFIED_TRITON") == "1"
+triton_by_default: bool = os.environ.get("SPECDEC_TRITON_BY_DEFAULT", "1") != "0"
 
 _check_values_here: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("specdec_check_values", default=None)
 

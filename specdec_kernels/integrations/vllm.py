@@ -19,8 +19,11 @@ target's distribution). None of our kernels run inside vLLM. This class only dra
   step, fitted online from the CPU time between calls, prior `token_cost`): each step the drafts go
   where they maximise the batch's expected tokens per second, and a request whose drafts do not
   pay gets none (plain decoding) until its estimate recovers (counts decay toward the prior);
-- optional extra draft sources (`add_source`): the hook for the cross-request suffix cache
-  (issue 34); none is attached by default (see `DraftSource`).
+- optionally (`suffix_cache_tokens` > 0) the cross-request suffix cache, `SuffixCacheSource`:
+  one `SuffixIndex` over every request's prompt and output, kept after a request finishes, so a
+  request drafts from what earlier and concurrent requests produced (agents repeating tool
+  calls, edits of one file, parallel samples of one prompt); off by default (see the settings).
+  Other sources attach with `add_source` (see `DraftSource`).
 
 Requests and rows. The hook gives no request ids: each step vLLM passes its persistent batch's
 rows (`token_ids_cpu [max_num_reqs, max_model_len]`, `num_tokens_no_spec [max_num_reqs]`,
@@ -56,6 +59,7 @@ import torch
 
 from ..loop.planner import AcceptanceModel
 from ..ops.ngram_index import NgramIndex
+from ..ops.suffix_index import SuffixIndex
 
 CONFIG_KEY = "specdec"
 ENV_PREFIX = "SPECDEC_VLLM_"
@@ -105,6 +109,12 @@ class ProposerSettings:
     stats_path: write `stats()` of every proposer as JSON there when the process exits.
     clock: what the step-cost model measures between calls: "cpu" (this process's CPU time;
         robust to other load on a shared host; vLLM's CPU build) or "wall" (GPU engines).
+    suffix_cache_tokens: > 0 attaches a `SuffixCacheSource` holding that many tokens (92 bytes
+        each) across requests; 0 (the default): none. Not on by default: its gain inside vLLM
+        has not been measured on a quiet machine yet.
+    suffix_min_prob: the suffix cache's draft follows the most frequent continuation while its
+        empirical path probability (occurrences through the node / occurrences of the matched
+        suffix) stays at least this.
     """
 
     min_n: int = 1
@@ -118,6 +128,8 @@ class ProposerSettings:
     check: bool = False
     stats_path: str = ""
     clock: str = "cpu"
+    suffix_cache_tokens: int = 0
+    suffix_min_prob: float = 0.3
 
     def __post_init__(self):
         for name in ("min_n", "max_n"):
@@ -140,6 +152,10 @@ class ProposerSettings:
             raise ValueError(f"prior: expected a value in (0, 1), got {self.prior}")
         if not 0.0 <= self.min_gain < 1.0:
             raise ValueError(f"min_gain: expected a value in [0, 1), got {self.min_gain}")
+        if isinstance(self.suffix_cache_tokens, bool) or self.suffix_cache_tokens < 0:
+            raise ValueError(f"suffix_cache_tokens: expected an int >= 0, got {self.suffix_cache_tokens!r}")
+        if not 0.0 < self.suffix_min_prob <= 1.0:
+            raise ValueError(f"suffix_min_prob: expected a value in (0, 1], got {self.suffix_min_prob}")
 
     @classmethod
     def from_sources(cls, config: Optional[dict] = None, environ=None) -> "ProposerSettings":
@@ -181,8 +197,8 @@ class DraftSource:
     cache). The proposer calls `start(slot, tokens)` when a request takes a slot (its whole
     history), `extend(slot, tokens)` with the tokens a request appended, `finish(slot)` when the
     slot is given to another request, and `propose(slots, k)` for the decoding rows: one list
-    of at most k tokens per slot, continuing that slot's history. Per row the proposer keeps the
-    longer of the n-gram draft and the sources' drafts."""
+    of at most k tokens per slot, continuing that slot's history. Per row the proposer keeps a
+    source's draft unless the n-gram draft is longer (the last source's of equal length)."""
 
     def start(self, slot: int, tokens: np.ndarray) -> None:  # pragma: no cover - interface
         raise NotImplementedError
@@ -195,6 +211,52 @@ class DraftSource:
 
     def propose(self, slots: Sequence[int], k: int) -> List[List[int]]:  # pragma: no cover - interface
         raise NotImplementedError
+
+
+class SuffixCacheSource(DraftSource):
+    """The cross-request suffix cache as a `DraftSource`: one `SuffixIndex` slot per proposer
+    slot. A request's prompt and every token it gains go in; when its slot is given to another
+    request, its sequence stays cached (evicted oldest first past `max_tokens`), so later
+    requests draft from it. vLLM verifies chains, so each draft is the tree's most frequent
+    path: from the matched suffix, the child with the most occurrences, while its empirical
+    path probability (its count / the root's) is at least `min_prob`.
+
+    num_slots: the proposer's slots; max_tokens: cache budget (92 bytes per token).
+    """
+
+    def __init__(self, num_slots: int, max_tokens: int, min_prob: float = 0.3, max_nodes: int = 64):
+        self.index = SuffixIndex(num_slots, max_tokens=max_tokens)
+        self.min_prob = float(min_prob)
+        self.max_nodes = int(max_nodes)
+
+    def start(self, slot: int, tokens: np.ndarray) -> None:
+        self.index.start(slot, torch.from_numpy(np.asarray(tokens, dtype=np.int64)))
+
+    def extend(self, slot: int, tokens: np.ndarray) -> None:
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.size:
+            self.index.append([slot], torch.from_numpy(tokens)[None], torch.tensor([tokens.size]))
+
+    def finish(self, slot: int) -> None:
+        """Nothing to do: the sequence stays cached; the slot's next `start` begins a new one."""
+
+    def propose(self, slots: Sequence[int], k: int) -> List[List[int]]:
+        draft = self.index.draft(list(slots), num_tokens=k, max_nodes=max(self.max_nodes, k))
+        tokens, parents, counts = draft.tokens.numpy(), draft.parents.numpy(), draft.counts.numpy()
+        return [self._best_path(tokens[r], parents[r], counts[r], k) for r in range(len(slots))]
+
+    def _best_path(self, tokens: np.ndarray, parents: np.ndarray, counts: np.ndarray, k: int) -> List[int]:
+        root = int(counts[0])
+        path, node = [], 0
+        # Nodes come sorted by count, highest first: a node's first child in that order is its
+        # most frequent one.
+        while len(path) < k:
+            children = np.flatnonzero((parents == node) & (counts > 0))
+            if children.size == 0 or counts[children[0]] < self.min_prob * root:
+                break
+            node = int(children[0])
+            path.append(int(tokens[node]))
+        return path
 
 
 class StepCost:
@@ -304,6 +366,8 @@ class SpecdecProposer:
         self.acceptance = AcceptanceModel(self.num_slots, self.k, "cpu", decay=s.decay, prior=s.prior)
         self.cost = StepCost(s.token_cost)
         self.sources: List[DraftSource] = []
+        if s.suffix_cache_tokens > 0:
+            self.sources.append(SuffixCacheSource(self.num_slots, s.suffix_cache_tokens, s.suffix_min_prob))
         # Our copy of each slot's tokens, int32 like vLLM's token_ids_cpu (compared without a cast)
         self._history = [np.zeros(0, dtype=np.int32) for _ in range(self.num_slots)]  # valid [:length]
         self._length = np.zeros(self.num_slots, dtype=np.int64)
@@ -525,7 +589,9 @@ class SpecdecProposer:
         for source in self.sources:
             for r, extra in enumerate(source.propose(dslots, self.k)):
                 extra = np.asarray(extra, dtype=np.int64)[: self.k]
-                if extra.size > candidates[r].size:
+                # Ties go to the source: the suffix cache matches suffixes of up to 32 tokens, the
+                # n-gram index of max_n.
+                if extra.size >= candidates[r].size:
                     candidates[r] = extra
         room = np.array([max(0, self.max_model_len - int(lengths[i]) - 1) for i in decoding], dtype=np.int64)
         available = np.minimum(np.array([c.size for c in candidates], dtype=np.int64), np.minimum(room, self.k))

@@ -119,10 +119,9 @@ def _warn_cuda_reference(op: str) -> None:
         return
     _warned_cuda_reference = True
     missing, fixes = [], []
-    # setup.py compiles the CUDA kernels only where torch has CUDA, nvcc is found, and (until
-    # they have run on a GPU) SPECDEC_ENABLE_UNVERIFIED_CUDA=1 is set.
+    # setup.py compiles the CUDA kernels where torch has CUDA and nvcc is found.
     build = ("where torch has CUDA and nvcc is found (CUDA_HOME or PATH): "
-             "SPECDEC_ENABLE_UNVERIFIED_CUDA=1 pip install --no-build-isolation -e .")
+             "pip install --no-build-isolation -e .")
     if _C is None:
         missing.append(f"the compiled extension specdec_kernels._C is unavailable ({LOAD_ERROR})")
         fixes.append(f"build it {build}")
@@ -134,8 +133,8 @@ def _warn_cuda_reference(op: str) -> None:
             missing.append("triton is not installed (its Triton kernel would run instead)")
             fixes.append("pip install triton")
         elif not config.triton_by_default:
-            missing.append("its Triton kernel is switched off by default (not yet verified on a GPU)")
-            fixes.append("set specdec_kernels.config.triton_by_default = True (or SPECDEC_ENABLE_UNVERIFIED_TRITON=1)")
+            missing.append("its Triton kernel is switched off (config.triton_by_default is False)")
+            fixes.append("set specdec_kernels.config.triton_by_default = True (or unset SPECDEC_TRITON_BY_DEFAULT=0)")
     # Point the warning at the user's call, not at this package's frames.
     frame, level = sys._getframe(), 1
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
@@ -180,8 +179,8 @@ if _C is not None:
 
 def available_backends(op: str, device_type: str) -> list:
     """Backends that can run `op` on `device_type` ("cpu" / "cuda"), in the order the default
-    (backend=None) path prefers them now. An unverified Triton kernel comes after the
-    reference unless `config.triton_by_default` is on."""
+    (backend=None) path prefers them now. A Triton kernel comes after the reference when
+    `config.triton_by_default` is off."""
     found = [device_type] if device_type.upper() in COMPILED[op] else []
     has_triton = device_type == "cuda" and op in TRITON_OPS and HAS_TRITON
     if has_triton and config.triton_by_default:

@@ -13,10 +13,19 @@ Which is faster depends on the BLAS, the CPU and the row count, so nothing is as
 `choose_small_linear_rows` times a module's own weights both ways and keeps the range of row
 counts at which ours won (`(0, 0)`: none). The cost model's calibration
 (`cost_model.calibrate`) makes that choice for the target, and `generate` runs the target
-inside `small_linears(target, rows)`; head drafters make it for their head. Only fp32 CPU
-linears qualify (the kernel's one dtype). The two compute the same sums in a different order
-(as any two BLAS kernels may): results agree to fp32 rounding, and greedy outputs stay
-identical to HF's wherever they did before (tested against HF `generate`).
+inside `small_linears(target, rows)`; head drafters make it for their head. fp32 and bf16
+CPU linears qualify (the kernel's two dtypes). The two compute the same sums in a different
+order (as any two BLAS kernels may): fp32 results agree to fp32 rounding, and greedy outputs
+stay identical to HF's wherever they did before (tested against HF `generate`).
+
+bf16 (weights and inputs bf16, sums in fp32, one rounding to bf16): on a CPU with
+AVX512-BF16 the kernel multiplies the stored bf16 weights directly (VDPBF16PS). torch 2.13's
+bf16 `F.linear` on such a CPU (Xeon with AMX, 2 threads) ran few-row products below the
+fp32 ones' speed (a 1536x576 weight, 1 row: ~60 us bf16 vs ~37 us fp32), so half the bytes
+bought nothing there; the measured numbers of ours are in docs/models.md ("bf16"). A bf16
+sum may round to the other neighbouring bf16 value than `F.linear`'s (a different order of
+fp32 additions before the one rounding); greedy bf16 decoding is therefore compared with HF
+up to ties within bf16 rounding (python_tests/test_bf16.py).
 """
 
 import contextlib
@@ -29,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 LAYOUT_ROWS = (1, 2, 4, 8, 16, 32)  # row counts at which the two are compared
+DTYPES = (torch.float32, torch.bfloat16)  # what the kernel computes in
 NEVER = (0, 0)
 _MARGIN = 0.97  # ours must be at least 3% faster to be chosen (noise is not a win)
 
@@ -42,16 +52,18 @@ def has_kernel() -> bool:
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` by our CPU kernel: x [..., K], weight [N, K], bias [N] or
-    None, all fp32 CPU tensors -> [..., N], contiguous."""
+    None, CPU tensors all fp32 or all bf16 -> [..., N] in their dtype, contiguous (bf16: sums
+    in fp32, rounded once)."""
     out = torch.ops.specdec.small_linear(x.reshape(-1, x.shape[-1]), weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def routed_linear(x: torch.Tensor, weight: torch.Tensor, bias, rows_range: Tuple[int, int]) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, by `small_linear` when x is fp32 and has rows_range[0] to
-    rows_range[1] rows (all dims but the last), else by `F.linear` itself."""
+    """`F.linear(x, weight, bias)`, by `small_linear` when x has weight's dtype (fp32 or bf16)
+    and rows_range[0] to rows_range[1] rows (all dims but the last), else by `F.linear` itself."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if rows_range[0] <= rows <= rows_range[1] and x.dtype == torch.float32:
+    if (rows_range[0] <= rows <= rows_range[1] and x.dtype == weight.dtype and x.dtype in DTYPES
+            and (bias is None or bias.dtype == x.dtype)):
         return small_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -62,14 +74,15 @@ def _forward(module: torch.nn.Linear, rows_range: Tuple[int, int], x: torch.Tens
 
 def _qualifies(module) -> bool:
     # Exactly torch.nn.Linear (subclasses, quantized or sharded linears keep their own
-    # forward), fp32 weights on the CPU, not already patched.
-    return (type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
+    # forward), fp32 or bf16 weights on the CPU, not already patched.
+    return (type(module) is torch.nn.Linear and module.weight.dtype in DTYPES
+            and (module.bias is None or module.bias.dtype == module.weight.dtype)
             and module.weight.device.type == "cpu" and "forward" not in module.__dict__)
 
 
 @contextlib.contextmanager
 def small_linears(model: torch.nn.Module, rows_range: Tuple[int, int]):
-    """Inside the block, `model`'s fp32 CPU `torch.nn.Linear` layers compute inputs of
+    """Inside the block, `model`'s fp32 and bf16 CPU `torch.nn.Linear` layers compute inputs of
     rows_range[0] to rows_range[1] rows (rows = all dims but the last) with `small_linear`,
     any other input with `F.linear`. `(0, 0)` (or no compiled kernel): no change. The
     modules' own forwards come back when the block exits (errors included)."""
@@ -88,7 +101,7 @@ def small_linears(model: torch.nn.Module, rows_range: Tuple[int, int]):
 
 
 def linear_weights(module: torch.nn.Module) -> List[torch.Tensor]:
-    """The weights `small_linears` would route: `module`'s fp32 CPU `torch.nn.Linear` layers'."""
+    """The weights `small_linears` would route: `module`'s fp32 and bf16 CPU `torch.nn.Linear` layers'."""
     return [m.weight for m in module.modules() if _qualifies(m)]
 
 
@@ -96,11 +109,11 @@ def _time_products(weights: Sequence[torch.Tensor], rows: int, ours: bool) -> fl
     """Seconds of one product of `rows` random rows with every weight, one way."""
     inputs = {}
     for w in weights:
-        if w.shape[1] not in inputs:
-            inputs[w.shape[1]] = torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device)
+        if (w.shape[1], w.dtype) not in inputs:
+            inputs[w.shape[1], w.dtype] = torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device)
     start = time.perf_counter()
     for w in weights:
-        x = inputs[w.shape[1]]
+        x = inputs[w.shape[1], w.dtype]
         small_linear(x, w) if ours else F.linear(x, w)
     return time.perf_counter() - start
 
@@ -108,7 +121,7 @@ def _time_products(weights: Sequence[torch.Tensor], rows: int, ours: bool) -> fl
 @torch.inference_mode()
 def choose_small_linear_rows(weights: Sequence[torch.Tensor], counts: Sequence[int] = LAYOUT_ROWS,
                              repeats: int = 3) -> Tuple[int, int]:
-    """The row counts at which products with `weights` (fp32, CPU) run at least 3% faster
+    """The row counts at which products with `weights` (fp32 or bf16, CPU) run at least 3% faster
     with `small_linear` than with `F.linear`: (lo, hi), from the first count that won through
     the last of the unbroken run of wins after it (best of `repeats` interleaved rounds,
     after a warm-up round); `(0, 0)` if none won, there are no weights, or no kernel."""
