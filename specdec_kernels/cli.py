@@ -166,6 +166,16 @@ def _print_stats(stats, seconds: float, new_tokens: int, indent: str = "  ") -> 
               f"verify {stats.time_verify:.2f} s, accept {stats.time_accept:.2f} s")
     else:
         print(f"{indent}time: prefill {stats.time_prefill:.2f} s, steps {stats.time_total - stats.time_prefill:.2f} s")
+    if getattr(stats, "time_compile", 0.0) > 0:
+        print(f"{indent}compiling the verify forward (torch.compile, inside the time above): {stats.time_compile:.1f} s")
+
+
+COMPILE_CHOICES = {"auto": "auto", "off": False, "on": True, "reduce-overhead": "reduce-overhead"}
+
+
+def _compile_arg(choice: str):
+    """generate's compile= for a --compile choice."""
+    return COMPILE_CHOICES[choice]
 
 
 # ----------------------------------------------------------------------------- demo
@@ -319,7 +329,7 @@ def cmd_generate(args) -> int:
     start = time.perf_counter()
     out = sk.generate(model, input_ids, drafter=drafter, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                      kv_page_size=args.kv_page_size, **stream)
+                      kv_page_size=args.kv_page_size, compile=_compile_arg(args.compile), **stream)
     seconds = time.perf_counter() - start
     new = out.sequences[0, input_ids.shape[1]:]
     if not stream:  # the loop has no streaming hook: print the text once it is done
@@ -338,7 +348,7 @@ def _generate_several(sk, args, model, tokenizer, drafter, input_ids, n: int) ->
     start = time.perf_counter()
     out = sk.generate(model, input_ids, drafter=drafter, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                      kv_page_size=args.kv_page_size, num_return_sequences=n)
+                      kv_page_size=args.kv_page_size, num_return_sequences=n, compile=_compile_arg(args.compile))
     seconds = time.perf_counter() - start
     eos = stop_ids(model, tokenizer)[0]
     for i in range(n):
@@ -533,6 +543,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "draft from each other through the suffix cache (default 1)")
     gen.add_argument("--kv-page-size", type=int, default=None, metavar="N",
                      help="paged KV cache with N slots per page (default: dense)")
+    gen.add_argument("--compile", choices=list(COMPILE_CHOICES), default="auto",
+                     help="the target's verify forward through torch.compile: on, off, auto (default: eager, the "
+                          "measured choice), reduce-overhead (CUDA graphs, CUDA only, unverified); the first steps "
+                          "compile (minutes for a large model on a CPU)")
     source = gen.add_mutually_exclusive_group()
     source.add_argument("--prompt", default=None, help="prompt text")
     source.add_argument("--prompt-file", default=None, help="file with the prompt ('-': standard input)")

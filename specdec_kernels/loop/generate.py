@@ -39,12 +39,19 @@ class GenerateStats:
     nodes_per_step: mean verified draft nodes per (step, unfinished row).
     trace: one dict per step: rows (in the batch), width (tree nodes per row, root included,
         padding too), nodes_per_row and accepted_per_row (means over the rows), seconds (the
-        step's wall time, drafting to bookkeeping). Plot width or nodes_per_row against
-        accepted_per_row to see what the planner chose against what was accepted.
+        step's wall time, drafting to bookkeeping), compiled_graph (its forward compiled a new
+        graph: its seconds are mostly compiling, and the planner did not learn from them).
+        Plot width or nodes_per_row against accepted_per_row to see what the planner chose
+        against what was accepted.
     time_plan: host seconds the adaptive planner spent (inside time_draft when timing).
     time_prefill / time_total: seconds. time_draft / time_verify / time_accept: the split of
         the steps' time (only with generate(..., timing=True), else 0); verify includes the
         target's tree forward, accept the cache compaction and bookkeeping.
+    compiled: whether the tree forwards ran compiled (`generate(..., compile=...)`; a drafter
+        reading hidden states of chosen layers keeps them eager, see `compiled.StaticForward`).
+    time_compile: seconds of the steps whose forward compiled a new graph (inside time_total
+        and, when timing, time_verify; 0 when every graph was compiled by an earlier call).
+        Those steps are not shown to the adaptive planner's cost model.
     """
 
     steps: int = 0
@@ -59,6 +66,8 @@ class GenerateStats:
     time_verify: float = 0.0
     time_accept: float = 0.0
     time_total: float = 0.0
+    compiled: bool = False
+    time_compile: float = 0.0
 
     def as_dict(self) -> dict:
         """The fields as a plain dict (also readable as stats["steps"])."""
@@ -207,23 +216,27 @@ def _draft(drafter: Drafter, planner: Optional[Planner], rows: _Rows, sampling, 
 
 class _Trace:
     """Per-step records for stats.trace; each step's wall time (but the first's, which also
-    holds the drafter's catch-up over the prompt) refreshes the planner's cost model, less
-    the drafter's upkeep in that step (`Drafter.upkeep_seconds`: an online head's updates are
-    no cost of the tree the step verified). Counts stay tensors until the end (no host sync
-    per step)."""
+    holds the drafter's catch-up over the prompt, and any step that compiled a graph)
+    refreshes the planner's cost model, less the drafter's upkeep in that step
+    (`Drafter.upkeep_seconds`: an online head's updates are no cost of the tree the step
+    verified). Counts stay tensors until the end (no host sync per step)."""
 
-    def __init__(self, planner: Optional[Planner], drafter: Drafter):
-        self.planner, self.drafter, self.records = planner, drafter, []
-        self.start, self.upkeep = time.perf_counter(), upkeep_seconds(drafter)
+    def __init__(self, planner: Optional[Planner], drafter: Drafter, static=None):
+        self.planner, self.drafter, self.records, self.static = planner, drafter, [], static
+        self.start, self.upkeep, self.compiles = time.perf_counter(), upkeep_seconds(drafter), self._compiles()
+
+    def _compiles(self) -> int:
+        return self.static.compiles if self.static is not None else 0
 
     def next_step(self) -> None:
         """A step ends (and the next begins): time the one before."""
-        now, upkeep = time.perf_counter(), upkeep_seconds(self.drafter)
+        now, upkeep, compiles = time.perf_counter(), upkeep_seconds(self.drafter), self._compiles()
         if self.records and "seconds" not in self.records[-1]:
             self.records[-1]["seconds"] = now - self.start
-            if self.planner is not None and len(self.records) > 1:
+            self.records[-1]["compiled"] = compiles != self.compiles
+            if self.planner is not None and len(self.records) > 1 and compiles == self.compiles:
                 self.planner.observe_time(now - self.start - (upkeep - self.upkeep))
-        self.start, self.upkeep = now, upkeep
+        self.start, self.upkeep, self.compiles = now, upkeep, compiles
 
     def record(self, tree, out, active: torch.Tensor) -> None:
         """The verified tree and its outcome; the planner learns the rows' acceptance."""
@@ -235,7 +248,8 @@ class _Trace:
 
     def steps(self) -> List[dict]:
         return [dict(rows=r["rows"], width=r["width"], nodes_per_row=int(r["nodes"]) / r["rows"],
-                     accepted_per_row=int(r["accepted"]) / r["rows"], seconds=r.get("seconds", 0.0))
+                     accepted_per_row=int(r["accepted"]) / r["rows"], seconds=r.get("seconds", 0.0),
+                     compiled_graph=r.get("compiled", False))
                 for r in self.records]
 
 
@@ -258,6 +272,7 @@ def generate(
     kv_page_size: Optional[int] = None,
     num_return_sequences: Optional[int] = None,
     generation_config=None,
+    compile: Union[bool, str] = "auto",
     **generation_kwargs,
 ) -> GenerateOutput:
     """Speculative decoding with `target` (a transformers causal LM), lossless.
@@ -305,12 +320,23 @@ def generate(
             N >= 1: it is paged, pools of N-slot pages addressed by a block table (the layout
             serving engines use; `hf.TreeKVCache(page_size=N)`), with the paged tree attention
             and compaction kernels. Same output either way. (A draft model's cache stays dense.)
+        compile: run the target's tree forward through `torch.compile` with static shapes
+            (`specdec_kernels.loop.compiled`: trees and rows padded to buckets, a static cache
+            capacity, our ops traced through their fake implementations, no graph break).
+            False: eager. True: inductor's default mode. "reduce-overhead" (CUDA graphs, CUDA
+            only, unverified) or another mode name in `compiled.MODES`. "auto" (the default):
+            eager, the measured choice for now (docs/loop.md). The first step at each new
+            shape bucket compiles (seconds for a tiny model, over a minute per graph for
+            SmolLM2-135M on a 2-core CPU); graphs are kept for later calls with the same
+            model, and `stats.time_compile` says what this call spent compiling. Same output
+            as eager. Not with `kv_page_size`.
 
     Returns:
         GenerateOutput(sequences [B, L + new], stats): the prompts as given, then the
         generated tokens, rows that stopped early padded with the pad token, as HF `generate`.
     """
     from . import hf  # transformers is an optional dependency
+    from . import compiled
 
     hf.cache.check_page_size(kv_page_size, "kv_page_size")
     t_start = time.perf_counter()
@@ -351,9 +377,13 @@ def generate(
     # on GPU (one per layer per step) and about 0.2 ms per tree-attention call on CPU.
     # Few-row linears by our CPU kernel where the cost model found it faster (specdec_kernels/small_linear.py).
     linear_rows = _small_linear_rows(target, planner)
+    static = compiled.static_forward(target, compile, device, kv_page_size is not None)
+    tree_forward = hf.forward if static is None else static.forward
+    route_linears = small_linears if static is None else compiled.small_linears
     with hf.use_tree_attention(target, *drafter.models), config.value_checks(False), \
-            small_linears(target, linear_rows):
-        cache = hf.TreeKVCache.for_model(target, batch, capacity, page_size=kv_page_size)
+            route_linears(target, linear_rows):
+        cache = hf.TreeKVCache.for_model(target, batch, capacity, page_size=kv_page_size) if static is None else \
+            static.cache(target, batch, capacity)
         hidden = hf.prefill(target, cache, rows.history, rows.lengths, return_hidden=with_hidden)
         drafter.start(rows.history, rows.lengths, capacity)
         if with_hidden:
@@ -365,7 +395,7 @@ def generate(
             streamer.put(input_ids.cpu())
         t0 = clock(device)
         stats.time_prefill = t0 - t_start
-        trace = _Trace(planner, drafter)
+        trace = _Trace(planner, drafter, static)
         try:
             while not bool(rows.done.all()):
                 trace.next_step()  # (done.all() waited for the step before: its time is real)
@@ -378,7 +408,7 @@ def generate(
                 # Verify: one target forward over every tree node (position = prefix length +
                 # depth), then lossless acceptance.
                 positions = cache.seqlens.long()[:, None] + depths.clamp(min=0)
-                logits = hf.forward(target, cache, tree.tokens, positions, tree.mask(), return_hidden=with_hidden)
+                logits = tree_forward(target, cache, tree.tokens, positions, tree.mask(), return_hidden=with_hidden)
                 if with_hidden:
                     logits, hidden = logits
                 if processor is not None:  # HF's logits processing, each node with its own path
@@ -431,6 +461,8 @@ def generate(
     stats.acceptance_per_depth = [int(r) / pairs for r in reached[:max_depth]] if pairs else []
     stats.trace = trace.steps()
     stats.nodes_per_step = sum(t["nodes_per_row"] * t["rows"] for t in stats.trace) / pairs if pairs else 0.0
+    stats.compiled = static is not None and static.compiled_steps > 0
+    stats.time_compile = static.compile_seconds if static is not None else 0.0
     stats.time_total = time.perf_counter() - t_start
     return GenerateOutput(sequences, stats)
 
