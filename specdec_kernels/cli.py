@@ -39,13 +39,13 @@ def _generate_api():
     return specdec_kernels
 
 
-def _load(name, label="model"):
+def _load(name, label="model", dtype="float32"):
     """load_model with a one-line report, turning load errors into a clean CLI error."""
     from .models import DEFAULT_MODEL, load_model
 
     start = time.perf_counter()
     try:
-        model, tokenizer = load_model(name)
+        model, tokenizer = load_model(name, dtype=dtype)
     except (ImportError, OSError, ValueError) as error:  # missing wheel/extra, unknown model, bad directory
         raise _fail(str(error)) from None
     print(f"{label}: {name or DEFAULT_MODEL} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, "
@@ -299,10 +299,11 @@ def cmd_generate(args) -> int:
     if args.head is not None and args.method != "default":
         raise _fail(f"--head: only --method default uses a head, not {args.method}")
     text = args.prompt if args.prompt is not None else _read_prompt_file(args.prompt_file)
-    model, tokenizer = _load(args.model, "target")
+    model, tokenizer = _load(args.model, "target", args.dtype)
     draft_model = None
     if needs_draft:
-        draft_model, draft_tokenizer = _load(None if args.draft_model == "default" else args.draft_model, "draft")
+        draft_model, draft_tokenizer = _load(None if args.draft_model == "default" else args.draft_model, "draft",
+                                             args.dtype)
         if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
             raise _fail("the draft model's tokenizer differs from the target's; drafts must use the same vocabulary")
     try:
@@ -547,6 +548,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the target's verify forward through torch.compile: on, off, auto (default: eager, the "
                           "measured choice), reduce-overhead (CUDA graphs, CUDA only, unverified); the first steps "
                           "compile (minutes for a large model on a CPU)")
+    gen.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default="float32",
+                     help="weights of the target (and draft model): float32 (default: greedy output equal to HF's "
+                          "fp32 generate), bfloat16, or auto (bfloat16 on a CPU with bf16 arithmetic, AVX512-BF16 "
+                          "or AMX; float32 elsewhere)")
     source = gen.add_mutually_exclusive_group()
     source.add_argument("--prompt", default=None, help="prompt text")
     source.add_argument("--prompt-file", default=None, help="file with the prompt ('-': standard input)")
