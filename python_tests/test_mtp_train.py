@@ -132,3 +132,32 @@ def test_mtp_training_refuses_what_cannot_have_one(tmp_path):
     with pytest.raises(ValueError, match="cannot train an MTP head for Qwen3NextForCausalLM"):
         train_draft_head(hybrid, prompts, kind="mtp", out_dir=tmp_path / "b", steps=1, progress=False)
     assert not (tmp_path / "a" / "work" / "data.pt").exists() and not (tmp_path / "b" / "work" / "data.pt").exists()
+
+
+def test_bench_e2e_mtp_methods_and_split(tmp_path, monkeypatch):
+    """`specdec bench e2e`'s MTP rows: a trained MTP head found for the target runs as ours_mtp
+    and ours_default_mtp (greedy equal to HF), and the batch-1 draft / verify / accept split is
+    there for every one of our rows; without an MTP source they are skipped, saying why."""
+    from specdec_kernels.benchmarks import e2e
+    from conftest import WordTokenizer
+    from test_bench import short_requests
+
+    target = tiny("llama")
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    requests = {"code_edit": short_requests()["code_edit"]}
+    kw = dict(batch_sizes=(1,), temperatures=(0.0,), max_new_tokens=6, prompts_per_workload=1, profile_kernels=False,
+              progress=False)
+    rows = e2e.run(target, WordTokenizer(VOCAB), requests, methods=("hf", "ours_mtp", "ours_default_mtp"), **kw)
+    assert all(r["skipped"] == "no MTP layers or trained MTP head for this target" for r in rows[1:])
+    assert e2e.mtp_source(target) is None and not set(e2e.MTP_METHODS) & set(e2e.default_methods("cpu", target))
+    train_draft_head(target, random_prompts(4, VOCAB, seed=1), kind="mtp", out_dir=tmp_path / "heads" / "mtp", steps=2,
+                     max_new_tokens=4, batch_tokens=128, eval_fraction=0.0, draft_vocab_size=VOCAB, progress=False)
+    assert e2e.mtp_source(target) == ("head", tmp_path / "heads" / "mtp")
+    assert set(e2e.MTP_METHODS) <= set(e2e.default_methods("cpu", target))
+    rows = e2e.run(target, WordTokenizer(VOCAB), requests, methods=("hf", "ours_ngram", "ours_mtp", "ours_default_mtp"),
+                   **kw)
+    assert all("skipped" not in r and r.get("greedy_identical") for r in rows[1:])
+    headers, cells = e2e.split_rows(rows)
+    assert [c[2] for c in cells] == ["ours_ngram", "ours_mtp", "ours_default_mtp"]
+    assert all(float(c[headers.index("verify ms/step")]) > 0 for c in cells)
+    assert "Decoding time per step at batch 1" in e2e.markdown(rows, "# e2e")

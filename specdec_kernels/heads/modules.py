@@ -207,7 +207,9 @@ class MtpHead(nn.Module):
     (`train.build_mtp_head`: `heads.mtp` builds the same one to draft), and the norms are
     the target's own RMSNorm class (`make_norm()`); this module only wires them, so it needs
     no transformers import. `rotary(x, positions) -> (cos, sin)` is the target's rotary
-    embedding (held, not owned: it is not part of the head's weights).
+    embedding (held, not owned: it is not part of the head's weights). additive_mask: the
+    block's attention adds its mask to the scores (eager attention) instead of taking a
+    boolean one.
 
     Parameter names are the checkpoint's (`enorm`, `hnorm`, `eh_proj`, `shared_head.norm`,
     and the block's own, e.g. `self_attn.q_proj`), so `checkpoint_state(N)` is what
@@ -215,7 +217,8 @@ class MtpHead(nn.Module):
     block_class (the block's class name, recorded).
     """
 
-    def __init__(self, config: dict, block: nn.Module, make_norm: Callable[[], nn.Module], rotary: Callable):
+    def __init__(self, config: dict, block: nn.Module, make_norm: Callable[[], nn.Module], rotary: Callable,
+                 additive_mask: bool = False):
         super().__init__()
         self.config = dict(config)
         h = int(config["hidden_size"])
@@ -226,6 +229,7 @@ class MtpHead(nn.Module):
         self.shared_head = _SharedHead(make_norm())
         self._rotary = (rotary,)  # a tuple: not registered as a submodule (not the head's weights)
         # transformers renamed the layers' cache argument (past_key_values -> cache)
+        self.additive_mask = bool(additive_mask)
         params = inspect.signature(block.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.register_buffer("draft_vocab", torch.zeros(int(config["draft_vocab_size"]), dtype=torch.int64))
@@ -253,7 +257,10 @@ class MtpHead(nn.Module):
             mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()[None]
         cos_sin = self._rotary[0](x, positions)
         kwargs = {self._cache_kwarg: cache, "use_cache": True} if cache is not None else {}
-        out = self.block(x, attention_mask=mask[:, None], position_ids=positions, position_embeddings=cos_sin, **kwargs)
+        mask = mask[:, None]
+        if self.additive_mask:
+            mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill(~mask, torch.finfo(x.dtype).min)
+        out = self.block(x, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin, **kwargs)
         x = out[0] if isinstance(out, tuple) else out
         g = self.shared_head.norm(x)
         return (g, x) if return_hidden else g

@@ -180,14 +180,23 @@ def _detect(target, folder: Path, files: Dict[str, Path]) -> dict:
 
 def _block_config(target):
     """The target's text config, copied, for building MTP blocks: SDPA attention (the
-    drafter passes explicit boolean masks), and layer-type lists extended with full
+    drafter passes explicit masks; eager for soft-capped attention, Gemma 2's, which SDPA
+    cannot do: `block_mask` makes its mask additive), and layer-type lists extended with full
     attention for the layers past the target's last (the MTP layers' indices)."""
     cfg = copy.deepcopy(text_config(target))
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = "eager" if getattr(cfg, "attn_logit_softcapping", None) else "sdpa"
     types = getattr(cfg, "layer_types", None)
     if isinstance(types, (list, tuple)):
         cfg.layer_types = list(types) + ["full_attention"] * 64
     return cfg
+
+
+def block_mask(mask: torch.Tensor, additive: bool, dtype) -> torch.Tensor:
+    """A boolean attention mask as the block's attention takes it: as is for SDPA, or additive
+    (0 where allowed, the dtype's lowest value elsewhere) for eager attention."""
+    if not additive:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
 
 class MtpLayer(nn.Module):
@@ -472,6 +481,7 @@ class MtpDrafter(_HeadDrafter):
         block = module.layers[0].block
         params = inspect.signature(block.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._additive = _block_config(target)._attn_implementation == "eager"
         self.cache = self.outs = self.cached = None
 
     @property
@@ -521,7 +531,8 @@ class MtpDrafter(_HeadDrafter):
         x = layer.proj(torch.cat([h, e] if _HIDDEN_FIRST[layer.layout] else [e, h], dim=-1))
         self.cache.active, self.cache.slots, self.cache.span = k, slots, mask.shape[-1]
         cos_sin = self.rotary(x, positions)
-        out = layer.block(x, attention_mask=mask[:, None], position_ids=positions, use_cache=True,
+        out = layer.block(x, attention_mask=block_mask(mask[:, None], self._additive, x.dtype), position_ids=positions,
+                          use_cache=True,
                           position_embeddings=cos_sin, **{self._cache_kwarg: self.cache})
         x = out[0] if isinstance(out, tuple) else out
         return layer.final_norm(x) if _FEED_NORMED[layer.layout] else x

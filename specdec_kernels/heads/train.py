@@ -92,9 +92,11 @@ def build_mtp_head(target, config: dict, device=None) -> MtpHead:
 
     cfg = text_config(target)
     hidden, eps = int(cfg.hidden_size), float(getattr(cfg, "rms_norm_eps", 1e-6))
+    block_cfg = _block_config(target)
     with torch.device(device or "cpu"):
-        block = decoder_layer_class(target)(_block_config(target), int(config["layer_index"]))
-        return MtpHead(config, block, lambda: _norm(target, hidden, eps), target.get_decoder().rotary_emb)
+        block = decoder_layer_class(target)(block_cfg, int(config["layer_index"]))
+        return MtpHead(config, block, lambda: _norm(target, hidden, eps), target.get_decoder().rotary_emb,
+                       additive_mask=block_cfg._attn_implementation == "eager")
 
 
 def eagle3_layers(target) -> List[int]:
