@@ -161,3 +161,11 @@ def test_bench_e2e_mtp_methods_and_split(tmp_path, monkeypatch):
     assert [c[2] for c in cells] == ["ours_ngram", "ours_mtp", "ours_default_mtp"]
     assert all(float(c[headers.index("verify ms/step")]) > 0 for c in cells)
     assert "Decoding time per step at batch 1" in e2e.markdown(rows, "# e2e")
+    from specdec_kernels.heads import HeadNgramDrafter, default_drafter
+    from specdec_kernels.methods import make_drafter
+
+    assert isinstance(make_drafter("mtp", target=target, head=tmp_path / "heads" / "mtp"), MtpDrafter)
+    found = default_drafter(target)  # no EAGLE / Medusa head for this target: the trained MTP head, merged
+    named = default_drafter(target, head=tmp_path / "heads" / "mtp")
+    for drafter in (found, named):
+        assert isinstance(drafter, HeadNgramDrafter) and isinstance(drafter.head_drafter, MtpDrafter)
