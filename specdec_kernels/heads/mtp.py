@@ -50,7 +50,6 @@ for targets that ship no MTP layers) is such a checkpoint too: one DeepSeek-layo
 under `model.layers.{N}.`; its config.json names the target, which is checked.
 """
 
-import copy
 import inspect
 import json
 import re
@@ -62,7 +61,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..loop.drafters import Draft
-from .common import decoder_layer_class, input_embedding, lm_head_weight, text_config
+from .common import block_config as _block_config, decoder_layer_class, input_embedding, lm_head_weight, text_config
+from .common import target_norm as _norm
 from .drafters import _HeadDrafter
 
 LAYOUTS = ("deepseek", "mimo", "qwen3_next")
@@ -178,19 +178,6 @@ def _detect(target, folder: Path, files: Dict[str, Path]) -> dict:
 # ----------------------------------------------------------------------------- the network
 
 
-def _block_config(target):
-    """The target's text config, copied, for building MTP blocks: SDPA attention (the
-    drafter passes explicit masks; eager for soft-capped attention, Gemma 2's, which SDPA
-    cannot do: `block_mask` makes its mask additive), and layer-type lists extended with full
-    attention for the layers past the target's last (the MTP layers' indices)."""
-    cfg = copy.deepcopy(text_config(target))
-    cfg._attn_implementation = "eager" if getattr(cfg, "attn_logit_softcapping", None) else "sdpa"
-    types = getattr(cfg, "layer_types", None)
-    if isinstance(types, (list, tuple)):
-        cfg.layer_types = list(types) + ["full_attention"] * 64
-    return cfg
-
-
 def block_mask(mask: torch.Tensor, additive: bool, dtype) -> torch.Tensor:
     """A boolean attention mask as the block's attention takes it: as is for SDPA, or additive
     (0 where allowed, the dtype's lowest value elsewhere) for eager attention."""
@@ -223,15 +210,6 @@ class MtpLayers(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.layout, self.prefixes, self.dir, self.loaded_keys = layout, prefixes, folder, loaded_keys
         self.config = {"layout": layout, "num_layers": len(layers)}
-
-
-def _norm(target, size: int, eps: float) -> nn.Module:
-    """A norm of the target's own RMSNorm class (Qwen3-Next's is zero-centred: 1 + weight)."""
-    cls = type(target.get_decoder().norm)
-    try:
-        return cls(size, eps=eps)
-    except TypeError:
-        return cls(size, eps)
 
 
 def _expert_weights(name: str, block_keys, tensors: Dict[str, torch.Tensor], prefix: str, used: set):
