@@ -85,6 +85,8 @@ def train_tiny_head(model, tmp_path, monkeypatch):
     prompts = [torch.randint(1, vocab, (10,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]
     train_draft_head(model, prompts, kind="eagle", out_dir=tmp_path / "heads" / "tiny", steps=2, max_new_tokens=4,
                      batch_tokens=128, eval_fraction=0.0, draft_vocab_size=vocab, progress=False)
+    train_draft_head(model, prompts, kind="mtp", out_dir=tmp_path / "heads" / "tiny_mtp", steps=2, max_new_tokens=4,
+                     batch_tokens=128, eval_fraction=0.0, draft_vocab_size=vocab, progress=False)  # ours_mtp, ours_default_mtp
 
 
 def test_e2e_every_method_batch_and_sampling(tiny_models, tmp_path, monkeypatch):

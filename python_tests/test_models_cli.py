@@ -162,13 +162,16 @@ def test_cli_parser_knows_every_method():
         "draft": (specdec_kernels.DraftModelDrafter, dict(widths=(1,) * 7, model=draft_model)),
         "draft-tree": (specdec_kernels.DraftModelDrafter, dict(widths=(3, 1), model=draft_model)),
         "merged": (specdec_kernels.MergedDrafter, None),
+        "mtp": None,  # needs the target (MtpDrafter loads its MTP layers): test_mtp_train.py
     }
     assert set(expected) == set(cli.METHODS)
     for method in cli.METHODS:
         args = cli.build_parser().parse_args(["generate", "--method", method, "--num-tokens", "7", "--ngram-tree-width",
                                               "5", "--draft-tree-widths", "3,1", "--prompt", "x"])
         assert (args.method, args.num_tokens, args.ngram_tree_width, args.draft_tree_widths) == (method, 7, 5, (3, 1))
-        if method == "default":
+        if method in ("default", "mtp"):
+            with pytest.raises(ValueError, match="target"):
+                cli.make_drafter(method)
             continue
         drafter = cli.make_drafter(method, draft_model=draft_model, num_tokens=args.num_tokens,
                                    ngram_tree_width=args.ngram_tree_width, draft_tree_widths=args.draft_tree_widths)

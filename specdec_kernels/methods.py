@@ -11,7 +11,8 @@ from .loop.drafters import DraftModelDrafter, MergedDrafter, NgramDrafter
 
 # `specdec generate --method`; "default": `heads.default_drafter` (the target's trained head
 # merged with n-gram drafts, or n-gram alone for a target without one)
-METHODS = ("default", "none", "ngram", "ngram-tree", "draft", "draft-tree", "merged")
+# "mtp": MtpDrafter (the target's own MTP layers, or a trained MTP head given as head)
+METHODS = ("default", "none", "ngram", "ngram-tree", "draft", "draft-tree", "merged", "mtp")
 NEEDS_DRAFT_MODEL = frozenset({"draft", "draft-tree", "merged"})
 NGRAM_TREE_WIDTH = 3  # default --ngram-tree-width: continuations of an n-gram tree
 DRAFT_TREE_WIDTHS = (2, 2, 1)  # default --draft-tree-widths: a draft-model tree's children per depth
@@ -46,7 +47,8 @@ def make_drafter(method: str, *, draft_model=None, num_tokens=None, ngram_tree_w
     the drafter's default); ngram_tree_width: continuations of an n-gram tree (ngram-tree,
     merged); draft_tree_widths: children per depth of a draft-model tree (draft-tree, merged).
     draft_model is needed by draft, draft-tree and merged; target (and optionally head, a
-    head directory to use instead of the target's own) by default.
+    head directory to use instead of the target's own) by default and by mtp (head: a trained
+    MTP head directory; None: the MTP layers of the target's own checkpoint).
     """
     if method not in METHODS:
         raise ValueError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
@@ -56,8 +58,14 @@ def make_drafter(method: str, *, draft_model=None, num_tokens=None, ngram_tree_w
         if target is None:
             raise ValueError("target: method 'default' needs the target (its trained head is looked up)")
         return default_drafter(target, head=head)
+    if method == "mtp":
+        if target is None:
+            raise ValueError("target: method 'mtp' needs the target (its MTP layers are loaded)")
+        from .heads import MtpDrafter
+
+        return MtpDrafter(target, head)
     if head is not None:
-        raise ValueError(f"head: only method 'default' uses a head, not {method!r}")
+        raise ValueError(f"head: only methods 'default' and 'mtp' use a head, not {method!r}")
     k = {"num_tokens": num_tokens} if num_tokens is not None else {}
     if method == "none":
         return None

@@ -10,7 +10,11 @@ drafts prints the per-step split: draft (the MTP layer: catch-up on the accepted
 k - 1 further forwards, and the LM head), verify (the target's tree forward and `verify`),
 accept; the draft share is draft / verify per step.
 
-    python tools/mtp_overhead.py [--tokens 64] [--chain 1 3] [--threads 2]
+    python tools/mtp_overhead.py [--tokens 64] [--chain 1 3] [--threads 2] [--mtp DIR]
+
+--mtp DIR times a trained MTP head (`specdec train-draft --kind mtp --out DIR`, drafting over
+its own draft vocabulary) instead of the random layer; it also accepts drafts, so a step
+covers more tokens and the catch-up feeds the layer more of them.
 """
 
 import argparse
@@ -48,6 +52,7 @@ def main():
     parser.add_argument("--chain", type=int, nargs="+", default=[1, 3], help="MTP chain lengths to time")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--mtp", default=None, metavar="DIR", help="a trained MTP head instead of the random layer")
     parser.add_argument("--draft-vocab", action="store_true",
                         help="also time chains restricted to the shipped EAGLE head's draft vocabulary (8192 tokens)")
     args = parser.parse_args()
@@ -59,7 +64,7 @@ def main():
     prompt = tokenizer("Write a Python function that returns the n-th Fibonacci number, with a docstring.",
                        return_tensors="pt").input_ids
     with tempfile.TemporaryDirectory() as tmp:
-        folder = write_random_mtp(target, Path(tmp))
+        folder = Path(args.mtp) if args.mtp else write_random_mtp(target, Path(tmp))
         rows = []
         plain = None
         vocab = None

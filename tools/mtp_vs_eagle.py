@@ -7,7 +7,7 @@ leaves out of training); a drafted depth d is accepted when it and every depth b
 equal the target's greedy tokens, so `acceptance_per_depth[d - 1]` is the held-out
 agreement of the head's chain at depth d. Same prompts, same target, same length for both.
 
-    python tools/mtp_vs_eagle.py --mtp /tmp/mtp_smol [--holdout 3] [--tokens 48] [--depth 3]
+    python tools/mtp_vs_eagle.py --mtp /tmp/mtp_smol [--holdout 3] [--tokens 48] [--depth 3] [--heads eagle,mtp]
 """
 
 import argparse
@@ -18,7 +18,8 @@ import torch
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mtp", required=True, help="MTP head directory (train-draft --kind mtp --out)")
+    parser.add_argument("--mtp", default=None, help="MTP head directory (train-draft --kind mtp --out)")
+    parser.add_argument("--heads", default="eagle,mtp", help="which heads to run (comma-separated; default both)")
     parser.add_argument("--holdout", type=int, default=3, help="held-out requests per workload to use")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--depth", type=int, default=3)
@@ -35,6 +36,10 @@ def main():
     drafters = {"eagle": lambda: sk.EagleDrafter(target, eagle_dir, max_nodes=args.depth, depth=args.depth, top_k=1,
                                                  min_score=0.0),
                 "mtp": lambda: sk.MtpDrafter(target, args.mtp, num_tokens=args.depth, min_score=0.0)}
+    chosen = [h for h in args.heads.split(",") if h]
+    if "mtp" in chosen and args.mtp is None:
+        parser.error("--mtp DIR is needed to run the MTP head")
+    drafters = {name: make for name, make in drafters.items() if name in chosen}
     totals = {name: [0.0] * args.depth for name in drafters}
     steps = {name: 0 for name in drafters}
     for workload in ("code_completion", "code_edit", "summarization"):

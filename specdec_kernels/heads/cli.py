@@ -66,7 +66,7 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--unroll", type=int, default=2, metavar="D",
-                   help="EAGLE: also train draft depths 2 .. D + 1 on the head's own predicted features "
+                   help="EAGLE and MTP: also train draft depths 2 .. D + 1 on the head's own predicted features "
                         "(training-time test; default 2, 0: off)")
     p.add_argument("--prompt-weight", type=float, default=1.0,
                    help="EAGLE: loss weight of positions predicting prompt tokens (responses: 1; default 1)")

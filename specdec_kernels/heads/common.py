@@ -8,6 +8,7 @@ embedding and LM head are never stored: the head reads them from the target it r
 which is why a head refuses a target whose identity differs.
 """
 
+import copy
 import hashlib
 import json
 from pathlib import Path
@@ -123,3 +124,25 @@ def read_head(path, kind: Optional[str] = None):
     if kind is not None and config.get("kind") != kind:
         raise ValueError(f"head: {folder} holds a {config.get('kind')!r} head, expected {kind!r}")
     return config, load_file(str(weights))
+
+
+def block_config(target):
+    """The target's text config, copied, for building MTP blocks: SDPA attention (the
+    drafter passes explicit masks; eager for soft-capped attention, Gemma 2's, which SDPA
+    cannot do: `heads.mtp.block_mask` makes its mask additive), and layer-type lists extended with full
+    attention for the layers past the target's last (the MTP layers' indices)."""
+    cfg = copy.deepcopy(text_config(target))
+    cfg._attn_implementation = "eager" if getattr(cfg, "attn_logit_softcapping", None) else "sdpa"
+    types = getattr(cfg, "layer_types", None)
+    if isinstance(types, (list, tuple)):
+        cfg.layer_types = list(types) + ["full_attention"] * 64
+    return cfg
+
+
+def target_norm(target, size: int, eps: float) -> torch.nn.Module:
+    """A norm of the target's own RMSNorm class (Qwen3-Next's is zero-centred: 1 + weight)."""
+    cls = type(target.get_decoder().norm)
+    try:
+        return cls(size, eps=eps)
+    except TypeError:
+        return cls(size, eps)

@@ -19,7 +19,9 @@ def default_drafter(target, *, online=False, head=None, suffix_cache=True) -> Dr
     layers or a head, the n-gram drafts and the suffix cache alone.
 
     head: a head directory to use instead of looking one up (checked against `target`; the
-    target's MTP layers are then not used).
+    target's MTP layers are then not used): an EAGLE / Medusa head, or an MTP head trained by
+    `train-draft --kind mtp` (drafted by `MtpDrafter`). Without one, a trained EAGLE / Medusa
+    head found for the target comes before a trained MTP head.
 
     suffix_cache: True (default) adds the suffix cache; False leaves it out (the drafter
     of earlier versions). The cache belongs to the returned object: reuse the object across
@@ -43,9 +45,25 @@ def default_drafter(target, *, online=False, head=None, suffix_cache=True) -> Dr
     context = ScoredMergedDrafter([ngram, suffix]) if suffix is not None else ngram
     if head is None and find_mtp(target) is not None:  # the model's own MTP layers come first
         drafter = HeadNgramDrafter(MtpDrafter(target), context)
+    elif head is None and find_head(target) is None and find_head(target, "mtp") is not None:
+        # a trained MTP head (`train-draft --kind mtp`) where the target has no EAGLE / Medusa head
+        drafter = HeadNgramDrafter(MtpDrafter(target, find_head(target, "mtp")), context)
+    elif head is not None and _kind(head) == "mtp":
+        drafter = HeadNgramDrafter(MtpDrafter(target, head), context)
     else:
         folder = find_head(target) if head is None else head
         drafter = context if folder is None else HeadNgramDrafter(head_drafter(target, folder, online=options or False),
                                                                   context)
     drafter.suffix_cache = suffix
     return drafter
+
+
+def _kind(folder) -> str:
+    """The kind a head directory's config.json names (None when it has none)."""
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads((Path(folder) / "config.json").read_text()).get("kind")
+    except (OSError, ValueError):
+        return None

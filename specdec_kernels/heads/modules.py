@@ -18,6 +18,7 @@ x_{i+1} alone); drafted depths still feed g, so the head learns to read its own 
 token x_{t+1+k} through the target's LM head (the target itself predicts x_{t+1}).
 """
 
+import inspect
 import math
 from typing import Callable, Optional
 
@@ -169,88 +170,108 @@ class MedusaHeads(nn.Module):
         return features.unsqueeze(-2) + F.silu(pre)
 
 
-class _Attention(nn.Module):
-    """The projections of a Llama attention block (names as transformers' checkpoints)."""
-
-    def __init__(self, h: int, nh: int, nkv: int, hd: int):
-        super().__init__()
-        self.q_proj = nn.Linear(h, nh * hd, bias=False)
-        self.k_proj = nn.Linear(h, nkv * hd, bias=False)
-        self.v_proj = nn.Linear(h, nkv * hd, bias=False)
-        self.o_proj = nn.Linear(nh * hd, h, bias=False)
-
-
-class _Mlp(nn.Module):
-    """A Llama SiLU MLP (names as transformers' checkpoints)."""
-
-    def __init__(self, h: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(h, inter, bias=False)
-        self.up_proj = nn.Linear(h, inter, bias=False)
-        self.down_proj = nn.Linear(inter, h, bias=False)
+def init_block_parameters(module: nn.Module, generator: torch.Generator) -> None:
+    """Deterministic init of a block built from a target's own classes: biases 0, every
+    other weight normal(0, 0.02) drawn in parameter order (residual-stream output projections,
+    o_proj / down_proj, scaled by 1/sqrt(2)), except norm weights, left as their class builds
+    them (1 for Llama's RMSNorm, 0 for a zero-centred one such as Gemma's, which scales by
+    1 + weight)."""
+    for name, p in module.named_parameters():
+        owner = name.rsplit(".", 1)[0] if "." in name else ""
+        if "norm" in owner.rsplit(".", 1)[-1]:
+            continue
+        if name.endswith("bias"):
+            nn.init.zeros_(p)
+            continue
+        output_projection = owner.rsplit(".", 1)[-1] in ("o_proj", "down_proj")
+        std = 0.02 / (math.sqrt(2.0) if output_projection else 1.0)
+        with torch.no_grad():
+            p.copy_(torch.randn(p.shape, generator=generator) * std)
 
 
 class _SharedHead(nn.Module):
-    def __init__(self, h: int, eps: float):
+    def __init__(self, norm: nn.Module):
         super().__init__()
-        self.norm = RMSNorm(h, eps)
+        self.norm = norm
 
 
 class MtpHead(nn.Module):
-    """A DeepSeek-V3-layout MTP layer for a Llama-shaped target, to train (`kind="mtp"`):
-    x = eh_proj(concat(enorm(embed(x_{i+1})), hnorm(f_i))) (the embedding zeroed at position
-    0, as vLLM feeds MTP layers), one Llama decoder layer, and g = shared_head.norm(x), whose
-    logits through the target's LM head predict x_{i+2} (and which is regressed on f_{i+1},
-    as EAGLE's output is). Parameter names are the checkpoint's (`enorm`, `hnorm`, `eh_proj`,
-    `shared_head.norm`, `self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, ...), so
-    `checkpoint_state(N)` is what `MtpDrafter` loads (it runs the block as the target's own
-    decoder-layer class). Same interface as `EagleHead` (forward(features, token_embeds,
-    positions, attend)); config keys as EagleHead's.
+    """A DeepSeek-V3-layout MTP layer to train for a target that has none (`kind="mtp"`):
+    x = eh_proj(concat(enorm(e), hnorm(f_i))) with e = embed(x_{i+1}) (zeroed at position 0,
+    as vLLM feeds MTP layers), x = block(x), g = shared_head.norm(x). g's logits through the
+    target's LM head predict x_{i+2} (and g is regressed on f_{i+1}, as EAGLE's output is);
+    drafting deeper feeds x (not g) back in as the next hidden state, as DeepSeek-V3's MTP
+    module returns it.
+
+    The block is a decoder layer of the target's own class, built by the caller
+    (`train.build_mtp_head`: `heads.mtp` builds the same one to draft), and the norms are
+    the target's own RMSNorm class (`make_norm()`); this module only wires them, so it needs
+    no transformers import. `rotary(x, positions) -> (cos, sin)` is the target's rotary
+    embedding (held, not owned: it is not part of the head's weights). additive_mask: the
+    block's attention adds its mask to the scores (eager attention) instead of taking a
+    boolean one.
+
+    Parameter names are the checkpoint's (`enorm`, `hnorm`, `eh_proj`, `shared_head.norm`,
+    and the block's own, e.g. `self_attn.q_proj`), so `checkpoint_state(N)` is what
+    `MtpDrafter` loads. config keys: hidden_size, draft_vocab_size, layer_index (N),
+    block_class (the block's class name, recorded).
     """
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, block: nn.Module, make_norm: Callable[[], nn.Module], rotary: Callable,
+                 additive_mask: bool = False):
         super().__init__()
         self.config = dict(config)
-        h, nh, nkv, hd = (int(config[k]) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
-        inter, eps = int(config["intermediate_size"]), float(config["rms_norm_eps"])
-        self.num_heads, self.num_kv_heads, self.head_dim, self.theta = nh, nkv, hd, float(config["rope_theta"])
+        h = int(config["hidden_size"])
         self.feature_layers, self.fuse = (), None
-        self.enorm, self.hnorm = RMSNorm(h, eps), RMSNorm(h, eps)
+        self.enorm, self.hnorm = make_norm(), make_norm()
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.input_layernorm = RMSNorm(h, eps)
-        self.self_attn = _Attention(h, nh, nkv, hd)
-        self.post_attention_layernorm = RMSNorm(h, eps)
-        self.mlp = _Mlp(h, inter)
-        self.shared_head = _SharedHead(h, eps)
+        self.block = block
+        self.shared_head = _SharedHead(make_norm())
+        self._rotary = (rotary,)  # a tuple: not registered as a submodule (not the head's weights)
+        # transformers renamed the layers' cache argument (past_key_values -> cache)
+        self.additive_mask = bool(additive_mask)
+        params = inspect.signature(block.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.register_buffer("draft_vocab", torch.zeros(int(config["draft_vocab_size"]), dtype=torch.int64))
 
     def reset_parameters(self, generator: torch.Generator) -> None:
-        """As `EagleHead.reset_parameters` (norms 1, normal(0, 0.02), output projections scaled down)."""
-        init_decoder_parameters(self, generator)
+        """`init_block_parameters` (norms as their class builds them, normal(0, 0.02) weights)."""
+        init_block_parameters(self, generator)
 
     def input_features(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's LM-head input as is (no multi-layer fusion)."""
         return hidden
 
     def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
-                attend: Optional[Callable] = None) -> torch.Tensor:
-        """features [B, T, H] (the target's), token_embeds [B, T, H], positions [B, T] -> g [B, T, H]."""
+                cache=None, mask: Optional[torch.Tensor] = None, return_hidden: bool = False):
+        """features [B, T, H] (the target's, or x of the previous depth), token_embeds [B, T, H],
+        positions [B, T] -> g [B, T, H] (with return_hidden: (g, x), x fed to the next depth).
+
+        mask: boolean [B or 1, T, S] over the keys the block's attention sees (default causal
+        over the T inputs); cache: an object with the transformers Cache `update` method that
+        returns the keys/values attention reads (S of them), for unrolled passes."""
         token_embeds = token_embeds.masked_fill((positions == 0)[..., None], 0.0)
         x = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(features)], dim=-1))
-        b, t, _ = x.shape
-        h = self.input_layernorm(x)
-        a = self.self_attn
-        q = rotate(a.q_proj(h).view(b, t, self.num_heads, self.head_dim), positions, self.theta)
-        k = rotate(a.k_proj(h).view(b, t, self.num_kv_heads, self.head_dim), positions, self.theta)
-        v = a.v_proj(h).view(b, t, self.num_kv_heads, self.head_dim)
-        x = x + a.o_proj((attend or causal_attention)(q, k, v).reshape(b, t, -1))
-        h = self.post_attention_layernorm(x)
-        x = x + self.mlp.down_proj(F.silu(self.mlp.gate_proj(h)) * self.mlp.up_proj(h))
-        return self.shared_head.norm(x)
+        t = x.shape[1]
+        if mask is None:
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()[None]
+        cos_sin = self._rotary[0](x, positions)
+        kwargs = {self._cache_kwarg: cache, "use_cache": True} if cache is not None else {}
+        mask = mask[:, None]
+        if self.additive_mask:
+            mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill(~mask, torch.finfo(x.dtype).min)
+        out = self.block(x, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin, **kwargs)
+        x = out[0] if isinstance(out, tuple) else out
+        g = self.shared_head.norm(x)
+        return (g, x) if return_hidden else g
 
     def checkpoint_state(self, layer_index: int) -> dict:
         """The weights under their DeepSeek-V3 checkpoint names, `model.layers.{layer_index}.*`
-        (layer_index: the target's num_hidden_layers), plus `draft_vocab` (outside the prefix,
-        which the MTP loader ignores)."""
-        state = {f"model.layers.{layer_index}.{k}": v for k, v in self.state_dict().items() if k != "draft_vocab"}
+        (layer_index: the target's num_hidden_layers; the block's parameters without the
+        `block.` prefix), plus `draft_vocab` (outside the prefix, which the MTP loader ignores)."""
+        state = {}
+        for k, v in self.state_dict().items():
+            if k == "draft_vocab":
+                continue
+            state[f"model.layers.{layer_index}.{k[len('block.'):] if k.startswith('block.') else k}"] = v
         return {**state, "draft_vocab": self.draft_vocab}

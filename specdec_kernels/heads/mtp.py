@@ -50,7 +50,6 @@ for targets that ship no MTP layers) is such a checkpoint too: one DeepSeek-layo
 under `model.layers.{N}.`; its config.json names the target, which is checked.
 """
 
-import copy
 import inspect
 import json
 import re
@@ -62,7 +61,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..loop.drafters import Draft
-from .common import decoder_layer_class, input_embedding, lm_head_weight, text_config
+from .common import block_config as _block_config, decoder_layer_class, input_embedding, lm_head_weight, text_config
+from .common import target_norm as _norm
 from .drafters import _HeadDrafter
 
 LAYOUTS = ("deepseek", "mimo", "qwen3_next")
@@ -178,16 +178,12 @@ def _detect(target, folder: Path, files: Dict[str, Path]) -> dict:
 # ----------------------------------------------------------------------------- the network
 
 
-def _block_config(target):
-    """The target's text config, copied, for building MTP blocks: SDPA attention (the
-    drafter passes explicit boolean masks), and layer-type lists extended with full
-    attention for the layers past the target's last (the MTP layers' indices)."""
-    cfg = copy.deepcopy(text_config(target))
-    cfg._attn_implementation = "sdpa"
-    types = getattr(cfg, "layer_types", None)
-    if isinstance(types, (list, tuple)):
-        cfg.layer_types = list(types) + ["full_attention"] * 64
-    return cfg
+def block_mask(mask: torch.Tensor, additive: bool, dtype) -> torch.Tensor:
+    """A boolean attention mask as the block's attention takes it: as is for SDPA, or additive
+    (0 where allowed, the dtype's lowest value elsewhere) for eager attention."""
+    if not additive:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
 
 class MtpLayer(nn.Module):
@@ -214,15 +210,6 @@ class MtpLayers(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.layout, self.prefixes, self.dir, self.loaded_keys = layout, prefixes, folder, loaded_keys
         self.config = {"layout": layout, "num_layers": len(layers)}
-
-
-def _norm(target, size: int, eps: float) -> nn.Module:
-    """A norm of the target's own RMSNorm class (Qwen3-Next's is zero-centred: 1 + weight)."""
-    cls = type(target.get_decoder().norm)
-    try:
-        return cls(size, eps=eps)
-    except TypeError:
-        return cls(size, eps)
 
 
 def _expert_weights(name: str, block_keys, tensors: Dict[str, torch.Tensor], prefix: str, used: set):
@@ -472,6 +459,7 @@ class MtpDrafter(_HeadDrafter):
         block = module.layers[0].block
         params = inspect.signature(block.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._additive = _block_config(target)._attn_implementation == "eager"
         self.cache = self.outs = self.cached = None
 
     @property
@@ -521,7 +509,8 @@ class MtpDrafter(_HeadDrafter):
         x = layer.proj(torch.cat([h, e] if _HIDDEN_FIRST[layer.layout] else [e, h], dim=-1))
         self.cache.active, self.cache.slots, self.cache.span = k, slots, mask.shape[-1]
         cos_sin = self.rotary(x, positions)
-        out = layer.block(x, attention_mask=mask[:, None], position_ids=positions, use_cache=True,
+        out = layer.block(x, attention_mask=block_mask(mask[:, None], self._additive, x.dtype), position_ids=positions,
+                          use_cache=True,
                           position_embeddings=cos_sin, **{self._cache_kwarg: self.cache})
         x = out[0] if isinstance(out, tuple) else out
         return layer.final_norm(x) if _FEED_NORMED[layer.layout] else x

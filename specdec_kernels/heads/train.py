@@ -35,6 +35,11 @@ def head_config(target, kind: str, draft_vocab_size: int, num_heads: int = 4, fe
     cfg = text_config(target)
     if kind == "medusa":
         return {"hidden_size": int(cfg.hidden_size), "num_heads": int(num_heads), "draft_vocab_size": int(draft_vocab_size)}
+    if kind == "mtp":
+        from .common import decoder_layer_class
+
+        return {"hidden_size": int(cfg.hidden_size), "layer_index": int(cfg.num_hidden_layers),
+                "block_class": decoder_layer_class(target).__name__, "draft_vocab_size": int(draft_vocab_size)}
     num_heads_q = int(cfg.num_attention_heads)
     layers = {"feature_layers": [int(i) for i in feature_layers]} if feature_layers else {}
     return {
@@ -51,21 +56,46 @@ def head_config(target, kind: str, draft_vocab_size: int, num_heads: int = 4, fe
 
 
 def check_mtp_target(target) -> None:
-    """ValueError unless `target`'s decoder layer has exactly the weights of the Llama layer an
-    `MtpHead` trains (so `MtpDrafter` can run the trained layer as the target's own class)."""
-    import copy
+    """ValueError unless an MTP head can be trained for `target` and drafted with: the loop
+    runs its family (no recurrent layers: `loop.hf.families`), every decoder layer is an
+    attention layer (the block is built from that class), its logits are its LM head on its
+    last hidden state (no soft-capping or scaling, one linear map without bias), and its
+    decoder has a rotary embedding to give the block positions. Checked before any data is
+    collected."""
+    from ..loop.hf.families import unsupported_reason
 
-    from .common import decoder_layer_class
+    name = type(target).__name__
+    why = unsupported_reason(target)
+    if why is not None:
+        raise ValueError(f"kind='mtp': cannot train an MTP head for {name}: the loop cannot run it ({why})")
+    layers = getattr(target.get_decoder(), "layers", None)
+    if not layers or not all(hasattr(layer, "self_attn") for layer in layers):
+        raise ValueError(f"kind='mtp': cannot train an MTP head for {name}: its decoder layers are not all attention "
+                         "layers (the MTP block is built from the target's decoder-layer class)")
+    cfg = text_config(target)
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1, 1.0):
+        raise ValueError(f"kind='mtp': cannot train an MTP head for {name}: it post-processes its logits "
+                         "(final_logit_softcapping / logit_scale), so its LM head input does not give its distribution")
+    lm_head_weight(target)  # ValueError for an LM head with a bias
+    if getattr(target.get_decoder(), "rotary_emb", None) is None:
+        raise ValueError(f"kind='mtp': cannot train an MTP head for {name}: its decoder has no rotary_emb "
+                         "(the MTP block takes the target's rotary position embeddings)")
+    build_mtp_head(target, head_config(target, "mtp", 1), device="meta")  # the block builds from the config
 
-    cfg = copy.deepcopy(text_config(target))
-    with torch.device("meta"):
-        layer = decoder_layer_class(target)(cfg, 0)
-        head = MtpHead(head_config(target, "mtp", 1))
-    want = {k for k in head.state_dict() if not k.startswith(("enorm", "hnorm", "eh_proj", "shared_head", "draft_vocab"))}
-    have = set(layer.state_dict())
-    if want != have:
-        raise ValueError(f"kind='mtp': trains a Llama-shaped MTP layer; {type(target).__name__}'s decoder layer differs "
-                         f"(its own: {sorted(have - want)[:4]}, missing: {sorted(want - have)[:4]})")
+
+def build_mtp_head(target, config: dict, device=None) -> MtpHead:
+    """An `MtpHead` for `target`: its block is the target's own decoder-layer class at index
+    num_hidden_layers (what `MtpDrafter` builds to load it; MoE targets get their MoE block
+    there), its norms the target's RMSNorm class, its rotary embedding the target's."""
+    from .common import block_config, decoder_layer_class, target_norm
+
+    cfg = text_config(target)
+    hidden, eps = int(cfg.hidden_size), float(getattr(cfg, "rms_norm_eps", 1e-6))
+    block_cfg = block_config(target)
+    with torch.device(device or "cpu"):
+        block = decoder_layer_class(target)(block_cfg, int(config["layer_index"]))
+        return MtpHead(config, block, lambda: target_norm(target, hidden, eps), target.get_decoder().rotary_emb,
+                       additive_mask=block_cfg._attn_implementation == "eager")
 
 
 def eagle3_layers(target) -> List[int]:
@@ -125,17 +155,63 @@ def _batches(windows, batch_tokens: int, generator: torch.Generator):
     return [batches[i] for i in perm]
 
 
+def drafted_mask(depth: int, t: int, device) -> torch.Tensor:
+    """bool [T, (depth + 1) T]: what query i of unrolled pass `depth` sees of the keys of
+    passes 0 .. depth (in that order): pass 0's keys j <= i - depth (the drafter's cache
+    entries built from the target's true features), pass m's key at i - depth + m for
+    0 < m <= depth (its drafted ancestors, and its own new key for m = depth). depth 0:
+    causal."""
+    i = torch.arange(t, device=device)
+    blocks = [i[None, :] <= i[:, None] - depth]
+    blocks += [i[None, :] == i[:, None] - depth + m for m in range(1, depth + 1)]
+    return torch.cat(blocks, dim=1)
+
+
+class PassCache:
+    """The keys and values of an MTP block's earlier unrolled passes, as a transformers cache:
+    each `update` (the block's attention calls it with this pass's keys/values [B, H, T, D])
+    keeps them and returns every pass's so far, concatenated on the sequence dim (the layout
+    `drafted_mask` indexes)."""
+
+    def __init__(self):
+        self.keys, self.values = [], []
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys.append(key_states)
+        self.values.append(value_states)
+        return torch.cat(self.keys, 2), torch.cat(self.values, 2)
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return sum(k.shape[2] for k in self.keys)
+
+
+def mtp_passes(run_head, features, token_embeds, positions, unroll: int) -> list:
+    """An MTP head's outputs g for drafting depths 1 .. unroll + 1 over training windows (the
+    training-time test of `eagle_passes`, for a block of the target's own class): pass 0 is
+    the head on the target's true features (causal); unrolled pass d feeds it pass d - 1's
+    fed-deeper output x_{i-1} (detached) with the same tokens, attending through `PassCache`
+    as the drafter's depth-d node does (`drafted_mask`).
+
+    run_head(features, token_embeds, positions, cache, mask) -> (g, x)."""
+    cache = PassCache() if unroll else None
+    t = features.shape[1]
+    outs = []
+    fed = features
+    for d in range(unroll + 1):
+        mask = drafted_mask(d, t, features.device)[None]
+        g, x = run_head(fed, token_embeds, positions, cache, mask)
+        outs.append(g)
+        fed = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1].detach()], 1)
+    return outs
+
+
 def drafted_attention(pass_kv):
     """The attention of unrolled pass d = len(pass_kv) (the drafter's depth-d tree node):
     query i sees the first pass's keys j <= i - d (entries built from the target's true
     features, as in the drafter's cache), pass m's key at i - d + m for 0 < m < d (its drafted
     ancestors) and its own new key. pass_kv: the (keys, values) [B, T, Hkv, D] of passes 0 .. d - 1."""
     def attend(q, k, v):
-        depth, t = len(pass_kv), q.shape[1]
-        i = torch.arange(t, device=q.device)
-        blocks = [i[None, :] <= i[:, None] - depth]
-        blocks += [i[None, :] == i[:, None] - depth + m for m in range(1, depth + 1)]
-        mask = torch.cat(blocks, dim=1)  # [T, (depth + 1) T]
+        mask = drafted_mask(len(pass_kv), q.shape[1], q.device)
         keys = torch.cat([kv[0] for kv in pass_kv] + [k.to(pass_kv[0][0].dtype)], 1)
         values = torch.cat([kv[1] for kv in pass_kv] + [v.to(pass_kv[0][1].dtype)], 1)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2).to(q.dtype),
@@ -223,6 +299,14 @@ class _Trainer:
     def _run_head(self, *args):
         return self._autocast(self.head, *args)
 
+    def _run_mtp(self, features, token_embeds, positions, cache, mask):
+        """An MTP head's (g, x) in the trainer's autocast (fp32 out)."""
+        if self.autocast is None:
+            return self.head(features, token_embeds, positions, cache, mask, return_hidden=True)
+        with torch.autocast(self.device.type, dtype=self.autocast):
+            g, x = self.head(features, token_embeds, positions, cache, mask, return_hidden=True)
+        return g.float(), x.float()
+
     def _noisy(self, x, rms_of, generator):
         """x plus uniform noise of `noise` times the RMS of `rms_of` (per position)."""
         scale = rms_of.pow(2).mean(-1, keepdim=True).sqrt()
@@ -232,7 +316,7 @@ class _Trainer:
         """Mean loss over the batch and a dict of metrics (sums and counts)."""
         width = max(w[2] for w in windows)
         valid = (torch.arange(width)[None, :] < torch.tensor([w[2] for w in windows])[:, None]).to(self.device)
-        if self.kind in ("eagle", "mtp"):  # (an MTP head trains as EAGLE's does, without unrolled passes)
+        if self.kind in ("eagle", "mtp"):  # (an MTP head trains as EAGLE's does)
             feats = self._pad(windows, "features", 0, 1).float()  # f_s .. f_{s+n}
             tokens = self._pad(windows, "tokens", 1).long()  # x_{s+1} .. x_{s+n}
             lse, argmax = self._pad(windows, "lse", 1), self._pad(windows, "argmax", 1).long()
@@ -246,7 +330,10 @@ class _Trainer:
             positions = torch.tensor([w[1] for w in windows], device=self.device)[:, None] + torch.arange(width, device=self.device)
             with torch.no_grad():
                 emb = self.embed(tokens).float()
-            outs = eagle_passes(self._run_head, inp, emb, positions, self.unroll)
+            if self.kind == "mtp":
+                outs = mtp_passes(self._run_mtp, inp, emb, positions, self.unroll)
+            else:
+                outs = eagle_passes(self._run_head, inp, emb, positions, self.unroll)
             # Input i predicts token s + i + 2: a response token, or a prompt token (weighted
             # prompt_weight: drafting only ever happens in responses).
             prompt_len = torch.tensor([self.examples[e]["prompt_len"] for e, _, _ in windows], device=self.device)
@@ -391,10 +478,11 @@ def train_draft_head(
             "text" (raw text to continue), strs (user turns), or token-id lists. The target
             answers them.
         kind: "eagle" (one decoder layer on the target's features), "medusa" (num_heads
-            residual heads) or "mtp" (a DeepSeek-V3-layout MTP layer, `MtpHead`, for a
-            Llama-shaped target: EAGLE's data and losses without unrolled passes; the head
-            directory holds it under its checkpoint names, so `MtpDrafter(target, out_dir)`
-            drafts with it).
+            residual heads) or "mtp" (a DeepSeek-V3-layout MTP layer, `MtpHead`, whose block
+            is a decoder layer of the target's own class: EAGLE's data and losses, unrolled
+            passes included; the head directory holds it under its checkpoint names, so
+            `MtpDrafter(target, out_dir)` drafts with it; `check_mtp_target` says which
+            targets cannot have one).
         out_dir: where `head.safetensors`, `config.json` and `train_log.jsonl` are written.
         tokenizer: the target's tokenizer (default: loaded from the target's name_or_path).
         work_dir: resumable state (collected data, checkpoints); default `<out_dir>/work`.
@@ -407,13 +495,15 @@ def train_draft_head(
             (cheaper drafting and training); >= the vocabulary size keeps every token.
         steps, batch_tokens, max_len, lr, reg_weight, noise: optimisation (AdamW, warmup then
             cosine decay to lr / 10; batches of at most batch_tokens positions).
-        unroll: EAGLE: how many drafted depths to also train on the head's own predictions
+        unroll: EAGLE and MTP: how many drafted depths to also train on the head's own predictions
             (training-time test, as in EAGLE-3). Unrolled pass d feeds the head its previous
             pass's predicted features, with the true entries up to d positions back and the
             drafted ancestors as context, exactly as the drafter's depth-d tree node sees
             them; its losses are ce{d+1}/kl{d+1}/acc{d+1} (the token at depth d + 1).
             0: only the first depth (the head always fed the target's true features); True
-            counts as 1. Each pass adds about the first pass's compute.
+            counts as 1. Each pass adds about the first pass's compute. An MTP head's
+            unrolled pass feeds its previous pass's block output x (what `MtpDrafter` feeds
+            a deeper node in the DeepSeek layout), `mtp_passes`.
         prompt_weight: EAGLE: weight of the positions that predict a prompt token, against 1
             for response tokens (drafting only happens in responses; a summarisation prompt
             is ~5x longer than its answer). Metrics racc* are top-1 agreement on response tokens.
@@ -519,7 +609,7 @@ def train_draft_head(
     vocab_size = identity["vocab_size"]
     vocab = draft_vocabulary(examples, draft_vocab_size, vocab_size, always=eos)
     config = head_config(target, kind, len(vocab), num_heads, layers)
-    head = {"eagle": EagleHead, "medusa": MedusaHeads, "mtp": MtpHead}[kind](config)
+    head = build_mtp_head(target, config) if kind == "mtp" else {"eagle": EagleHead, "medusa": MedusaHeads}[kind](config)
     head.reset_parameters(torch.Generator().manual_seed(seed))
     head.draft_vocab.copy_(vocab)
     device = next(target.parameters()).device
@@ -531,7 +621,7 @@ def train_draft_head(
     coverage = float(sum(torch.isin(ex["argmax"].long(), vocab).sum() for ex in examples) /
                      max(sum(ex["argmax"].numel() for ex in examples), 1))
     low = torch.bfloat16 if mixed_precision else None
-    unrolled = int(unroll) if kind == "eagle" else 0
+    unrolled = int(unroll) if kind in ("eagle", "mtp") else 0
     trainer = _Trainer(kind, head, target, train_examples, num_heads, reg_weight, noise, low, unrolled, prompt_weight)
     eval_trainer = (_Trainer(kind, head, target, eval_examples, num_heads, reg_weight, noise, low, unrolled, prompt_weight)
                     if eval_examples else None)

@@ -35,6 +35,9 @@ Methods:
   ours_suffix       SuffixDrafter() alone (not in the default set)
   ours_default_fixed  ours_default's composition (that tree merged with n-gram drafts of up to 16), adaptive=False
                     (in the default set on a GPU only)
+  ours_mtp          MtpDrafter: the target's own MTP layers, or a trained MTP head (`specdec train-draft --kind mtp`;
+                    --mtp-head DIR, else one found for the target); in the default set only for a target with one
+  ours_default_mtp  default_drafter's composition around those MTP layers (merged with n-gram drafts and a suffix cache)
   ours_eagle_fixed:N/D/K, ours_default_fixed:N/D/K  the same with the head's tree fixed at N nodes, depth D, top-k K,
                     to sweep tree sizes in one run (e.g. --methods hf,ours_eagle_fixed,ours_eagle_fixed:64/8/8)
 
@@ -56,7 +59,10 @@ the same tokenizer, and SmolLM2-135M is the smallest SmolLM2 (none smaller is in
 Batch size B uses B distinct prompts per batch, left padded (HF: attention_mask; ours: the same
 attention_mask), ceil(prompts_per_workload / B) batches. Rows that stop at eos count the tokens
 up to and including eos. On a GPU each of our runs is profiled once more (not timed) for the
-share of the decoding steps spent inside our ops (`specdec::*`, device time).
+share of the decoding steps spent inside our ops (`specdec::*`, device time). On a CPU each
+of our runs also splits its decoding time into draft / verify / accept (`generate(timing=True)`),
+printed per step for batch 1 after the table (draft / verify: the drafting overhead against the
+target step).
 With --repeats N the whole plan runs N times and rows report medians (speedups: the median of
 the per-pass ratios against the same pass's HF row). Each of our rows also reports the adaptive
 planner's share of the decoding time and, per verified draft size, the drafts the rows accepted.
@@ -73,13 +79,14 @@ import torch
 
 from .. import common
 from .models import RANDOM_LLAMA, load_models, random_llama3_8b
-from .report import markdown, plot_acceptance, plot_speedup, table_rows, write_results
+from .report import markdown, plot_acceptance, plot_speedup, split_rows, table_rows, write_results
 from .runner import (BATCH1_ONLY, DEFAULT_METHODS, DRAFT_TOKENS, DRAFT_TREE_WIDTHS, HF_PROMPT_LOOKUP_TOKENS, METHODS,
-                     NEEDS_DRAFT, NGRAM_FIXED_TOKENS, NGRAM_TOKENS, NGRAM_TREE_WIDTH, SEED, TEMPERATURES, bench_row,
-                     default_methods, kernel_share, make_batches, new_token_counts, run, run_method, split_method)
+                     MTP_HEAD, MTP_METHODS, NEEDS_DRAFT, NGRAM_FIXED_TOKENS, NGRAM_TOKENS, NGRAM_TREE_WIDTH, SEED,
+                     TEMPERATURES, bench_row, default_methods, kernel_share, make_batches, mtp_source, new_token_counts,
+                     run, run_method, split_method)
 
 __all__ = ["main", "run_args", "add_arguments", "run", "run_method", "bench_row", "kernel_share", "make_batches",
-           "new_token_counts", "write_results", "table_rows", "markdown", "plot_speedup", "plot_acceptance",
+           "new_token_counts", "write_results", "table_rows", "split_rows", "markdown", "mtp_source", "MTP_METHODS", "plot_speedup", "plot_acceptance",
            "load_models", "random_llama3_8b", "METHODS", "DEFAULT_METHODS", "default_methods", "NEEDS_DRAFT", "BATCH1_ONLY",
            "TEMPERATURES", "SEED", "RANDOM_LLAMA", "split_method"]
 
@@ -117,6 +124,9 @@ def add_arguments(parser):
     parser.add_argument("--repeats", type=int, default=1,
                         help="passes over the whole plan; rows report medians (speedup: median of the per-pass "
                              "ratios against that pass's hf row) (default 1)")
+    parser.add_argument("--mtp-head", default=None, metavar="DIR",
+                        help="a trained MTP head (specdec train-draft --kind mtp --out DIR) for ours_mtp / "
+                             "ours_default_mtp (default: one found for the target, else its checkpoint's MTP layers)")
     parser.add_argument("--layers", type=int, default=None, help=f"{RANDOM_LLAMA}: layers (default 32 if memory allows)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help=f"weights (default float32; {RANDOM_LLAMA}: bfloat16)")
@@ -169,7 +179,8 @@ def run_args(args) -> int:
         from .stream import run_stream_args
 
         return run_stream_args(args, model, tokenizer, label, device, max_new_tokens, prompts)
-    methods = args.methods or default_methods(device)
+    MTP_HEAD["dir"] = getattr(args, "mtp_head", None)
+    methods = args.methods or default_methods(device, model)
     if draft is None and any(m in NEEDS_DRAFT for m in methods) and args.methods:
         print(f"no --draft-model: leaving out {', '.join(m for m in methods if m in NEEDS_DRAFT)}", flush=True)
     try:
@@ -206,6 +217,10 @@ def run_args(args) -> int:
     headers, cells = table_rows(rows)
     print()
     common.print_table(headers, cells)
+    split_headers, split_cells = split_rows(rows)
+    if split_cells:
+        print("\ndecoding time per step at batch 1 (generate(timing=True); draft / verify: drafting against the target step)")
+        common.print_table(split_headers, split_cells)
     final = settings(rows)
     write_results(rows, out_dir, device=device, model_label=label, settings=final, name=name)
     bad = [r for r in rows if r.get("greedy_identical") is False]

@@ -37,11 +37,38 @@ def table_rows(rows):
     return headers, cells
 
 
+def split_rows(rows, batch=1):
+    """(headers, cells): our batch-`batch` rows' decoding time per step split into draft /
+    verify / accept (from `generate(timing=True)`, which the benchmark turns on on a CPU), and
+    the draft time as a share of the verify time (the target step: its forward and `verify`),
+    the MTP issue's overhead measure. Rows without a split (GPU runs, skipped rows) are left out."""
+    headers = ["workload", "temp", "method", "steps", "draft ms/step", "verify ms/step", "accept ms/step",
+               "draft / verify"]
+    cells = []
+    for r in rows:
+        c, t = r["config"], r.get("time_s") or {}
+        if c["batch"] != batch or not r.get("steps") or not t.get("verify"):
+            continue
+        per = {k: 1e3 * t[k] / r["steps"] for k in ("draft", "verify", "accept")}
+        cells.append([c["workload"], f"{c['temperature']:g}", c["method"], str(r["steps"]), f"{per['draft']:.1f}",
+                      f"{per['verify']:.1f}", f"{per['accept']:.1f}", f"{100 * t['draft'] / t['verify']:.1f}%"])
+    return headers, cells
+
+
+def _md_table(headers, cells):
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
+    return lines + ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in cells]
+
+
 def markdown(rows, header):
-    """The summary table as Markdown (the README's e2e table)."""
+    """The summary table as Markdown (the README's e2e table), then the batch-1 draft / verify /
+    accept split (`split_rows`) when the rows have one."""
     headers, cells = table_rows(rows)
-    lines = [header, "", "| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
-    lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in cells]
+    lines = [header, ""] + _md_table(headers, cells)
+    split_headers, split_cells = split_rows(rows)
+    if split_cells:
+        lines += ["", "Decoding time per step at batch 1 (generate(timing=True)):", ""]
+        lines += _md_table(split_headers, split_cells)
     return "\n".join(lines) + "\n"
 
 

@@ -14,7 +14,7 @@ from ...loop.generate import eos_ids as target_eos_ids
 
 METHODS = ("hf", "hf_prompt_lookup", "hf_assisted", "ours_plain", "ours_ngram", "ours_ngram_fixed", "ours_ngram_tree",
            "ours_draft", "ours_draft_tree", "ours_ngram_paged", "ours_eagle", "ours_default", "ours_eagle_fixed",
-           "ours_default_fixed", "ours_default_nocache", "ours_suffix")
+           "ours_default_fixed", "ours_default_nocache", "ours_suffix", "ours_mtp", "ours_default_mtp")
 # The head methods with a fixed tree (HEAD_FIXED_TREE, or a shape named after the method: split_method).
 FIXED_TREE_HEAD_METHODS = ("ours_eagle_fixed", "ours_default_fixed")
 # Not by default: ours_plain (no drafts) and the paged cache; the GPU-sized fixed head trees
@@ -23,13 +23,36 @@ GPU_ONLY_DEFAULTS = FIXED_TREE_HEAD_METHODS
 # Not by default either: the suffix cache's comparison rows (ours_default is default_drafter,
 # suffix cache included; these are its parts), named with --methods.
 SUFFIX_METHODS = ("ours_default_nocache", "ours_suffix")
+# The MTP rows: MtpDrafter alone, and default_drafter's composition around it (MTP merged with
+# n-gram drafts and a suffix cache); by default only for a target with an MTP source
+# (`mtp_source`: its checkpoint's own MTP layers, a trained MTP head found for it, or --mtp-head).
+MTP_METHODS = ("ours_mtp", "ours_default_mtp")
 DEFAULT_METHODS = tuple(m for m in METHODS
-                        if m not in ("ours_plain", "ours_ngram_paged") + GPU_ONLY_DEFAULTS + SUFFIX_METHODS)
+                        if m not in ("ours_plain", "ours_ngram_paged") + GPU_ONLY_DEFAULTS + SUFFIX_METHODS + MTP_METHODS)
+MTP_HEAD = {"dir": None}  # --mtp-head: a trained MTP head directory to use instead of looking one up
 
 
-def default_methods(device) -> tuple:
-    """The methods run when none are named: DEFAULT_METHODS, plus GPU_ONLY_DEFAULTS on a GPU."""
-    return DEFAULT_METHODS + (GPU_ONLY_DEFAULTS if torch.device(device).type == "cuda" else ())
+def default_methods(device, model=None) -> tuple:
+    """The methods run when none are named: DEFAULT_METHODS, plus GPU_ONLY_DEFAULTS on a GPU,
+    plus MTP_METHODS when `model` has an MTP source (`mtp_source`)."""
+    extra = MTP_METHODS if model is not None and mtp_source(model) is not None else ()
+    return DEFAULT_METHODS + (GPU_ONLY_DEFAULTS if torch.device(device).type == "cuda" else ()) + extra
+
+
+def mtp_source(model):
+    """Where the MTP methods' layers come from: ("head", folder) for a trained MTP head
+    (MTP_HEAD["dir"], else one `find_head(model, "mtp")` finds), ("own", folder) for the MTP
+    layers of the model's own checkpoint (`find_mtp`), or None."""
+    from ...heads.drafters import find_head
+    from ...heads.mtp import find_mtp
+
+    if MTP_HEAD["dir"] is not None:
+        return ("head", MTP_HEAD["dir"])
+    folder = find_head(model, "mtp")
+    if folder is not None:
+        return ("head", folder)
+    found = find_mtp(model)
+    return ("own", found["dir"]) if found is not None else None
 PAGED = {"ours_ngram_paged": 16}  # method -> kv_page_size (generate on a paged KV cache)
 NEEDS_DRAFT = frozenset({"hf_assisted", "ours_draft", "ours_draft_tree"})
 BATCH1_ONLY = frozenset({"hf_prompt_lookup", "hf_assisted"})  # transformers' assisted decoding: batch size 1
@@ -63,7 +86,7 @@ OURS = {
 # row (cell) of the table: within a cell it fills with that cell's distinct prompts and
 # outputs, never with another cell's (the same prompts at another temperature or pass).
 HEAD_METHODS = frozenset({"ours_eagle", "ours_default", "ours_eagle_fixed", "ours_default_fixed",
-                          "ours_default_nocache", "ours_suffix"})
+                          "ours_default_nocache", "ours_suffix"} | set(MTP_METHODS))
 HEAD_FIXED_TREE = dict(max_nodes=24, depth=6, top_k=6, min_score=0.0)  # EagleDrafter's GPU defaults
 
 
@@ -126,12 +149,24 @@ def new_token_counts(sequences, prompt_len, eos_ids, max_new_tokens):
 
 def head_drafter(method, model):
     """The drafter of a learned-head method (HEAD_METHODS) for `model` (built once per head
-    found), or None (but for ours_default) when the model has no trained EAGLE head."""
+    found), or None (but for ours_default) when the model has no trained EAGLE head (the MTP
+    methods: no MTP source, `mtp_source`)."""
     from ...loop.drafters import NgramDrafter, SuffixDrafter
     from ...heads import EagleDrafter, HeadNgramDrafter, default_drafter
     from ...heads.drafters import find_head
 
     base, tree = split_method(method)
+    if base in MTP_METHODS:
+        source = mtp_source(model)
+        key = (method, id(model), source)
+        if key not in _HEAD_DRAFTERS:
+            if source is None:
+                _HEAD_DRAFTERS[key] = None
+            elif base == "ours_mtp":
+                _HEAD_DRAFTERS[key] = make_drafter("mtp", target=model, head=source[1])
+            else:  # default_drafter's composition around the MTP layers (it uses a model's own by itself)
+                _HEAD_DRAFTERS[key] = default_drafter(model, head=source[1] if source[0] == "head" else None)
+        return _HEAD_DRAFTERS[key]
     folder = find_head(model, "eagle")
     key = (method, id(model), folder)
     if key not in _HEAD_DRAFTERS:
@@ -192,10 +227,12 @@ def run_method(method, model, draft, input_ids, mask, *, max_new_tokens, tempera
                                        pad_token_id=pad, **kwargs)
         stats = None
     else:
+        # timing: the draft / verify / accept split (`split_rows`); on a CPU it costs nothing,
+        # on a GPU it would synchronise every phase, so it stays off there.
         out = generate(model, input_ids, drafter=chosen, max_new_tokens=max_new_tokens,
                           temperature=temperature, seed=seed, eos_token_id=eos, attention_mask=mask,
                           adaptive=not split_method(method)[0].endswith("_fixed"), kv_page_size=PAGED.get(method),
-                          num_return_sequences=num_return_sequences)
+                          num_return_sequences=num_return_sequences, timing=input_ids.device.type == "cpu")
         sequences, stats = out.sequences, out.stats
     return sequences, device_clock(input_ids.device) - start, stats
 
@@ -258,7 +295,8 @@ def bench_row(method, batches, model, draft, *, workload, batch_size, temperatur
         row["skipped"] = "HF generate refuses greedy decoding with num_return_sequences > 1"
         return row
     if split_method(method)[0] in HEAD_METHODS and head_drafter(method, model) is None:
-        row["skipped"] = "no trained EAGLE head for this target"
+        row["skipped"] = ("no MTP layers or trained MTP head for this target" if method in MTP_METHODS
+                          else "no trained EAGLE head for this target")
         return row
     total_tokens, total_s, stats_list, mismatches, compared = 0, 0.0, [], [], 0
     if not method.startswith("hf"):
