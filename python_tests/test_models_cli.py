@@ -222,7 +222,7 @@ def test_cli_default_method(tmp_path, monkeypatch):
         cli.make_drafter("default", target=other, head=head)
     with pytest.raises(ValueError, match="not a head directory"):
         cli.make_drafter("default", target=target, head=tmp_path)
-    with pytest.raises(ValueError, match="only method 'default'"):
+    with pytest.raises(ValueError, match="only methods 'default' and 'mtp'"):
         cli.make_drafter("ngram", head=head)
 
 

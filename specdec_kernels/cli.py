@@ -296,8 +296,8 @@ def cmd_generate(args) -> int:
                     "or 'default' for the default model)")
     if args.prompt is None and args.prompt_file is None:
         raise _fail("give the prompt with --prompt TEXT or --prompt-file FILE ('-' for standard input)")
-    if args.head is not None and args.method != "default":
-        raise _fail(f"--head: only --method default uses a head, not {args.method}")
+    if args.head is not None and args.method not in ("default", "mtp"):
+        raise _fail(f"--head: only --method default and --method mtp use a head, not {args.method}")
     text = args.prompt if args.prompt is not None else _read_prompt_file(args.prompt_file)
     model, tokenizer = _load(args.model, "target", args.dtype)
     draft_model = None
@@ -526,7 +526,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="drafter (default: default, the model's trained draft head merged with n-gram drafts, "
                           "or n-gram drafts alone for a model without a head)")
     gen.add_argument("--head", default=None, metavar="DIR",
-                     help="--method default: this trained head (specdec train-draft --out DIR) instead of the model's own")
+                     help="--method default or mtp: this trained head (specdec train-draft --out DIR; --kind mtp for "
+                          "--method mtp) instead of the model's own")
     gen.add_argument("--num-tokens", type=int, default=None,
                      help="draft length of n-gram drafts and draft-model chains (default: the drafter's)")
     gen.add_argument("--ngram-tree-width", type=int, default=NGRAM_TREE_WIDTH,
