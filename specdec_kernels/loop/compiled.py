@@ -33,17 +33,14 @@ cache buffers are marked as static addresses). The CUDA paths are written but un
 Paged caches (`kv_page_size`) are not compiled.
 """
 
-import contextlib
 import time
-from functools import partial
-from typing import Optional, Tuple, Union
+from typing import Optional, Union
 
 import torch
 
 from .hf.attention import SEQLENS_KWARG, TREE_MASK_KWARG, _hidden
 from .hf.cache import TreeKVCache
 from .hf.families import family
-from ..ops import small_linear as _small_linear
 
 CAPACITY_STEP = 256  # cache capacities are rounded up to a multiple of this
 WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # tree widths are padded up to one of these (then multiples of 64)
@@ -303,30 +300,6 @@ class StaticForward:
             return out[:rows, :width]
         logits, states = out
         return logits[:rows, :width], states[:rows, :width]
-
-
-@contextlib.contextmanager
-def small_linears(model: torch.nn.Module, rows_range: Tuple[int, int]):
-    """`ops.small_linear.small_linears` for compiled forwards: the same routing, but each
-    linear gets the same forward object in every call (kept on the model). Dynamo guards on
-    the identity of a module's patched forward, so fresh ones would recompile every graph in
-    every `generate` call."""
-    lo, hi = (int(r) for r in rows_range)
-    installed = []
-    if 1 <= lo <= hi and _small_linear.has_kernel():
-        table = model.__dict__.setdefault("_specdec_compiled_linears", {})
-        if (lo, hi) not in table:
-            table[(lo, hi)] = [(module, partial(_small_linear._forward, module, (lo, hi)))
-                               for module in model.modules() if _small_linear._qualifies(module)]
-        for module, forward in table[(lo, hi)]:
-            if "forward" not in module.__dict__:
-                module.forward = forward
-                installed.append(module)
-    try:
-        yield
-    finally:
-        for module in installed:
-            del module.forward
 
 
 class CompileError(RuntimeError):

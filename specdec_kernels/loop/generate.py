@@ -379,9 +379,8 @@ def generate(
     linear_rows = _small_linear_rows(target, planner)
     static = compiled.static_forward(target, compile, device, kv_page_size is not None)
     tree_forward = hf.forward if static is None else static.forward
-    route_linears = small_linears if static is None else compiled.small_linears
     with hf.use_tree_attention(target, *drafter.models), config.value_checks(False), \
-            route_linears(target, linear_rows):
+            small_linears(target, linear_rows):
         cache = hf.TreeKVCache.for_model(target, batch, capacity, page_size=kv_page_size) if static is None else \
             static.cache(target, batch, capacity)
         hidden = hf.prefill(target, cache, rows.history, rows.lengths, return_hidden=with_hidden)

@@ -22,7 +22,7 @@ bf16 (weights and inputs bf16, sums in fp32, one rounding to bf16): on a CPU wit
 AVX512-BF16 the kernel multiplies the stored bf16 weights directly (VDPBF16PS). torch 2.13's
 bf16 `F.linear` on such a CPU (Xeon with AMX, 2 threads) ran few-row products below the
 fp32 ones' speed (a 1536x576 weight, 1 row: ~60 us bf16 vs ~37 us fp32), so half the bytes
-bought nothing there; the measured numbers of ours are in docs/models.md ("bf16"). A bf16
+bought nothing there; the measured numbers of ours are in docs/loop.md ("bf16 targets on a CPU"). A bf16
 sum may round to the other neighbouring bf16 value than `F.linear`'s (a different order of
 fp32 additions before the one rounding); greedy bf16 decoding is therefore compared with HF
 up to ties within bf16 rounding (python_tests/test_bf16.py).
@@ -85,13 +85,18 @@ def small_linears(model: torch.nn.Module, rows_range: Tuple[int, int]):
     """Inside the block, `model`'s fp32 and bf16 CPU `torch.nn.Linear` layers compute inputs of
     rows_range[0] to rows_range[1] rows (rows = all dims but the last) with `small_linear`,
     any other input with `F.linear`. `(0, 0)` (or no compiled kernel): no change. The
-    modules' own forwards come back when the block exits (errors included)."""
+    modules' own forwards come back when the block exits (errors included).
+
+    A module gets the same forward object in every block with the same range (kept on
+    `model`): torch.compile guards on the identity of a patched forward, so fresh ones would
+    recompile a compiled forward's graphs in every `generate` call (`loop.compiled`)."""
     lo, hi = (int(r) for r in rows_range)
     patched = []
     if 1 <= lo <= hi and has_kernel():
+        forwards = model.__dict__.setdefault("_specdec_small_linear_forwards", {})
         for module in model.modules():
             if _qualifies(module):
-                module.forward = partial(_forward, module, (lo, hi))
+                module.forward = forwards.setdefault((module, lo, hi), partial(_forward, module, (lo, hi)))
                 patched.append(module)
     try:
         yield
