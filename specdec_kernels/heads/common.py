@@ -10,6 +10,7 @@ which is why a head refuses a target whose identity differs.
 
 import copy
 import hashlib
+import inspect
 import json
 from pathlib import Path
 from typing import Optional
@@ -128,15 +129,35 @@ def read_head(path, kind: Optional[str] = None):
 
 def block_config(target):
     """The target's text config, copied, for building MTP blocks: SDPA attention (the
-    drafter passes explicit masks; eager for soft-capped attention, Gemma 2's, which SDPA
-    cannot do: `heads.mtp.block_mask` makes its mask additive), and layer-type lists extended with full
-    attention for the layers past the target's last (the MTP layers' indices)."""
+    drafter passes explicit masks), eager where the blocks need an additive mask
+    (`additive_block_mask`), and layer-type lists extended with full attention for the layers
+    past the target's last (the MTP layers' indices)."""
     cfg = copy.deepcopy(text_config(target))
-    cfg._attn_implementation = "eager" if getattr(cfg, "attn_logit_softcapping", None) else "sdpa"
+    cfg._attn_implementation = "eager" if additive_block_mask(target) else "sdpa"
     types = getattr(cfg, "layer_types", None)
     if isinstance(types, (list, tuple)):
         cfg.layer_types = list(types) + ["full_attention"] * 64
     return cfg
+
+
+def additive_block_mask(target) -> bool:
+    """Whether `target`'s MTP blocks run eager attention, which takes an additive mask
+    (`block_mask`): soft-capped attention (Gemma 2's), which SDPA cannot do."""
+    return bool(getattr(text_config(target), "attn_logit_softcapping", None))
+
+
+def block_mask(mask: torch.Tensor, additive: bool, dtype) -> torch.Tensor:
+    """A boolean attention mask as an MTP block's attention takes it: as is for SDPA, or
+    additive (0 where allowed, the dtype's lowest value elsewhere) for eager attention."""
+    if not additive:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def cache_kwarg(block) -> str:
+    """The name of a transformers decoder layer's cache argument (renamed past_key_values ->
+    cache across transformers versions)."""
+    return "cache" if "cache" in inspect.signature(block.forward).parameters else "past_key_values"
 
 
 def target_norm(target, size: int, eps: float) -> torch.nn.Module:

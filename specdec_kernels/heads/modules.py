@@ -18,7 +18,6 @@ x_{i+1} alone); drafted depths still feed g, so the head learns to read its own 
 token x_{t+1+k} through the target's LM head (the target itself predicts x_{t+1}).
 """
 
-import inspect
 import math
 from typing import Callable, Optional
 
@@ -26,22 +25,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .common import block_mask, cache_kwarg
 
 
 def init_decoder_parameters(module: nn.Module, generator: torch.Generator) -> None:
-    """The heads' deterministic init: norms 1, biases 0, other weights normal(0, 0.02) drawn in
-    parameter order, the residual-stream output projections (o_proj, down_proj) scaled by
-    1/sqrt(2) so a fresh decoder layer starts close to the identity on its residual stream."""
+    """The heads' deterministic init (EagleHead's, and MtpHead's block of the target's own
+    classes): biases 0, every other weight normal(0, 0.02) drawn in parameter order, the
+    residual-stream output projections (o_proj, down_proj) scaled by 1/sqrt(2) so a fresh
+    decoder layer starts close to the identity on its residual stream, except norm weights,
+    left as their class builds them (1 for Llama's RMSNorm, 0 for a zero-centred one such as
+    Gemma's, which scales by 1 + weight)."""
     for name, p in module.named_parameters():
-        if name.endswith("norm.weight"):
-            nn.init.ones_(p)
-        elif name.endswith("bias"):
+        owner = name.rsplit(".", 1)[0] if "." in name else ""
+        if "norm" in owner.rsplit(".", 1)[-1]:
+            continue
+        if name.endswith("bias"):
             nn.init.zeros_(p)
-        else:
-            output_projection = name.rsplit(".", 2)[-2] in ("o_proj", "down_proj")
-            std = 0.02 / (math.sqrt(2.0) if output_projection else 1.0)
-            with torch.no_grad():
-                p.copy_(torch.randn(p.shape, generator=generator) * std)
+            continue
+        output_projection = owner.rsplit(".", 1)[-1] in ("o_proj", "down_proj")
+        std = 0.02 / (math.sqrt(2.0) if output_projection else 1.0)
+        with torch.no_grad():
+            p.copy_(torch.randn(p.shape, generator=generator) * std)
+
 
 class RMSNorm(nn.Module):
     """Llama's RMSNorm (computed in fp32)."""
@@ -111,7 +116,8 @@ class EagleHead(nn.Module):
 
     def reset_parameters(self, generator: torch.Generator) -> None:
         """Deterministic init: normal(0, 0.02) weights, output projections scaled down (so
-        the layer starts close to the identity on its residual stream), zero biases."""
+        the layer starts close to the identity on its residual stream), zero biases, norms as
+        built (1): `init_decoder_parameters`."""
         init_decoder_parameters(self, generator)
 
     def input_features(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -170,25 +176,6 @@ class MedusaHeads(nn.Module):
         return features.unsqueeze(-2) + F.silu(pre)
 
 
-def init_block_parameters(module: nn.Module, generator: torch.Generator) -> None:
-    """Deterministic init of a block built from a target's own classes: biases 0, every
-    other weight normal(0, 0.02) drawn in parameter order (residual-stream output projections,
-    o_proj / down_proj, scaled by 1/sqrt(2)), except norm weights, left as their class builds
-    them (1 for Llama's RMSNorm, 0 for a zero-centred one such as Gemma's, which scales by
-    1 + weight)."""
-    for name, p in module.named_parameters():
-        owner = name.rsplit(".", 1)[0] if "." in name else ""
-        if "norm" in owner.rsplit(".", 1)[-1]:
-            continue
-        if name.endswith("bias"):
-            nn.init.zeros_(p)
-            continue
-        output_projection = owner.rsplit(".", 1)[-1] in ("o_proj", "down_proj")
-        std = 0.02 / (math.sqrt(2.0) if output_projection else 1.0)
-        with torch.no_grad():
-            p.copy_(torch.randn(p.shape, generator=generator) * std)
-
-
 class _SharedHead(nn.Module):
     def __init__(self, norm: nn.Module):
         super().__init__()
@@ -228,15 +215,13 @@ class MtpHead(nn.Module):
         self.block = block
         self.shared_head = _SharedHead(make_norm())
         self._rotary = (rotary,)  # a tuple: not registered as a submodule (not the head's weights)
-        # transformers renamed the layers' cache argument (past_key_values -> cache)
         self.additive_mask = bool(additive_mask)
-        params = inspect.signature(block.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._cache_kwarg = cache_kwarg(block)
         self.register_buffer("draft_vocab", torch.zeros(int(config["draft_vocab_size"]), dtype=torch.int64))
 
     def reset_parameters(self, generator: torch.Generator) -> None:
-        """`init_block_parameters` (norms as their class builds them, normal(0, 0.02) weights)."""
-        init_block_parameters(self, generator)
+        """`init_decoder_parameters` (norms as their class builds them, normal(0, 0.02) weights)."""
+        init_decoder_parameters(self, generator)
 
     def input_features(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's LM-head input as is (no multi-layer fusion)."""
@@ -257,10 +242,7 @@ class MtpHead(nn.Module):
             mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()[None]
         cos_sin = self._rotary[0](x, positions)
         kwargs = {self._cache_kwarg: cache, "use_cache": True} if cache is not None else {}
-        mask = mask[:, None]
-        if self.additive_mask:
-            mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill(~mask, torch.finfo(x.dtype).min)
-        out = self.block(x, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin, **kwargs)
+        out = self.block(x, attention_mask=block_mask(mask[:, None], self.additive_mask, x.dtype), position_ids=positions, position_embeddings=cos_sin, **kwargs)
         x = out[0] if isinstance(out, tuple) else out
         g = self.shared_head.norm(x)
         return (g, x) if return_hidden else g

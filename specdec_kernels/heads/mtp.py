@@ -50,7 +50,6 @@ for targets that ship no MTP layers) is such a checkpoint too: one DeepSeek-layo
 under `model.layers.{N}.`; its config.json names the target, which is checked.
 """
 
-import inspect
 import json
 import re
 from pathlib import Path
@@ -61,7 +60,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..loop.drafters import Draft
-from .common import block_config as _block_config, decoder_layer_class, input_embedding, lm_head_weight, text_config
+from .common import additive_block_mask, block_config as _block_config, block_mask, cache_kwarg, decoder_layer_class
+from .common import input_embedding, lm_head_weight, text_config
 from .common import target_norm as _norm
 from .drafters import _HeadDrafter
 
@@ -176,14 +176,6 @@ def _detect(target, folder: Path, files: Dict[str, Path]) -> dict:
 
 
 # ----------------------------------------------------------------------------- the network
-
-
-def block_mask(mask: torch.Tensor, additive: bool, dtype) -> torch.Tensor:
-    """A boolean attention mask as the block's attention takes it: as is for SDPA, or additive
-    (0 where allowed, the dtype's lowest value elsewhere) for eager attention."""
-    if not additive:
-        return mask
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
 
 class MtpLayer(nn.Module):
@@ -457,9 +449,8 @@ class MtpDrafter(_HeadDrafter):
         if self.rotary is None:
             raise ValueError(f"target: {type(target).__name__}'s decoder has no rotary_emb to give the MTP block its positions")
         block = module.layers[0].block
-        params = inspect.signature(block.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self._additive = _block_config(target)._attn_implementation == "eager"
+        self._cache_kwarg = cache_kwarg(block)
+        self._additive = additive_block_mask(target)
         self.cache = self.outs = self.cached = None
 
     @property

@@ -87,15 +87,14 @@ def build_mtp_head(target, config: dict, device=None) -> MtpHead:
     """An `MtpHead` for `target`: its block is the target's own decoder-layer class at index
     num_hidden_layers (what `MtpDrafter` builds to load it; MoE targets get their MoE block
     there), its norms the target's RMSNorm class, its rotary embedding the target's."""
-    from .common import block_config, decoder_layer_class, target_norm
+    from .common import additive_block_mask, block_config, decoder_layer_class, target_norm
 
     cfg = text_config(target)
     hidden, eps = int(cfg.hidden_size), float(getattr(cfg, "rms_norm_eps", 1e-6))
-    block_cfg = block_config(target)
     with torch.device(device or "cpu"):
-        block = decoder_layer_class(target)(block_cfg, int(config["layer_index"]))
+        block = decoder_layer_class(target)(block_config(target), int(config["layer_index"]))
         return MtpHead(config, block, lambda: target_norm(target, hidden, eps), target.get_decoder().rotary_emb,
-                       additive_mask=block_cfg._attn_implementation == "eager")
+                       additive_mask=additive_block_mask(target))
 
 
 def eagle3_layers(target) -> List[int]:
