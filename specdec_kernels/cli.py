@@ -170,12 +170,7 @@ def _print_stats(stats, seconds: float, new_tokens: int, indent: str = "  ") -> 
         print(f"{indent}compiling the verify forward (torch.compile, inside the time above): {stats.time_compile:.1f} s")
 
 
-COMPILE_CHOICES = {"auto": "auto", "off": False, "on": True, "reduce-overhead": "reduce-overhead"}
-
-
-def _compile_arg(choice: str):
-    """generate's compile= for a --compile choice."""
-    return COMPILE_CHOICES[choice]
+COMPILE_CHOICES = {"auto": "auto", "off": False, "on": True, "reduce-overhead": "reduce-overhead"}  # --compile -> compile=
 
 
 # ----------------------------------------------------------------------------- demo
@@ -330,7 +325,7 @@ def cmd_generate(args) -> int:
     start = time.perf_counter()
     out = sk.generate(model, input_ids, drafter=drafter, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                      kv_page_size=args.kv_page_size, compile=_compile_arg(args.compile), **stream)
+                      kv_page_size=args.kv_page_size, compile=COMPILE_CHOICES[args.compile], **stream)
     seconds = time.perf_counter() - start
     new = out.sequences[0, input_ids.shape[1]:]
     if not stream:  # the loop has no streaming hook: print the text once it is done
@@ -349,7 +344,7 @@ def _generate_several(sk, args, model, tokenizer, drafter, input_ids, n: int) ->
     start = time.perf_counter()
     out = sk.generate(model, input_ids, drafter=drafter, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                      kv_page_size=args.kv_page_size, num_return_sequences=n, compile=_compile_arg(args.compile))
+                      kv_page_size=args.kv_page_size, num_return_sequences=n, compile=COMPILE_CHOICES[args.compile])
     seconds = time.perf_counter() - start
     eos = stop_ids(model, tokenizer)[0]
     for i in range(n):

@@ -13,7 +13,7 @@ transformers is the optional extra `hf`; it is imported here only when a model i
 
 `load_model(dtype="auto")` loads bf16 weights on a CPU that computes in bf16 (AVX512-BF16 or
 AMX-BF16, `cpu_has_bf16_arithmetic`), where a bf16 decode step measured faster than fp32
-(docs/models.md, "bf16"), and fp32 elsewhere. fp32 stays the default: only fp32 output is
+(docs/loop.md, "bf16 targets on a CPU"), and fp32 elsewhere. fp32 stays the default: only fp32 output is
 token-identical to HF's fp32 `generate`.
 """
 
