@@ -4,7 +4,7 @@
 # The compute-sanitizer tools are slow on the host (each launch is instrumented and checked
 # there) and leave most of an H100/H200 and its 16 cores idle: run one after another, four
 # of them take a whole 15-minute window; side by side, one tool's time. Each group is one
-# gpu_session.sh process with its own OUT ($OUT/NAME) and work folder, so their logs,
+# gpu_session.sh process with its own OUT (packed into $OUT/groups.tgz) and work folder, so their logs,
 # summaries and verdict files do not mix; the groups share the build (run `build` first, in
 # this shell, so they all load the same _C). Timings taken while groups run side by side are
 # not measurements: put bench:* stages after the groups, never inside one.
@@ -27,6 +27,11 @@ OUT=$(cd "$OUT" && pwd)
 WORK_BASE=${SPECDEC_GPU_WORK:-/tmp/specdec_gpu}
 [ $# -ge 1 ] || { echo "usage: tools/gpu_parallel.sh NAME=\"[VAR=VALUE ...] STAGE ...\" ..." >&2; exit 2; }
 
+# The groups' own OUT folders live outside $OUT and come back as one archive, $OUT/groups.tgz
+# (the device tool returns few files), packed every 30 s so a call cut short keeps the latest.
+GROUPS_DIR=$WORK_BASE.groups
+rm -rf "$GROUPS_DIR" && mkdir -p "$GROUPS_DIR"
+pack() { tar -C "$GROUPS_DIR" -czf "$OUT/groups.tgz.part" . 2>/dev/null && mv -f "$OUT/groups.tgz.part" "$OUT/groups.tgz"; }
 names=() pids=()
 for group in "$@"; do
   name=${group%%=*} words=${group#*=}
@@ -37,19 +42,23 @@ for group in "$@"; do
     if [[ "$word" =~ ^[A-Z_][A-Z0-9_]*= ]]; then assignments+=("$word"); else stages+=("$word"); fi
   done
   [ ${#stages[@]} -ge 1 ] || { echo "gpu_parallel: group $name has no stage" >&2; exit 2; }
-  mkdir -p "$OUT/$name"
-  env "${assignments[@]}" OUT="$OUT/$name" SPECDEC_GPU_WORK="$WORK_BASE.$name" \
-    tools/gpu_session.sh "${stages[@]}" > "$OUT/$name/console.log" 2>&1 &
+  mkdir -p "$GROUPS_DIR/$name"
+  env "${assignments[@]}" OUT="$GROUPS_DIR/$name" SPECDEC_GPU_WORK="$WORK_BASE.$name" \
+    tools/gpu_session.sh "${stages[@]}" > "$GROUPS_DIR/$name/console.log" 2>&1 &
   names+=("$name") pids+=($!)
   echo "gpu_parallel: $name (pid $!): ${assignments[*]} ${stages[*]}"
 done
 
+( trap 'exit 0' TERM; while sleep 30 & wait $!; do pack; done ) >/dev/null 2>&1 &
+packer=$!
 failed=0
 for i in "${!pids[@]}"; do
   wait "${pids[$i]}" || failed=1
 done
 for name in "${names[@]}"; do
   echo "--- $name"
-  cat "$OUT/$name/summary.txt" 2>/dev/null || { echo "(no summary: see $name/console.log)"; failed=1; }
+  cat "$GROUPS_DIR/$name/summary.txt" 2>/dev/null || { echo "(no summary: see $name/console.log)"; failed=1; }
 done | tee -a "$OUT/summary.txt"
+kill "$packer" 2>/dev/null; wait "$packer" 2>/dev/null
+pack
 exit "$failed"

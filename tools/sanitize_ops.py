@@ -543,9 +543,16 @@ class Runner:
                 self.check(same, f"compact_kv_cache_paged_[{backend}] T={num_nodes} {kind} page {page_size}")
 
 
-def run_ops(device: str, seed: int = 0, quick: bool = False) -> int:
-    """Run every case on `device` (quick: without the largest vocabularies and prefixes, for the
-    CPU test); returns the exit status (see the module docstring)."""
+PARTS = ("tree_masks", "tree_attention", "verify", "compact", "ngram", "paged_attention", "paged_compact")
+
+
+def run_ops(device: str, seed: int = 0, quick: bool = False, parts=PARTS) -> int:
+    """Run the cases of `parts` (default every one, in PARTS order) on `device` (quick: without
+    the largest vocabularies and prefixes, for the CPU test); returns the exit status (see the
+    module docstring). One part per process lets a sanitizer tool run the parts side by side."""
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        raise ValueError(f"parts: expected a non-empty subset of {PARTS}, got {list(parts)}")
     import torch
 
     import specdec_kernels as sk
@@ -563,8 +570,7 @@ def run_ops(device: str, seed: int = 0, quick: bool = False) -> int:
               "inputs are valid (reference)")
     runner = Runner(device, torch.Generator().manual_seed(seed), quick)
     start = time.perf_counter()
-    for part in (runner.tree_masks, runner.tree_attention, runner.verify, runner.compact, runner.ngram,
-                 runner.paged_attention, runner.paged_compact):
+    for part in [getattr(runner, name) for name in PARTS if name in parts]:
         t0 = time.perf_counter()
         part()
         if device == "cuda":
@@ -590,6 +596,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="input seed (default 0: sanitizer runs are reproducible)")
     parser.add_argument("--quick", action="store_true",
                         help="skip the largest cases (vocab > 10000, prefix >= 1000): the CPU test's smoke run")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated parts to run (default all: {','.join(PARTS)})")
     parser.add_argument("--check-log", nargs=2, metavar=("TOOL", "LOG"),
                         help=f"judge a compute-sanitizer log of TOOL ({', '.join(TOOLS)}) instead of running the ops")
     parser.add_argument("--app-rc", type=int, default=0, help="with --check-log: the exit status of the sanitized run")
@@ -614,7 +622,10 @@ def main(argv=None) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cpu":
             print("sanitize_ops: no CUDA GPU: running the cases on the CPU kernels (--device cuda to insist)")
-    return run_ops(device, args.seed, args.quick)
+    parts = tuple(p for p in args.parts.split(",") if p)
+    if set(parts) - set(PARTS) or not parts:
+        parser.error(f"--parts: expected names from {','.join(PARTS)}, got {args.parts!r}")
+    return run_ops(device, args.seed, args.quick, parts)
 
 
 if __name__ == "__main__":
