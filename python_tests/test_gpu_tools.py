@@ -47,6 +47,32 @@ def test_sanitize_cases_run_on_cpu(capsys):
     assert sanitize_ops.OK_LINE in out and "MISMATCH" not in out
 
 
+@requires_c
+def test_sanitize_parts_run_alone(capsys):
+    """--parts runs the named parts only (one sanitizer process per part), in PARTS order."""
+    assert sanitize_ops.main(["--device", "cpu", "--quick", "--parts", "ngram,verify"]) == 0
+    out = capsys.readouterr().out
+    ran = [line.split(":")[0].strip() for line in out.splitlines() if line.startswith("  ") and line.endswith(" s")]
+    assert ran == ["verify", "ngram"] and sanitize_ops.OK_LINE in out
+    with pytest.raises(SystemExit):
+        sanitize_ops.main(["--device", "cpu", "--parts", "verify,nonsense"])
+    with pytest.raises(ValueError, match="parts"):
+        sanitize_ops.run_ops("cpu", parts=())
+
+
+@requires_c
+def test_sanitize_reference_runs_on_cpu_copies():
+    """The reference is computed on CPU copies (cheap under a sanitizer) and comes back as the
+    same structure on the runner's device."""
+    import torch
+
+    runner = sanitize_ops.Runner("cpu", torch.Generator().manual_seed(0))
+    kwargs, _ = runner.verify_case(4, 9, 300, True, "bfloat16", "random", False)
+    ref = runner.reference(runner.sk.verify, **kwargs)
+    direct = runner.sk.verify(backend="reference", **kwargs)
+    assert type(ref) is type(direct) and all(torch.equal(a, b) for a, b in zip(ref, direct))
+
+
 def test_compaction_cases_are_valid_under_the_strict_check():
     """Node ids below the width of accepted_nodes (the strict rule) imply the relaxed one too."""
     import torch
@@ -198,7 +224,8 @@ def test_gpu_session_script_syntax_and_usage(tmp_path):
     prepare = os.path.join(TOOLS, "gpu_prepare.sh")
     subprocess.run(["bash", "-n", prepare], check=True)
     if shutil.which("shellcheck"):
-        lint = subprocess.run(["shellcheck", script, prepare], capture_output=True, text=True)
+        lint = subprocess.run(["shellcheck", script, prepare, os.path.join(TOOLS, "gpu_parallel.sh")],
+                              capture_output=True, text=True)
         assert lint.returncode == 0, lint.stdout
 
 
@@ -422,6 +449,62 @@ def test_sanitizer_detection(tmp_path):
     assert any(line.startswith("sanitizer: usable: probe inconclusive") for line in lines)
     run, lines = session(tmp_path, "sanitize", SPECDEC_KERNEL_RELEASE="6.18.44-fc", **common)  # none installed here
     assert any(line.startswith("sanitizer: unusable") for line in lines) or shutil.which("compute-sanitizer")
+
+
+def test_sanitize_stage_runs_part_groups_side_by_side_and_judges_each(tmp_path):
+    """The real sanitize stage (a stand-in sanitizer): one process for every part by default;
+    with SANITIZE_PARTS one process per group, each log judged alone; one group's error fails
+    the stage and is named."""
+    repo = session_repo(tmp_path)
+    shutil.copy(os.path.join(TOOLS, "sanitize_ops.py"), repo / "tools")
+    marker = tmp_path / "parts_called"
+    script = tmp_path / "part_sanitizer"
+    script.write_text(
+        "#!/bin/bash\n"
+        "parts=$(echo \"$@\" | sed -n 's/.*--parts \\([a-z_,]*\\).*/\\1/p')\n"
+        f"[ -n \"$parts\" ] && echo \"$parts\" >> {marker}\n"
+        "if [ \"$parts\" = verify ]; then\n"
+        "  echo '========= Invalid __global__ read of size 4 bytes'; echo '=========     at verify_kernel+0x10 in verify.cu:12'\n"
+        "  echo '========= ERROR SUMMARY: 1 error'\n"
+        "else echo 'sanitize_ops: ok'; echo '========= ERROR SUMMARY: 0 errors'; fi\n")
+    script.chmod(0o755)
+    common = dict(DEADLINE_S=60, STAGE_SECONDS="build=0/10,sanitize=0/30", SANITIZER_PROBE_CMD="true",
+                  SPECDEC_KERNEL_RELEASE="6.18.44-fc", COMPUTE_SANITIZER=script,
+                  SPECDEC_GPU_SESSION_FAKE="sanitize:memcheck=real")
+    run, lines = session(tmp_path, "sanitize:memcheck", **common)
+    assert marker.read_text().split() == [",".join(sanitize_ops.PARTS)]
+    line = next(x for x in lines if x.startswith("sanitize:memcheck"))
+    assert run.returncode == 0 and "PASS" in line and "memcheck: 1/1 process(es) PASS" in line
+
+    marker.unlink()
+    groups = "tree_masks,tree_attention verify ngram,compact"
+    run, lines = session(tmp_path, "sanitize:memcheck", SANITIZE_PARTS=groups, **common)
+    assert sorted(marker.read_text().split()) == sorted(groups.split())
+    line = next(x for x in lines if x.startswith("sanitize:memcheck"))
+    assert run.returncode == 1 and "FAILED" in line and "memcheck: 2/3 process(es) PASS (failed: verify" in line
+
+
+def test_gpu_parallel_runs_groups_side_by_side(tmp_path):
+    """Each group is one gpu_session.sh with its own OUT and work folder and its own variables;
+    the groups overlap in time; summary.txt has every group's summary; groups.tgz their files."""
+    repo = session_repo(tmp_path)
+    shutil.copy(os.path.join(TOOLS, "gpu_parallel.sh"), repo / "tools")
+    env = session_env(tmp_path, SPECDEC_GPU_SESSION_FAKE="graphs=3:0,test=3:1", DEADLINE_S=60, **GVISOR)
+    start = time.monotonic()
+    run = subprocess.run(["bash", str(repo / "tools" / "gpu_parallel.sh"), "a=graphs", "b=test",
+                          "c=STAGE_SECONDS=bench:wide=99/300 bench:wide"],
+                         capture_output=True, text=True, env=env, cwd=repo, timeout=120)
+    assert time.monotonic() - start < 5.5  # 3 s each, side by side
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert run.returncode == 1 and all(f"--- {name}" in summary for name in "abc")
+    assert re.search(r"graphs +PASS", summary) and re.search(r"test +FAILED", summary)
+    assert re.search(r"bench:wide +SKIPPED +needs ~99s", summary)  # c's own STAGE_SECONDS
+    with tarfile.open(tmp_path / "out" / "groups.tgz") as archive:
+        names = archive.getnames()
+    assert "./a/summary.txt" in names and "./b/summary.txt" in names
+    bad = subprocess.run(["bash", str(repo / "tools" / "gpu_parallel.sh"), "nogroup"], capture_output=True,
+                         text=True, env=env, cwd=repo, timeout=60)
+    assert bad.returncode == 2 and "NAME" in bad.stderr
 
 
 def test_call2_runs_the_quick_cases_of_a_sanitizer_that_timed_out(tmp_path):

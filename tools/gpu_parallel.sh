@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Run groups of tools/gpu_session.sh stages side by side on one GPU machine.
 #
-# The compute-sanitizer tools are slow on the host (each launch is instrumented and checked
-# there) and leave most of an H100/H200 and its 16 cores idle: run one after another, four
-# of them take a whole 15-minute window; side by side, one tool's time. Each group is one
-# gpu_session.sh process with its own OUT (packed into $OUT/groups.tgz) and work folder, so their logs,
-# summaries and verdict files do not mix; the groups share the build (run `build` first, in
-# this shell, so they all load the same _C). Timings taken while groups run side by side are
-# not measurements: put bench:* stages after the groups, never inside one.
+# What it is for: stages whose time goes to the host (compute-sanitizer checks each
+# instrumented launch on the CPU; Triton and inductor compile there) leave most of a
+# 16-core machine idle when run one after another. Each group is one gpu_session.sh process
+# with its own OUT (packed into $OUT/groups.tgz) and work folder, so their logs, summaries and
+# verdict files do not mix; the groups share the build (run `build` first, in this shell, so
+# they all load the same _C). What it does not buy: every process is its own CUDA context,
+# which the GPU time-slices, so GPU-bound work is not faster side by side (the second window:
+# a sanitized tree_masks took 8 s alone and ~100 s beside six other sanitizers), and
+# timings taken while groups run side by side are not measurements: put bench:* stages after
+# the groups, never inside one.
 #
 #   tools/gpu_parallel.sh NAME="[VAR=VALUE ...] STAGE [STAGE ...]" [NAME="..." ...]
 #

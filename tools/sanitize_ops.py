@@ -220,6 +220,26 @@ class Runner:
                 out[b, i] = i - 1 if kind == "chain" else int(self.randint(0, i))
         return out.to(self.device)
 
+    def reference(self, op, *args, **kwargs):
+        """op(*args, **kwargs, backend="reference") on CPU copies of the tensors, the result moved
+        to the device. Under a sanitizer every kernel launch is instrumented, and the reference's
+        loops launch thousands of small torch kernels (the first window's sanitized `verify`
+        part ran out of its 300 s); the ops' results do not depend on the device (integer
+        Philox uniforms, fp32 math), and the comparisons keep their tolerances."""
+        torch = self.torch
+
+        def to(x, device):
+            if isinstance(x, torch.Tensor):
+                return x.to(device)
+            if isinstance(x, (tuple, list)):
+                items = [to(item, device) for item in x]
+                return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+            return x
+
+        cpu_args = [to(a, "cpu") for a in args]
+        cpu_kwargs = {k: to(v, "cpu") for k, v in kwargs.items()}
+        return to(op(*cpu_args, backend="reference", **cpu_kwargs), self.device)
+
     def fail(self, what: str) -> None:
         print(f"  MISMATCH {what}", flush=True)
         self.failures += 1
@@ -239,15 +259,15 @@ class Runner:
                     parents = self.parents(3, num_nodes, kind)
                     for p in (parents, parents.to(torch.int32), parents[0]):
                         got = sk.tree_mask(p, backend=backend)
-                        ref = sk.tree_mask(p, backend="reference")
+                        ref = self.reference(sk.tree_mask, p)
                         self.check(torch.equal(got, ref), f"tree_mask[{backend}] T={num_nodes} {kind} {tuple(p.shape)}")
         for backend in self.backends("pack_tree_mask"):
             for num_nodes in (1, 17, 63, 64, 65, 128, 130):
-                tree = sk.tree_mask(self.parents(3, num_nodes), backend="reference")
+                tree = self.reference(sk.tree_mask, self.parents(3, num_nodes))
                 noise = (torch.rand(3, num_nodes, 2 * num_nodes, generator=self.gen) < 0.5).to(self.device)
                 for mask in (tree, tree[1], noise[:, :, ::2], noise[:, :, :num_nodes], torch.ones_like(tree)):
                     got = sk.pack_tree_mask(mask, backend=backend)
-                    ref = sk.pack_tree_mask(mask, backend="reference")
+                    ref = self.reference(sk.pack_tree_mask, mask)
                     self.check(torch.equal(got, ref), f"pack_tree_mask[{backend}] T={num_nodes} {tuple(mask.shape)}")
 
     # ---------------------------------------------------------------- tree_attention
@@ -279,7 +299,7 @@ class Runner:
             q = self.randn(batch, num_nodes, hq, dim + extra, dtype=dtype)[..., extra:]
             k = self.randn(batch, cache_len, hkv, dim + extra, dtype=dtype)[..., extra:]
             v = self.randn(batch, cache_len, hkv, dim + extra, dtype=dtype)[..., extra:]
-        mask = self.sk.tree_mask(self.parents(batch, num_nodes), backend="reference")
+        mask = self.reference(self.sk.tree_mask, self.parents(batch, num_nodes))
         return q, k, v, mask, seqlens
 
     def tree_attention(self) -> None:
@@ -289,11 +309,11 @@ class Runner:
                 if self.quick and max(case[1]) >= 1000:
                     continue
                 q, k, v, mask, seqlens = self.tree_attention_case(*case)
-                for m in (mask, sk.pack_tree_mask(mask, backend="reference")):
+                for m in (mask, self.reference(sk.pack_tree_mask, mask)):
                     if backend == "triton" and case[-1] == "unaligned":
                         continue  # the Triton kernel takes any alignment, but this case is for the CUDA fallback
                     out = sk.tree_attention(q, k, v, m, seqlens, backend=backend)
-                    ref = sk.tree_attention(q, k, v, m, seqlens, backend="reference")
+                    ref = self.reference(sk.tree_attention, q, k, v, m, seqlens)
                     atol, rtol = self.TOL[case[5]]
                     same = out.shape == ref.shape and bool(torch.isfinite(out).all()) and \
                         torch.allclose(out.float(), ref.float(), atol=atol, rtol=rtol)
@@ -370,7 +390,7 @@ class Runner:
                     continue
                 kwargs, greedy = self.verify_case(*case)
                 out = sk.verify(backend=backend, **kwargs)
-                ref = sk.verify(backend="reference", **kwargs)
+                ref = self.reference(sk.verify, **kwargs)
                 same = ((out.accepted_nodes.cpu() == ref.accepted_nodes.cpu()).all(1)
                         & (out.num_accepted.cpu() == ref.num_accepted.cpu())
                         & (out.output_tokens.cpu() == ref.output_tokens.cpu()).all(1))
@@ -465,14 +485,14 @@ class Runner:
             for backend in chain_backends:
                 for kwargs in (dict(), dict(min_n=2, max_n=5, num_tokens=9, policy="latest"), dict(max_n=1, num_tokens=1)):
                     got = sk.ngram_propose(tokens, lengths, backend=backend, **kwargs)
-                    ref = sk.ngram_propose(tokens, lengths, backend="reference", **kwargs)
+                    ref = self.reference(sk.ngram_propose, tokens, lengths, **kwargs)
                     self.check(all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, ref)),
                                f"ngram_propose[{backend}] {name} {kwargs}")
             for backend in tree_backends:
                 for kwargs in (dict(tree_width=4), dict(tree_width=8, num_tokens=3, policy="latest"),
                                dict(tree_width=1), dict(tree_width=6, max_nodes=3, min_n=2)):
                     got = sk.ngram_propose_tree(tokens, lengths, backend=backend, **kwargs)
-                    ref = sk.ngram_propose_tree(tokens, lengths, backend="reference", **kwargs)
+                    ref = self.reference(sk.ngram_propose_tree, tokens, lengths, **kwargs)
                     same = torch.equal(got.tokens.cpu(), ref.tokens.cpu()) and torch.equal(got.parents.cpu(), ref.parents.cpu())
                     self.check(same, f"ngram_propose_tree[{backend}] {name} {kwargs}")
 
@@ -516,9 +536,9 @@ class Runner:
                 q, k, v, mask, seqlens = self.tree_attention_case(num_nodes, prefixes, hq, hkv, dim, dtype_name, "bshd")
                 # NaN in every slot no row may read: reading one shows in the output.
                 (k_pool, v_pool), table = self.pages([k, v], seqlens.cpu() + num_nodes, page_size, float("nan"))
-                for m in (mask, sk.pack_tree_mask(mask, backend="reference")):
+                for m in (mask, self.reference(sk.pack_tree_mask, mask)):
                     out = sk.tree_attention(q, k_pool, v_pool, m, seqlens, block_table=table, backend=backend)
-                    ref = sk.tree_attention(q, k, v, m, seqlens, backend="reference")
+                    ref = self.reference(sk.tree_attention, q, k, v, m, seqlens)
                     atol, rtol = self.TOL[dtype_name]
                     same = out.shape == ref.shape and bool(torch.isfinite(out).all()) and \
                         torch.allclose(out.float(), ref.float(), atol=atol, rtol=rtol)
