@@ -4,6 +4,10 @@ rounding, clear errors, only plain fp32 `torch.nn.Linear` modules patched and al
 restored, the choice is the first run of measured wins, and greedy output stays identical
 to HF `generate`."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -38,6 +42,29 @@ def test_small_linear_matches_f_linear(gen, bias):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * shape[-1] ** 0.5)
     empty = linear.small_linear(torch.randn(0, 8), torch.randn(5, 8))
     assert empty.shape == (0, 5)
+
+
+@pytest.mark.skipif(not linear.has_kernel(), reason="needs the compiled extension")
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_small_linear_narrower_kernels_match_f_linear(isa):
+    """The kernels a wider CPU skips (SPECDEC_SMALL_LINEAR_ISA lowers the choice, read once per
+    process): the same shapes as above, fp32 and bf16, in a fresh process."""
+    code = (
+        "import torch, torch.nn.functional as F\n"
+        "from specdec_kernels.ops import small_linear as linear\n"
+        "gen = torch.Generator().manual_seed(1)\n"
+        "for shape in [(1, 7), (2, 5, 33), (3, 64), (1, 4, 4, 16), (17, 576), (1, 1), (6, 1537)]:\n"
+        "    n = int(torch.randint(1, 80, (), generator=gen))\n"
+        "    x, w, b = torch.randn(*shape, generator=gen), torch.randn(n, shape[-1], generator=gen), torch.randn(n, generator=gen)\n"
+        "    want = F.linear(x.double(), w.double(), b.double())\n"
+        "    torch.testing.assert_close(linear.small_linear(x, w, b).double(), want, rtol=1e-5, atol=1e-5 * shape[-1] ** 0.5)\n"
+        "    xb, wb, bb = x.bfloat16(), w.bfloat16(), b.bfloat16()\n"
+        "    want = F.linear(xb.double(), wb.double(), bb.double())\n"
+        "    torch.testing.assert_close(linear.small_linear(xb, wb, bb).double(), want, rtol=1e-2, atol=1e-2 * shape[-1] ** 0.5)\n"
+        "print('ok')\n")
+    env = dict(os.environ, SPECDEC_SMALL_LINEAR_ISA=isa)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
 
 
 @pytest.mark.skipif(not linear.has_kernel(), reason="needs the compiled extension")

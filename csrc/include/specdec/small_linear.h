@@ -7,9 +7,9 @@
 // the same 4 weight rows from L1. Callers split the output features (n) over threads: each
 // weight byte is read from memory by one thread, once.
 //
-// Header-only, no torch dependency. `small_linear_rows` picks the AVX2+FMA kernel when the
-// CPU has it (checked once at run time; the file is built without -mavx2) and a portable
-// loop otherwise. Sums run in a fixed order per (m, n): 8 lane partial sums over k, then the
+// Header-only, no torch dependency. `small_linear_rows` picks the AVX-512F kernel (4 weight
+// rows x 4 input rows, 16 lanes; below) when the CPU has it, else the AVX2+FMA kernel, else a
+// portable loop (checked once at run time; the file is built without -mavx2/-mavx512f). Sums run in a fixed order per (m, n): 8 lane partial sums over k, then the
 // lanes added pairwise, then the k % 8 tail, so results are deterministic and agree with
 // any other summation order to fp32 rounding.
 //
@@ -25,6 +25,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "specdec/dtypes.h"  // BFloat16Bits, to_float, from_float
 
@@ -34,6 +36,19 @@
 #endif
 
 namespace specdec {
+
+// The widest kernel family allowed: 2 AVX-512, 1 AVX2, 0 the portable loop. The environment
+// variable SPECDEC_SMALL_LINEAR_ISA ("avx512", "avx2" or "portable", read once) lowers it, so
+// the tests can check every path on a CPU that would otherwise take the widest.
+inline int small_linear_isa_cap() {
+  static const int cap = [] {
+    const char* isa = std::getenv("SPECDEC_SMALL_LINEAR_ISA");
+    if (isa == nullptr || std::strcmp(isa, "avx512") == 0) return 2;
+    if (std::strcmp(isa, "avx2") == 0) return 1;
+    return 0;  // "portable" (or anything else: the safe choice)
+  }();
+  return cap;
+}
 
 // The portable loop: output features [n_begin, n_end) of every row.
 inline void small_linear_rows_portable(const float* x, int64_t rows, int64_t k_dim, const float* w,
@@ -112,10 +127,130 @@ __attribute__((target("avx2,fma"))) inline void small_linear_rows_avx2(const flo
 }
 #endif
 
+#ifdef SPECDEC_SMALL_LINEAR_X86
+// ----------------------------------------------------------------------------- fp32, AVX-512
+// With AVX-512F (checked at run time) the fp32 product runs 16 lanes per FMA and blocks 4
+// weight rows against up to 4 input rows (16 accumulators of the 32 vector registers): 8
+// loads feed 16 FMAs, where the AVX2 kernel's 2x4 block needs 6 loads for 8 half-width FMAs,
+// so from 2 rows on the AVX-512 kernel does up to 4x the arithmetic per instruction (at 8 rows
+// on a Xeon the AVX2 kernel ran far below both the memory and the FMA limits). 1-4 rows cost
+// one weight read from memory; more rows reread the 4 weight rows from L1. The last
+// k_dim % 16 elements go through zero-masked loads. Sums per (m, n): 16 lane partial sums over
+// k, then the lanes pairwise (hsum16's fixed order): deterministic, and equal to any other
+// order up to fp32 rounding.
+#define SPECDEC_AVX512_TARGET __attribute__((target("avx512f")))
+
+// Horizontal sums of the accumulators, by GCC/Clang vector shuffles (GCC 12's AVX-512
+// shuffle intrinsics and _mm512_reduce_add_ps trip -Wuninitialized inside its own headers).
+// Each output is summed in one fixed order: 16 lanes -> 8 -> 4 -> 2 -> 1.
+typedef float SlVec16 __attribute__((vector_size(64)));
+typedef float SlVec8 __attribute__((vector_size(32)));
+typedef float SlVec4 __attribute__((vector_size(16)));
+
+SPECDEC_AVX512_TARGET inline float hsum16(__m512 v) {
+  const SlVec16 a = (SlVec16)v;
+  const SlVec8 h8 = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  const SlVec4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+// The four sums of a, b, c, d at once (the same order per output as hsum16), with the
+// shuffles shared: [sum a, sum b, sum c, sum d].
+SPECDEC_AVX512_TARGET inline SlVec4 hsum16x4(__m512 va, __m512 vb, __m512 vc, __m512 vd) {
+  const SlVec16 a = (SlVec16)va, b = (SlVec16)vb, c = (SlVec16)vc, d = (SlVec16)vd;
+  // [a's 8 halves-sums, b's 8], [c's 8, d's 8]
+  const SlVec16 ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                     __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const SlVec16 cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                     __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  // 4 partial sums each of a, b, c, d
+  const SlVec16 q = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                    __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  // 2 each, then 1 each: lanes (0 + 2) + (1 + 3) of each output's 4, as in hsum16
+  const SlVec8 p = __builtin_shufflevector(q, q, 0, 1, 4, 5, 8, 9, 12, 13) +
+                   __builtin_shufflevector(q, q, 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(p, p, 0, 2, 4, 6) + __builtin_shufflevector(p, p, 1, 3, 5, 7);
+}
+
+template <int WR, int XR>
+SPECDEC_AVX512_TARGET inline void small_linear_block_f32_avx512(const float* x, int64_t k_dim, const float* w,
+                                                                int64_t n, const float* bias, float* y,
+                                                                int64_t n_dim) {
+  __m512 acc[XR][WR];
+  for (int i = 0; i < XR; ++i)
+    for (int j = 0; j < WR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const float* wr[WR];
+  for (int j = 0; j < WR; ++j) wr[j] = w + (n + j) * k_dim;
+  int64_t k = 0;
+  for (; k + 16 <= k_dim; k += 16) {
+    __m512 wv[WR];
+    for (int j = 0; j < WR; ++j) wv[j] = _mm512_loadu_ps(wr[j] + k);
+    for (int i = 0; i < XR; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x + i * k_dim + k);
+      for (int j = 0; j < WR; ++j) acc[i][j] = _mm512_fmadd_ps(wv[j], xv, acc[i][j]);
+    }
+  }
+  if (k < k_dim) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (k_dim - k)) - 1);
+    __m512 wv[WR];
+    for (int j = 0; j < WR; ++j) wv[j] = _mm512_maskz_loadu_ps(tail, wr[j] + k);
+    for (int i = 0; i < XR; ++i) {
+      const __m512 xv = _mm512_maskz_loadu_ps(tail, x + i * k_dim + k);
+      for (int j = 0; j < WR; ++j) acc[i][j] = _mm512_fmadd_ps(wv[j], xv, acc[i][j]);
+    }
+  }
+  float b[WR];
+  for (int j = 0; j < WR; ++j) b[j] = bias != nullptr ? bias[n + j] : 0.f;
+  for (int i = 0; i < XR; ++i) {
+    if constexpr (WR == 4) {
+      const SlVec4 sums = hsum16x4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+      for (int j = 0; j < 4; ++j) y[i * n_dim + n + j] = sums[j] + b[j];
+    } else {
+      for (int j = 0; j < WR; ++j) y[i * n_dim + n + j] = hsum16(acc[i][j]) + b[j];
+    }
+  }
+}
+
+// Weight rows [n, n + WR) against every input row, up to 4 input rows per pass.
+template <int WR>
+SPECDEC_AVX512_TARGET inline void small_linear_pass_f32_avx512(const float* x, int64_t rows, int64_t k_dim,
+                                                               const float* w, int64_t n, const float* bias,
+                                                               float* y, int64_t n_dim) {
+  int64_t m = 0;
+  for (; m + 4 <= rows; m += 4) small_linear_block_f32_avx512<WR, 4>(x + m * k_dim, k_dim, w, n, bias, y + m * n_dim, n_dim);
+  switch (rows - m) {
+    case 3: small_linear_block_f32_avx512<WR, 3>(x + m * k_dim, k_dim, w, n, bias, y + m * n_dim, n_dim); break;
+    case 2: small_linear_block_f32_avx512<WR, 2>(x + m * k_dim, k_dim, w, n, bias, y + m * n_dim, n_dim); break;
+    case 1: small_linear_block_f32_avx512<WR, 1>(x + m * k_dim, k_dim, w, n, bias, y + m * n_dim, n_dim); break;
+    default: break;
+  }
+}
+
+SPECDEC_AVX512_TARGET inline void small_linear_rows_f32_avx512(const float* x, int64_t rows, int64_t k_dim,
+                                                               const float* w, const float* bias, float* y,
+                                                               int64_t n_dim, int64_t n_begin, int64_t n_end) {
+  int64_t n = n_begin;
+  for (; n + 4 <= n_end; n += 4) small_linear_pass_f32_avx512<4>(x, rows, k_dim, w, n, bias, y, n_dim);
+  for (; n < n_end; ++n) small_linear_pass_f32_avx512<1>(x, rows, k_dim, w, n, bias, y, n_dim);
+}
+#endif
+
+// Whether the AVX-512F fp32 kernel runs on this CPU (the instructions, and the OS saving the
+// AVX-512 registers, which the compiler's CPU check includes).
+inline bool small_linear_has_avx512() {
+#ifdef SPECDEC_SMALL_LINEAR_X86
+  static const bool has = small_linear_isa_cap() >= 2 && __builtin_cpu_supports("avx512f");
+  return has;
+#else
+  return false;
+#endif
+}
+
 // Whether the AVX2+FMA kernel runs on this CPU.
 inline bool small_linear_has_avx2() {
 #ifdef SPECDEC_SMALL_LINEAR_X86
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool has = small_linear_isa_cap() >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return has;
 #else
   return false;
@@ -127,6 +262,10 @@ inline bool small_linear_has_avx2() {
 inline void small_linear_rows(const float* x, int64_t rows, int64_t k_dim, const float* w, const float* bias, float* y,
                               int64_t n_dim, int64_t n_begin, int64_t n_end) {
 #ifdef SPECDEC_SMALL_LINEAR_X86
+  if (small_linear_has_avx512()) {
+    small_linear_rows_f32_avx512(x, rows, k_dim, w, bias, y, n_dim, n_begin, n_end);
+    return;
+  }
   if (small_linear_has_avx2()) {
     small_linear_rows_avx2(x, rows, k_dim, w, bias, y, n_dim, n_begin, n_end);
     return;
@@ -153,39 +292,6 @@ inline void small_linear_rows_bf16_portable(const cpu::BFloat16Bits* x, int64_t 
 
 #ifdef SPECDEC_SMALL_LINEAR_X86
 #define SPECDEC_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
-
-// Horizontal sums of the accumulators, by GCC/Clang vector shuffles (GCC 12's AVX-512
-// shuffle intrinsics and _mm512_reduce_add_ps trip -Wuninitialized inside its own headers).
-// Each output is summed in one fixed order: 16 lanes -> 8 -> 4 -> 2 -> 1.
-typedef float SlVec16 __attribute__((vector_size(64)));
-typedef float SlVec8 __attribute__((vector_size(32)));
-typedef float SlVec4 __attribute__((vector_size(16)));
-
-SPECDEC_BF16_TARGET inline float hsum16(__m512 v) {
-  const SlVec16 a = (SlVec16)v;
-  const SlVec8 h8 = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-                    __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-  const SlVec4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
-}
-
-// The four sums of a, b, c, d at once (the same order per output as hsum16), with the
-// shuffles shared: [sum a, sum b, sum c, sum d].
-SPECDEC_BF16_TARGET inline SlVec4 hsum16x4(__m512 va, __m512 vb, __m512 vc, __m512 vd) {
-  const SlVec16 a = (SlVec16)va, b = (SlVec16)vb, c = (SlVec16)vc, d = (SlVec16)vd;
-  // [a's 8 halves-sums, b's 8], [c's 8, d's 8]
-  const SlVec16 ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                     __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  const SlVec16 cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                     __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  // 4 partial sums each of a, b, c, d
-  const SlVec16 q = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-                    __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  // 2 each, then 1 each: lanes (0 + 2) + (1 + 3) of each output's 4, as in hsum16
-  const SlVec8 p = __builtin_shufflevector(q, q, 0, 1, 4, 5, 8, 9, 12, 13) +
-                   __builtin_shufflevector(q, q, 2, 3, 6, 7, 10, 11, 14, 15);
-  return __builtin_shufflevector(p, p, 0, 2, 4, 6) + __builtin_shufflevector(p, p, 1, 3, 5, 7);
-}
 
 // WR weight rows [n, n + WR) against XR consecutive input rows from x (row stride k_dim),
 // writing y[i * n_dim + n + j]. K runs 32 bf16 at a time; the last k_dim % 32 elements
@@ -255,14 +361,15 @@ SPECDEC_BF16_TARGET inline void small_linear_rows_bf16_avx512(const cpu::BFloat1
   for (; n < n_end; ++n) small_linear_pass_bf16<1>(x, rows, k_dim, w, n, bias, y, n_dim);
 }
 #undef SPECDEC_BF16_TARGET
+#undef SPECDEC_AVX512_TARGET
 #endif
 
 // Whether the AVX512-BF16 kernel runs on this CPU (the instructions, and the OS saving the
 // AVX-512 registers, which the compiler's CPU check includes).
 inline bool small_linear_has_avx512_bf16() {
 #ifdef SPECDEC_SMALL_LINEAR_X86
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512bf16");
+  static const bool has = small_linear_isa_cap() >= 2 && __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16");
   return has;
 #else
   return false;
