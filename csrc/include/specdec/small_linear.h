@@ -140,6 +140,13 @@ __attribute__((target("avx2,fma"))) inline void small_linear_rows_avx2(const flo
 // order up to fp32 rounding.
 #define SPECDEC_AVX512_TARGET __attribute__((target("avx512f")))
 
+// How far ahead in the weights the AVX-512 kernels prefetch (bytes; the same k of a weight row
+// 2-8 rows further on, since the rows lie one after another). The hardware prefetchers alone
+// kept a 1-8 row product of the default model's 211 weights (538 MB, not cache resident) at
+// 6-9 GB/s from 4 rows on, on one core of a Xeon whose memory gives ~14 GB/s; with 18 KB
+// ahead, 4 rows ran 1.4x and 8 rows 1.6x faster (9 KB ahead: less; 36 KB: less again).
+constexpr int64_t kSmallLinearPrefetchBytes = 18432;
+
 // Horizontal sums of the accumulators, by GCC/Clang vector shuffles (GCC 12's AVX-512
 // shuffle intrinsics and _mm512_reduce_add_ps trip -Wuninitialized inside its own headers).
 // Each output is summed in one fixed order: 16 lanes -> 8 -> 4 -> 2 -> 1.
@@ -185,6 +192,9 @@ SPECDEC_AVX512_TARGET inline void small_linear_block_f32_avx512(const float* x, 
   int64_t k = 0;
   for (; k + 16 <= k_dim; k += 16) {
     __m512 wv[WR];
+    // (a prefetch past the end of the weights is harmless: prefetches never fault)
+    for (int j = 0; j < WR; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kSmallLinearPrefetchBytes, _MM_HINT_T0);
     for (int j = 0; j < WR; ++j) wv[j] = _mm512_loadu_ps(wr[j] + k);
     for (int i = 0; i < XR; ++i) {
       const __m512 xv = _mm512_loadu_ps(x + i * k_dim + k);
@@ -309,6 +319,8 @@ SPECDEC_BF16_TARGET inline void small_linear_block_bf16(const cpu::BFloat16Bits*
   int64_t k = 0;
   for (; k + 32 <= k_dim; k += 32) {
     __m512i wv[WR];
+    for (int j = 0; j < WR; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kSmallLinearPrefetchBytes, _MM_HINT_T0);
     for (int j = 0; j < WR; ++j) wv[j] = _mm512_loadu_si512(wr[j] + k);
     for (int i = 0; i < XR; ++i) {
       const __m512i xv = _mm512_loadu_si512(x + i * k_dim + k);
