@@ -129,6 +129,8 @@ def add_arguments(parser):
                         help=f"{FULL['prompts_per_workload']} prompts per workload, {FULL['max_new_tokens']} new tokens "
                              f"(default {SHORT['prompts_per_workload']} and {SHORT['max_new_tokens']})")
     parser.add_argument("--out-dir", default=None, help="results folder (default bench/results of the checkout)")
+    parser.add_argument("--name", default=None,
+                        help="file stem after e2e_ (default the device, e.g. cpu: e2e_cpu.json); e.g. --name peers_fp32_cpu")
     parser.add_argument("--model", default=None,
                         help=f"target: HF model directory or cached hub name (default SmolLM2-135M-Instruct), or "
                              f"{RANDOM_LLAMA} (GPU only: Llama-3-8B shapes, random bf16 weights)")
@@ -225,6 +227,8 @@ def run_args(args) -> int:
     name = common.device_slug(device) + ("_llama3_8b_random" if args.model == RANDOM_LLAMA else "")
     if args.num_return_sequences > 1:
         name = f"n{args.num_return_sequences}_{name}"
+    if getattr(args, "name", None):
+        name = args.name
 
     def settings(rows):
         return dict(mode="full" if args.full else "short", max_new_tokens=max_new_tokens, prompts_per_workload=prompts,

@@ -26,9 +26,11 @@ peers run their own kernels, so their fp32 sums round in another order and can f
 near-tie of the top two logits.
 """
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -167,11 +169,34 @@ def _gguf_is_fresh(gguf: Path, model_dir: Path) -> bool:
     return gguf.stat().st_mtime >= newest
 
 
-def convert_gguf(model_dir, dtype, *, python=None, timeout: float = 1800, verbose: bool = True) -> Path:
+def staged_checkpoint(model_dir, architecture: Optional[str], where) -> Path:
+    """`model_dir` as the converter can read it: the directory itself when its config.json names
+    the model class ("architectures"), else a folder under `where` linking every file of it with
+    a config.json that names `architecture` (the default model's cached checkpoint, written from
+    its GGUF by transformers, has none; the converter picks its model code by that name)."""
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    if config.get("architectures"):
+        return model_dir
+    if not architecture:
+        raise ValueError(f"{model_dir}/config.json names no architecture and none was given")
+    staged = Path(where) / model_dir.name
+    staged.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.is_file() and f.name != "config.json":
+            (staged / f.name).symlink_to(f.resolve())
+    (staged / "config.json").write_text(json.dumps(dict(config, architectures=[architecture]), indent=1))
+    return staged
+
+
+def convert_gguf(model_dir, dtype, *, architecture=None, python=None, timeout: float = 1800,
+                 verbose: bool = True) -> Path:
     """The GGUF of `model_dir` in `dtype` (f32 / bf16 / f16), converted once by llama.cpp's
     converter in the llama.cpp venv and cached (`gguf_path`; redone when the checkpoint is newer).
-    The converter writes to a temporary name that is renamed into place when it succeeds.
-    Raises RuntimeError with the converter's output tail when it fails."""
+    architecture: the transformers model class (e.g. "LlamaForCausalLM"), needed when the
+    checkpoint's config.json does not name it (`staged_checkpoint`). The converter writes to a
+    temporary name that is renamed into place when it succeeds. Raises RuntimeError with the
+    converter's output tail when it fails."""
     python = python or llamacpp_python()
     if python is None:
         raise RuntimeError(venv_missing("llamacpp_plain"))
@@ -186,8 +211,10 @@ def convert_gguf(model_dir, dtype, *, python=None, timeout: float = 1800, verbos
     start = time.perf_counter()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("PYTHONPATH", None)
-    proc = subprocess.run(converter_command(python, model_dir, outtype, tmp), capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    with tempfile.TemporaryDirectory(prefix="specdec-gguf-") as stage:
+        source = staged_checkpoint(model_dir, architecture, stage)
+        proc = subprocess.run(converter_command(python, source, outtype, tmp), capture_output=True, text=True,
+                              timeout=timeout, env=env)
     if proc.returncode != 0 or not tmp.is_file():
         tmp.unlink(missing_ok=True)
         raise RuntimeError(f"convert_hf_to_gguf.py failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
@@ -259,6 +286,7 @@ class Peers:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.model_dir = model_dir_of(model)
+        self.architecture = type(model).__name__  # for a checkpoint whose config.json does not name it
         self.prompts = [list(p) for p in prompts]
         self.max_new_tokens, self.max_batch = int(max_new_tokens), int(max_batch)
         self.eos = sorted(int(t) for t in (eos_ids.tolist() if torch.is_tensor(eos_ids) else (eos_ids or ())))
@@ -282,7 +310,8 @@ class Peers:
             context = longest + self.max_new_tokens + 32  # + room for the last step's drafts
             try:
                 if method in LLAMACPP_METHODS:
-                    gguf = convert_gguf(self.model_dir, self.dtype, verbose=self.verbose)
+                    gguf = convert_gguf(self.model_dir, self.dtype, architecture=self.architecture,
+                                        verbose=self.verbose)
                     job = llamacpp_job(method, gguf, threads=self.threads, n_ctx=context, eos=self.eos,
                                        warmup_prompt=self.prompts[0])
                     name = "llama.cpp"

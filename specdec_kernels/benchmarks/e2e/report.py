@@ -83,8 +83,8 @@ def floor_lines(floor):
         return []
     lines = [f"Floor of plain decoding ({floor['dtype']} weights, {floor['threads']} threads): "
              f"{floor['weight_bytes'] / 1e6:.0f} MB of weights and {floor['flops_per_token'] / 1e6:.0f} MFLOP per token; "
-             f"measured read bandwidth {floor['bandwidth_weight_sized'] / 1e9:.1f} GB/s on an array the weights' size "
-             f"({floor['bandwidth_dram'] / 1e9:.1f} GB/s beyond the last-level cache), matmul peak "
+             f"measured read bandwidth {floor['bandwidth'] / 1e9:.1f} GB/s (the faster of {floor['bandwidth_weight_sized'] / 1e9:.1f} "
+             f"on an array the weights' size and {floor['bandwidth_dram'] / 1e9:.1f} beyond the last-level cache), matmul peak "
              f"{floor['peak_flops'] / 1e9:.0f} GFLOP/s ({floor['dtype']}; fp32 {floor['peak_flops_fp32'] / 1e9:.0f})."]
     for batch, f in floor["by_batch"].items():
         lines.append(f"  B={batch}: step >= max({1e3 * f['memory_s']:.2f} ms memory, {1e3 * f['compute_s']:.2f} ms "
