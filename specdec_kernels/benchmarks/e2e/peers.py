@@ -335,6 +335,10 @@ class Peers:
             for key in ("version", "system_info"):
                 if worker.ready.get(key):
                     self.info[method][key] = worker.ready[key]
+            if method in VLLM_METHODS:
+                from ..vllm import _venv_version
+
+                self.info[method]["version"] = _venv_version(peer_python(method))
             print(f"{method}: {name} up in {worker.init_seconds:.1f} s ({self.info[method]['dtype']}, "
                   f"{self.threads} threads)", flush=True)
         return self
