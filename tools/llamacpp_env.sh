@@ -6,17 +6,23 @@
 # llama.cpp reaches Python through llama-cpp-python 0.3.36, which builds the vendored
 # llama.cpp from source at install (~8 min on 2 cores). It gets a venv of its own, never the
 # main environment. Steps:
-#   1. python -m venv (PYTHON, default python3); pip install llama-cpp-python==0.3.36 built
-#      for this CPU: Release, GGML_NATIVE=ON (the host's instruction set: AVX2/AVX-512/...),
-#      OpenMP as llama.cpp defaults (on). No BLAS: the peer decodes at batch 1, where llama.cpp's
-#      own quantised/fp32 matvec kernels are what it ships by default.
-#   2. the `gguf` package, which llama.cpp's converter (convert_hf_to_gguf.py, kept from the
-#      sdist under $VENV/llama.cpp-src) needs, plus numpy/safetensors/torch-free readers it imports
-#      (sentencepiece is not needed for SmolLM2's BPE tokenizer; transformers is, for the vocab)
-#   3. a smoke check: `import llama_cpp`, print its version and system info
+#   1. python -m venv (PYTHON, default python3); the sdist downloaded into $VENV/sdist (76 MB,
+#      kept: step 2 takes the converter from it), then built and installed for this CPU:
+#      Release, GGML_NATIVE=ON (the host's instruction set: AVX2 / AVX-512 / AVX512-BF16 / AMX
+#      where present), OpenMP as llama.cpp defaults (on), no BLAS (llama.cpp's own kernels, as
+#      it ships by default; the peer decodes at batch 1)
+#   2. llama.cpp's own converter: the sdist's vendored llama.cpp unpacked to $VENV/llama.cpp-src
+#      (convert_hf_to_gguf.py), its gguf-py installed from there (converter and gguf move
+#      together), and what the converter imports to read an HF checkpoint: numpy, safetensors,
+#      sentencepiece, torch (the CPU wheel, 2.13.0+cpu as the main environment's) and transformers
+#   3. a smoke check: `import llama_cpp, gguf`, print their versions and llama.cpp's system info
+#      (the instruction sets it was built with)
 #
-# Idempotent: an existing venv that already has llama-cpp-python 0.3.36 skips the build.
-# Run heavy: `nice -n 10 tools/llamacpp_env.sh` (the build uses every core).
+# Idempotent: an existing venv that already has llama-cpp-python 0.3.36 skips the download and
+# the build; the unpacked source and the pip installs of step 2 are no-ops when present.
+# Run heavy: `nice -n 10 tools/llamacpp_env.sh` (the build uses every core: ~8 min on 2 cores,
+# ~15 min when they are shared). `specdec bench e2e` converts the GGUFs it needs (f32 / bf16,
+# cached next to the checkpoint) with this converter on first use.
 set -euo pipefail
 VENV=${SPECDEC_LLAMACPP_VENV:-$HOME/.cache/specdec_kernels/llamacpp-venv}
 PY=${PYTHON:-python3}
