@@ -76,6 +76,7 @@ def answer(llm, request, eos):
 
 
 def serve(job_path):
+    """Load the job's model, warm it up, then answer requests from stdin until "quit" or EOF."""
     job = json.loads(Path(job_path).read_text())
     eos = set(int(t) for t in job.get("eos") or ())
     start = time.perf_counter()

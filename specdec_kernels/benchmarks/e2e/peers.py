@@ -359,6 +359,7 @@ class Peers:
         return parse_reply(self.workers[method].request(request), self.eos, self.max_new_tokens)
 
     def close(self):
+        """Stop every worker (each is asked to quit, killed if it does not)."""
         for worker in self.workers.values():
             worker.close()
         self.workers = {}
