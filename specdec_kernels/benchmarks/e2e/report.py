@@ -4,31 +4,48 @@ acceptance plots, the JSON record."""
 from pathlib import Path
 
 from .. import common
+from .peers import PEER_METHODS
 from .runner import BATCH1_ONLY, split_method
 
 
+def _greedy_cell(r):
+    """The "greedy == HF" cell: yes / NO (rows) for ours; for a peer the identical share."""
+    c, identical = r["config"], r.get("greedy_identical")
+    if c["method"] == "hf":
+        return "-" if c["temperature"] else "(baseline)"
+    if c["temperature"]:
+        return "-"
+    if identical is None:
+        return "not compared"
+    if c["method"] in PEER_METHODS:
+        same = r["greedy_compared_rows"] - len(r["mismatches"])
+        return f"{same}/{r['greedy_compared_rows']} identical"
+    return "yes" if identical else f"NO ({len(r['mismatches'])} rows differ)"
+
+
 def table_rows(rows):
-    """(headers, cells) of the summary table."""
+    """(headers, cells) of the summary table: per row its weights' dtype, tokens/s, the ratio to
+    HF generate, the share of the plain-decoding floor (`floor.decode_floor`; "-" without one)."""
     depth = max((len(r.get("acceptance_by_depth") or []) for r in rows), default=0)
     depth = min(depth, 5)
-    headers = ["workload", "B", "temp", "method", "tok/s", "speedup", "tok/step", "nodes/row"]
+    headers = ["workload", "B", "temp", "method", "dtype", "tok/s", "speedup", "of floor", "tok/step", "nodes/row"]
     headers += [f"acc@{d + 1}" for d in range(depth)] + ["plan %", "kernels %", "greedy == HF"]
     cells = []
     for r in rows:
         c = r["config"]
         if "skipped" in r:
-            cells.append([c["workload"], str(c["batch"]), f"{c['temperature']:g}", c["method"], "-", "-", "-", "-"]
+            cells.append([c["workload"], str(c["batch"]), f"{c['temperature']:g}", c["method"], c.get("dtype", "-"),
+                          "-", "-", "-", "-", "-"]
                          + ["-"] * depth + ["-", "-", "skipped: batch 1 only" if c["method"] in BATCH1_ONLY
                                             else f"skipped: {r['skipped']}"])
             continue
         acc = list(r.get("acceptance_by_depth") or [])[:depth]
-        identical = r.get("greedy_identical")
-        check = ("-" if c["temperature"] else "(baseline)") if c["method"] == "hf" else (
-            "-" if c["temperature"] else ("yes" if identical else ("not compared" if identical is None else
-                                                                   f"NO ({len(r['mismatches'])} rows differ)")))
+        check = _greedy_cell(r)
         share = r.get("kernel_share")
-        cells.append([c["workload"], str(c["batch"]), f"{c['temperature']:g}", c["method"], f"{r['tokens_per_s']:.1f}",
+        cells.append([c["workload"], str(c["batch"]), f"{c['temperature']:g}", c["method"], c.get("dtype", "-"),
+                      f"{r['tokens_per_s']:.1f}",
                       f"{r['speedup_vs_hf']:.2f}x" if r.get("speedup_vs_hf") else "-",
+                      f"{r['floor_share']:.2f}" if r.get("floor_share") else "-",
                       f"{r['tokens_per_step']:.2f}" if r.get("tokens_per_step") else "-",
                       f"{r['nodes_per_step']:.2f}" if r.get("nodes_per_step") is not None else "-"]
                      + [f"{a:.2f}" for a in acc] + ["-"] * (depth - len(acc))
@@ -60,11 +77,29 @@ def _md_table(headers, cells):
     return lines + ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in cells]
 
 
-def markdown(rows, header):
-    """The summary table as Markdown (the README's e2e table), then the batch-1 draft / verify /
-    accept split (`split_rows`) when the rows have one."""
+def floor_lines(floor):
+    """The floor (`floor.measure_floor`) in a few lines of text, or [] without one."""
+    if not floor:
+        return []
+    lines = [f"Floor of plain decoding ({floor['dtype']} weights, {floor['threads']} threads): "
+             f"{floor['weight_bytes'] / 1e6:.0f} MB of weights and {floor['flops_per_token'] / 1e6:.0f} MFLOP per token; "
+             f"measured read bandwidth {floor['bandwidth'] / 1e9:.1f} GB/s (the faster of {floor['bandwidth_weight_sized'] / 1e9:.1f} "
+             f"on an array the weights' size and {floor['bandwidth_dram'] / 1e9:.1f} beyond the last-level cache), matmul peak "
+             f"{floor['peak_flops'] / 1e9:.0f} GFLOP/s ({floor['dtype']}; fp32 {floor['peak_flops_fp32'] / 1e9:.0f})."]
+    for batch, f in floor["by_batch"].items():
+        lines.append(f"  B={batch}: step >= max({1e3 * f['memory_s']:.2f} ms memory, {1e3 * f['compute_s']:.2f} ms "
+                     f"compute) = {1e3 * f['step_s']:.2f} ms ({f['bound']}-bound): {f['tokens_per_s']:.1f} tok/s; "
+                     "\"of floor\" = tok/s over this")
+    return lines
+
+
+def markdown(rows, header, floor=None):
+    """The summary table as Markdown (the README's e2e table), the floor (`floor_lines`) when
+    measured, then the batch-1 draft / verify / accept split (`split_rows`) when the rows have one."""
     headers, cells = table_rows(rows)
     lines = [header, ""] + _md_table(headers, cells)
+    if floor:
+        lines += [""] + [line.strip() + "  " for line in floor_lines(floor)]
     split_headers, split_cells = split_rows(rows)
     if split_cells:
         lines += ["", "Decoding time per step at batch 1 (generate(timing=True)):", ""]
@@ -186,7 +221,7 @@ def write_results(rows, out_dir, *, device, model_label, settings, name=None, pl
               f"torch {result['torch']}, transformers {result['transformers']}; max_new_tokens "
               f"{settings['max_new_tokens']}, {settings['prompts_per_workload']} prompt(s) per workload and batch size)")
     paths["md"] = out_dir / f"e2e_{slug}.md"
-    paths["md"].write_text(markdown(rows, header))
+    paths["md"].write_text(markdown(rows, header, settings.get("floor")))
     print(f"wrote {paths['md']}", flush=True)
     paths["speedup_png"] = plot_speedup(rows, out_dir / f"e2e_speedup_{slug}.png", title)
     paths["acceptance_png"] = plot_acceptance(rows, out_dir / f"e2e_acceptance_{slug}.png", title)

