@@ -142,19 +142,24 @@ def _tiny_llama(seed=0):
 
 
 @needs_kernel
-@pytest.mark.parametrize("wins,expected", [
-    ((True, True, True, True, True, True), (1, 32)),
-    ((True, True, False, True, True, True), (1, 2)),  # a loss ends the run: later wins do not count
-    ((False, True, True, True, False, True), (2, 8)),  # the run starts at the first win
-    ((False,) * 6, (0, 0)),
+@pytest.mark.parametrize("outcomes,expected", [
+    ("WWWWWW", (1, 32)),
+    ("WWLWWW", (1, 2)),  # a loss ends the run: later wins do not count
+    ("WWTWWW", (1, 32)),  # a tie (within the margin) does not
+    ("TTWWWT", (4, 16)),  # ties at either end stay with F.linear
+    ("LWWWLW", (2, 8)),  # the run starts at the first win
+    ("TTTTTT", (0, 0)),
+    ("LLLLLL", (0, 0)),
 ])
-def test_choose_small_linear_rows_takes_the_first_run_of_wins(monkeypatch, wins, expected):
-    win = dict(zip(linear.LAYOUT_ROWS, wins))
+def test_choose_small_linear_rows_takes_the_first_run_of_wins(monkeypatch, outcomes, expected):
+    """W: ours 2x faster, T: the same time, L: ours 20% slower (the margin is 3%)."""
+    ours_seconds = {"W": 0.5, "T": 1.0, "L": 1.2}
+    outcome = dict(zip(linear.LAYOUT_ROWS, outcomes))
     timed = []
 
     def fake_time(weights, rows, ours):
         timed.append((rows, ours))
-        return 0.5 if ours and win[rows] else 1.0
+        return ours_seconds[outcome[rows]] if ours else 1.0
 
     monkeypatch.setattr(linear, "_time_products", fake_time)
     assert linear.choose_small_linear_rows([torch.zeros(4, 4)], repeats=2) == expected

@@ -42,7 +42,7 @@ import torch
 
 # 2: interleaved calibration rounds (files of 1 may hold shapes bent by load); 3: small_linear_rows;
 # 4: bf16 small_linear calibrated (older bf16 files never chose it); 5: the AVX-512 fp32
-# small_linear kernel (faster from 2 rows on: both the step costs and the row range change)
+# small_linear kernel and ties no longer breaking its row range (step costs and the range change)
 FORMAT = 5
 GRID = (1, 2, 4, 8, 16, 32, 64, 128)  # token counts timed at calibration
 CAL_PREFIX = 64  # prefix length of the table's forwards

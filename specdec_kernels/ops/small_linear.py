@@ -129,10 +129,14 @@ def _time_products(weights: Sequence[torch.Tensor], rows: int, ours: bool) -> fl
 @torch.inference_mode()
 def choose_small_linear_rows(weights: Sequence[torch.Tensor], counts: Sequence[int] = LAYOUT_ROWS,
                              repeats: int = 3) -> Tuple[int, int]:
-    """The row counts at which products with `weights` (fp32 or bf16, CPU) run at least 3% faster
-    with `small_linear` than with `F.linear`: (lo, hi), from the first count that won through
-    the last of the unbroken run of wins after it (best of `repeats` interleaved rounds,
-    after a warm-up round); `(0, 0)` if none won, there are no weights, or no kernel."""
+    """The row counts at which products with `weights` (fp32 or bf16, CPU) run with
+    `small_linear` rather than `F.linear`: (lo, hi), from the first count at which ours won (at
+    least 3% faster) through the last win of the run after it, a run that a tie (within 3% either
+    way) does not break and a loss (more than 3% slower) ends (best of `repeats` interleaved
+    rounds, after a warm-up round); `(0, 0)` if none won, there are no weights, or no kernel.
+    Ties do not break the run because at 1-2 rows both are bound by reading the weights and
+    measure within noise of each other: a 1.04x at 2 rows read as a loss once cut a run of
+    1.5x wins at 4-16 rows down to 1-1 (a calibration on a shared 2-core machine)."""
     weights = list(weights)
     counts = sorted(int(c) for c in counts)
     if not weights or not counts or not has_kernel():
@@ -144,10 +148,14 @@ def choose_small_linear_rows(weights: Sequence[torch.Tensor], counts: Sequence[i
             if round_ > 0:  # round 0 warms up (first-touch allocations, caches)
                 plain[i], ours[i] = min(plain[i], a), min(ours[i], b)
     won = [b <= _MARGIN * a for a, b in zip(plain, ours)]
+    lost = [b > a / _MARGIN for a, b in zip(plain, ours)]
     if not any(won):
         return NEVER
     first = won.index(True)
     last = first
-    while last + 1 < len(counts) and won[last + 1]:
-        last += 1
+    for i in range(first + 1, len(counts)):
+        if lost[i]:
+            break
+        if won[i]:
+            last = i
     return counts[first], counts[last]
