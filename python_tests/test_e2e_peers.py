@@ -84,6 +84,14 @@ def test_measured_rates_and_floor_shares():
     assert floor.measure_peak_flops(n=64, reps=1) > 0
     measured = floor.measure_floor(tiny_model(), batch_sizes=(1, 2), dram_bytes=1 << 20, matmul_n=64)
     assert set(measured["by_batch"]) == {"1", "2"} and measured["threads"] == 1 and measured["dtype"] == "float32"
+    # a run measures twice; the faster rates make the floor (a disturbed measurement only reads slower)
+    slow = dict(measured, bandwidth=measured["bandwidth"] / 2, peak_flops=measured["peak_flops"] * 2)
+    both = floor.best_floor(slow, measured)
+    assert both["bandwidth"] == measured["bandwidth"] and both["peak_flops"] == 2 * measured["peak_flops"]
+    assert both["by_batch"]["2"] == floor.decode_floor(
+        weight_bytes=measured["weight_bytes"], flops_per_token=measured["flops_per_token"],
+        bandwidth=measured["bandwidth"], peak_flops=2 * measured["peak_flops"], batch_size=2)
+    assert len(both["measurements"]) == 2
     fake = {"by_batch": {"1": {"tokens_per_s": 50.0}}}
     rows = [{"config": {"batch": 1}, "tokens_per_s": 25.0}, {"config": {"batch": 8}, "tokens_per_s": 80.0},
             {"config": {"batch": 1}, "skipped": "x"}]

@@ -132,6 +132,23 @@ def measure_floor(model, batch_sizes=(1,), *, dram_bytes=None, matmul_n: int = 2
                      "attention left out (a lower bound)"))
 
 
+def best_floor(first: dict, second: dict) -> dict:
+    """Two `measure_floor` results of the same model (the run measures at its start and its end)
+    as one: each rate the faster of the two (a floor must not be slower than anything measured:
+    a measurement disturbed by other work on a shared machine only reads slower), the floors
+    recomputed from them; both measurements kept under "measurements"."""
+    bandwidth = max(first["bandwidth"], second["bandwidth"])
+    peak = max(first["peak_flops"], second["peak_flops"])
+    floors = {b: decode_floor(weight_bytes=first["weight_bytes"], flops_per_token=first["flops_per_token"],
+                              bandwidth=bandwidth, peak_flops=peak, batch_size=int(b)) for b in first["by_batch"]}
+    keep = ("bandwidth", "bandwidth_weight_sized", "bandwidth_dram", "peak_flops", "peak_flops_fp32")
+    return dict(first, bandwidth=bandwidth, peak_flops=peak,
+                bandwidth_weight_sized=max(first["bandwidth_weight_sized"], second["bandwidth_weight_sized"]),
+                bandwidth_dram=max(first["bandwidth_dram"], second["bandwidth_dram"]),
+                peak_flops_fp32=max(first["peak_flops_fp32"], second["peak_flops_fp32"]), by_batch=floors,
+                measurements=[{k: f[k] for k in keep} for f in (first, second)])
+
+
 def add_floor_shares(rows, floor) -> None:
     """floor_share on every timed row: its tokens/s over the floor's tokens/s at its batch size
     (plain decoding: at most ~1; speculation can pass 1)."""

@@ -216,7 +216,7 @@ def write_results(rows, out_dir, *, device, model_label, settings, name=None, pl
     paths = {"json": json_path}
     if not complete:
         return paths
-    title = f"{model_label} on {result['device']}"
+    title = f"{model_label} ({settings.get('dtype', '?').replace('torch.', '')} weights) on {result['device']}"
     header = (f"End-to-end, {model_label} on {result['device']} ({result['date']}, commit {result['commit']}, "
               f"torch {result['torch']}, transformers {result['transformers']}; max_new_tokens "
               f"{settings['max_new_tokens']}, {settings['prompts_per_workload']} prompt(s) per workload and batch size)")
