@@ -130,7 +130,7 @@ void SuffixIndex::append(const at::Tensor& slots, const at::Tensor& tokens, cons
                 width);
     check_tokens(op, "accepted_tokens", tok + r * width, cnt[r]);
   }
-  for (int64_t r = 0; r < rows; ++r) cache_.append(ids[r], tok + r * width, cnt[r]);
+  cache_.append_rows(ids, tok, width, cnt, rows);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> SuffixIndex::draft(const at::Tensor& slots, int64_t depth,
@@ -154,11 +154,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> SuffixIndex::draft(co
   int32_t* cnt = counts.mutable_data_ptr<int32_t>();
   int32_t* match = matches.mutable_data_ptr<int32_t>();
   at::parallel_for(0, rows, kDraftGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      match[r] = static_cast<int32_t>(cache_.draft(ids[r], depth, max_nodes, tok + r * width, par + r * width,
-                                                   cnt + r * width));
-    }
+    cache_.draft_rows(ids + begin, end - begin, depth, max_nodes, tok + begin * width, par + begin * width,
+                      cnt + begin * width, match + begin);
   });
+  cache_.remember(ids, match, rows);  // where each slot's next lookup starts (never what it finds)
   return {tokens, parents, counts, matches};
 }
 
