@@ -18,7 +18,11 @@
 namespace specdec {
 namespace {
 
-constexpr int64_t kDraftGrain = 16;  // rows per thread: a draft costs ~1 us
+// Rows per thread. A draft costs ~0.5-1 us; at 64 rows a second thread saved up to ~0.4 us
+// per row on an idle 2-core machine, but when the other core was busy (other processes) the
+// fork/join waited milliseconds for the worker (~120 us per row, both before and after the
+// lookups were interleaved, in 3 of 6 benchmark runs): threads only from 128 rows up.
+constexpr int64_t kDraftGrain = 64;
 
 cpu::SuffixCache make_cache(int64_t max_tokens, int64_t max_depth, int64_t num_slots, int64_t max_candidates,
                             int64_t max_probes, int64_t table_bits) {
