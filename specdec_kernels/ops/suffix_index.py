@@ -23,8 +23,9 @@ Cost and memory (design in csrc/include/specdec/suffix_index.h): hash chains per
 length in {1, 2, 3, 4, 6, 8, 12, 16, 24, 32} (those <= max_depth) over a fixed ring of
 tokens. An appended token costs O(orders); a draft O(max_probes * matched length +
 max_candidates * num_tokens); neither grows with the cache. Measured (bench/results/
-suffix_index_cpu.json): ~1-1.5 us per row and step for append + draft at 64 rows with 1M
-cached tokens, most of it memory latency (the rows' lookups are interleaved to overlap it).
+suffix_index_cpu.json): ~1.3-1.9 us per row and step for append + draft at 64 rows with 1M
+cached tokens (rows on cached text / half of them on novel text), ~0.25 of it the call
+itself, most of the rest memory latency (the rows' lookups are interleaved to overlap it).
 Memory is fixed at creation: 92 bytes per cached token with max_depth 32 (4 token + 8
 sequence links + 4 per order for the chains + 4 per order for the hash heads), counted for
 max_tokens rounded up to a power of two, plus 192 bytes per slot. The oldest tokens are
