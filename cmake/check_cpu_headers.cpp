@@ -23,6 +23,10 @@ template void specdec::cpu::ngram_propose_tree_row<int32_t>(const int32_t*, int6
                                                             specdec::cpu::TreeScratch&);
 template int64_t specdec::cpu::NgramHistoryIndex::propose<int64_t>(int64_t, int64_t, int64_t, bool, int64_t*) const;
 template int64_t specdec::cpu::SuffixCache::draft<int64_t>(int64_t, int64_t, int64_t, int64_t*, int64_t*, int32_t*) const;
+template void specdec::cpu::SuffixCache::draft_rows<int64_t>(const int64_t*, int64_t, int64_t, int64_t, int64_t*, int64_t*,
+                                                              int32_t*, int32_t*) const;
+template void specdec::cpu::SuffixCache::append_rows<int64_t>(const int64_t*, const int64_t*, int64_t, const int64_t*,
+                                                               int64_t);
 template void specdec::cpu::SuffixCache::add<int64_t>(const int64_t*, int64_t);
 
 namespace specdec::cpu {

@@ -166,6 +166,52 @@ def test_compiled_equals_reference_with_collisions_and_probe_limits(table_bits, 
                   max_probes=max_probes, table_bits=table_bits, brute=False, max_candidates=3)
 
 
+@requires_index
+@pytest.mark.parametrize("max_probes,table_bits", [(64, 0), (3, 6)])
+def test_compiled_equals_reference_many_rows_switching_text(max_probes, table_bits):
+    """More rows than the compiled lookup interleaves (16), slots repeated in a draft, and rows
+    that alternate between copying cached text (long matches) and novel tokens (order 1 or
+    none): each slot's next lookup starts from the order its last one matched, which must
+    never change what it finds (with short probe limits and collisions too)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    vocab, rows = 40, 37
+    ix = {b: SuffixIndex(rows, max_tokens=3000, max_candidates=4, max_probes=max_probes, backend=b,
+                         _table_bits=table_bits) for b in ("cpu", "python")}
+    texts = [randint(gen, 0, vocab, (int(randint(gen, 50, 200)),)) for _ in range(6)]
+    for index in ix.values():
+        index.add(texts)
+    for r in range(rows):
+        prompt = randint(gen, 0, vocab, (int(randint(gen, 1, 40)),))
+        for index in ix.values():
+            index.start(r, prompt)
+    source = [None] * rows  # (text, position) a row copies, None: novel tokens
+    longest = 0
+    for step in range(40):
+        tokens = torch.full((rows, 3), -1, dtype=torch.int64)
+        counts = randint(gen, 0, 4, (rows,))
+        for r in range(rows):
+            if float(torch.rand((), generator=gen)) < 0.2:  # switch between copying and novel text
+                text = texts[int(randint(gen, 0, len(texts)))]
+                source[r] = None if source[r] is not None else (text, int(randint(gen, 0, len(text) - 4)))
+            if source[r] is None:
+                tokens[r] = randint(gen, 0, vocab, (3,))
+            else:
+                text, at = source[r]
+                tokens[r] = text[at: at + 3] if at + 3 <= len(text) else randint(gen, 0, vocab, (3,))
+                source[r] = (text, at + int(counts[r]))
+        order = torch.randperm(rows, generator=gen)
+        slots = torch.cat([order, order[: int(randint(gen, 0, 6))]])  # some slots drafted twice
+        depth, nodes = int(randint(gen, 1, 12)), int(randint(gen, 0, 24))
+        for index in ix.values():
+            index.append(order, tokens[order], counts[order])
+        outs = {b: index.draft(slots, num_tokens=depth, max_nodes=nodes) for b, index in ix.items()}
+        for name, got, want in zip(outs["cpu"]._fields, outs["cpu"], outs["python"]):
+            assert torch.equal(got, want), (step, name, got, want)
+        longest = max(longest, int(outs["cpu"].match_lengths.max()))
+    if table_bits == 0:  # (a 64-bucket table with 3 probes rarely finds long ones)
+        assert longest >= 8  # rows on cached text did match long suffixes
+
+
 def test_sibling_drafting():
     """Two forks of one prompt: the second drafts what the first just appended."""
     for backend in BACKENDS:
