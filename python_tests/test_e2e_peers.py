@@ -28,16 +28,9 @@ transformers = pytest.importorskip("transformers")
 from specdec_kernels.benchmarks import e2e  # noqa: E402
 from specdec_kernels.benchmarks.e2e import floor, peers  # noqa: E402
 from conftest import WordTokenizer  # noqa: E402
+from test_generate import one_thread  # noqa: E402,F401  (autouse: torch on 1 thread)
 
 VOCAB = 256
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_model(tie=False):
