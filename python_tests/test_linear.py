@@ -26,12 +26,15 @@ def own_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
 
 
+# Odd K (the k % 8 and k % 16 tails), N not a multiple of 4 (the one-row blocks), odd row
+# counts (the unpaired last row), and rows past the kernel's sweet spot.
+MATCH_SHAPES = [(1, 7), (2, 5, 33), (3, 64), (1, 4, 4, 16), (17, 576), (1, 1), (6, 1537)]
+
+
 @pytest.mark.skipif(not linear.has_kernel(), reason="needs the compiled extension")
 @pytest.mark.parametrize("bias", [False, True])
 def test_small_linear_matches_f_linear(gen, bias):
-    # Odd K (the k % 8 tail), N not a multiple of 4 (the one-row blocks), odd row counts
-    # (the unpaired last row), and rows past the kernel's sweet spot.
-    for shape in [(1, 7), (2, 5, 33), (3, 64), (1, 4, 4, 16), (17, 576), (1, 1), (6, 1537)]:
+    for shape in MATCH_SHAPES:
         out_features = int(torch.randint(1, 80, (), generator=gen))
         x = torch.randn(*shape, generator=gen)
         w = torch.randn(out_features, shape[-1], generator=gen)
@@ -53,7 +56,7 @@ def test_small_linear_narrower_kernels_match_f_linear(isa):
         "import torch, torch.nn.functional as F\n"
         "from specdec_kernels.ops import small_linear as linear\n"
         "gen = torch.Generator().manual_seed(1)\n"
-        "for shape in [(1, 7), (2, 5, 33), (3, 64), (1, 4, 4, 16), (17, 576), (1, 1), (6, 1537)]:\n"
+        f"for shape in {MATCH_SHAPES!r}:\n"
         "    n = int(torch.randint(1, 80, (), generator=gen))\n"
         "    x, w, b = torch.randn(*shape, generator=gen), torch.randn(n, shape[-1], generator=gen), torch.randn(n, generator=gen)\n"
         "    want = F.linear(x.double(), w.double(), b.double())\n"
