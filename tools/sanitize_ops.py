@@ -75,6 +75,7 @@ How --check-log decides (exit 0 = pass, 1 = fail), for every tool:
 """
 
 import argparse
+import faulthandler
 import os
 import re
 import sys
@@ -389,12 +390,18 @@ class Runner:
                 if self.quick and case[2] > 10000:
                     continue
                 kwargs, greedy = self.verify_case(*case)
+                what = f"verify[{backend}] B={case[0]} T={case[1]} V={case[2]} probs={case[3]} {case[4]}"
+                # A line before each launch: where a sanitized run that never ends stopped.
+                print(f"  {what} ...", flush=True)
+                t0 = time.perf_counter()
                 out = sk.verify(backend=backend, **kwargs)
+                if self.device == "cuda":
+                    torch.cuda.synchronize()
+                print(f"  {what}: {time.perf_counter() - t0:.1f} s", flush=True)
                 ref = self.reference(sk.verify, **kwargs)
                 same = ((out.accepted_nodes.cpu() == ref.accepted_nodes.cpu()).all(1)
                         & (out.num_accepted.cpu() == ref.num_accepted.cpu())
                         & (out.output_tokens.cpu() == ref.output_tokens.cpu()).all(1))
-                what = f"verify[{backend}] B={case[0]} T={case[1]} V={case[2]} probs={case[3]} {case[4]}"
                 self.check(bool(same[greedy].all()), what + ": greedy rows differ")
                 self.check(self.valid_path(out, kwargs["tree_tokens"], kwargs["parents"], case[2]),
                            what + ": not a valid path")
@@ -618,6 +625,9 @@ def main(argv=None) -> int:
                         help="skip the largest cases (vocab > 10000, prefix >= 1000): the CPU test's smoke run")
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated parts to run (default all: {','.join(PARTS)})")
+    parser.add_argument("--watchdog", type=float, default=0,
+                        help="after this many seconds, print every thread's Python stack (faulthandler) and go on: "
+                             "where a run that a sanitizer's timeout will cut is waiting (default 0: off)")
     parser.add_argument("--check-log", nargs=2, metavar=("TOOL", "LOG"),
                         help=f"judge a compute-sanitizer log of TOOL ({', '.join(TOOLS)}) instead of running the ops")
     parser.add_argument("--app-rc", type=int, default=0, help="with --check-log: the exit status of the sanitized run")
@@ -635,6 +645,8 @@ def main(argv=None) -> int:
         for reason in reasons:
             print(f"  {reason}")
         return 0 if passed else 1
+    if args.watchdog > 0:
+        faulthandler.dump_traceback_later(args.watchdog, exit=False)
     device = args.device
     if device is None:
         import torch
