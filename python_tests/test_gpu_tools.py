@@ -52,7 +52,8 @@ def test_sanitize_parts_run_alone(capsys):
     """--parts runs the named parts only (one sanitizer process per part), in PARTS order."""
     assert sanitize_ops.main(["--device", "cpu", "--quick", "--parts", "ngram,verify"]) == 0
     out = capsys.readouterr().out
-    ran = [line.split(":")[0].strip() for line in out.splitlines() if line.startswith("  ") and line.endswith(" s")]
+    ran = [line.split(":")[0].strip() for line in out.splitlines()
+           if line.startswith("  ") and line.endswith(" s") and line.split(":")[0].strip() in sanitize_ops.PARTS]
     assert ran == ["verify", "ngram"] and sanitize_ops.OK_LINE in out
     with pytest.raises(SystemExit):
         sanitize_ops.main(["--device", "cpu", "--parts", "verify,nonsense"])
@@ -482,6 +483,26 @@ def test_sanitize_stage_runs_part_groups_side_by_side_and_judges_each(tmp_path):
     assert sorted(marker.read_text().split()) == sorted(groups.split())
     line = next(x for x in lines if x.startswith("sanitize:memcheck"))
     assert run.returncode == 1 and "FAILED" in line and "memcheck: 2/3 process(es) PASS (failed: verify" in line
+
+
+def test_a_passed_sanitizer_is_a_repeat_only_for_the_same_parts_and_cases(tmp_path):
+    """On a warm machine a sanitizer that passed is skipped when asked again for the same parts
+    and cases only: another SANITIZE_PARTS, or the quick cases instead of all, is a new run (the
+    third window's verify-only memcheck was skipped as a repeat of a run over the other parts)."""
+    common = dict(DEADLINE_S=60, STAGE_SECONDS="build=0/10,sanitize=0/10", SANITIZER_PROBE_CMD="true",
+                  SPECDEC_KERNEL_RELEASE="6.18.44-fc", COMPUTE_SANITIZER=fake_sanitizer(tmp_path, refuses=False)[0],
+                  SPECDEC_GPU_WORK=tmp_path / "warm", SPECDEC_GPU_SESSION_FAKE="sanitize:memcheck=0:0")
+
+    def verdict(**env):
+        _, lines = session(tmp_path, "sanitize:memcheck", **dict(common, **env))
+        return verdicts(lines)["sanitize:memcheck"]
+
+    assert verdict(SANITIZE_PARTS="tree_masks,ngram") == "PASS"
+    assert verdict(SANITIZE_PARTS="tree_masks,ngram") == "SKIPPED"
+    assert verdict(SANITIZE_PARTS="verify") == "PASS"
+    assert verdict(SANITIZE_PARTS="verify", SANITIZE_QUICK="memcheck") == "PASS"
+    assert verdict(SANITIZE_PARTS="verify", SANITIZE_QUICK="memcheck racecheck") == "SKIPPED"
+    assert verdict(SANITIZE_PARTS="verify", FORCE=1) == "PASS"
 
 
 def test_gpu_parallel_runs_groups_side_by_side(tmp_path):

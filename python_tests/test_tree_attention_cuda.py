@@ -98,8 +98,8 @@ def test_tree_kinds_and_sizes(gen, kind, num_nodes):
 def test_dtypes_head_dims_gqa(gen, dtype, head_dim, q_heads, kv_heads, hf):
     q, k, v, parents, prefix = gpu_case(gen, batch=3, num_nodes=int(randint(gen, 1, 41)), q_heads=q_heads,
                                         kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, max_prefix=700, hf=hf)
-    if hf:
-        assert not q.is_contiguous() and not k.is_contiguous() and k.stride(-1) == 1
+    if hf:  # a one-node tree's [B, H, 1, D] query is contiguous either way: only k is a strided view then
+        assert (q.shape[1] == 1 or not q.is_contiguous()) and not k.is_contiguous() and k.stride(-1) == 1
     check_vs_reference(q, k, v, pack_tree_mask(tree_mask(parents.cuda())), prefix)
 
 

@@ -252,12 +252,15 @@ tree_stamp() {
 
 # What a verdict of stage $1 stands for: the sources, and for the measuring stages what they
 # measured (another BENCH_ARGS / E2E_ARGS, the prompt files carried this time, or the default
-# model there now, make a new run, not a repeat); for test, which cases.
+# model there now, make a new run, not a repeat); for test, which cases; for a sanitizer, which
+# parts and whether on the quick cases (the third window's verify-only run was skipped as a repeat
+# of a run over the other parts).
 stage_key() {
   case $1 in
     bench:*) echo "$1 $TREE_STAMP ${BENCH_ARGS:-} | data: ${SPECDEC_DATA:-none}" ;;
     e2e*) echo "$1 $TREE_STAMP ${E2E_ARGS:-} ${E2E_LLAMA_ARGS:-} | $MODEL_STATUS" ;;
     test) echo "$1 $TREE_STAMP $TESTS" ;;
+    sanitize:*) echo "$1 $TREE_STAMP parts: ${SANITIZE_PARTS:-all} quick: $([[ " ${SANITIZE_QUICK:-} " == *" ${1#sanitize:} "* ]] && echo yes || echo no)" ;;
     *) echo "$1 $TREE_STAMP" ;;
   esac
 }
