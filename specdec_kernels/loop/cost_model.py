@@ -42,7 +42,8 @@ import torch
 
 # 2: interleaved calibration rounds (files of 1 may hold shapes bent by load); 3: small_linear_rows;
 # 4: bf16 small_linear calibrated (older bf16 files never chose it); 5: the AVX-512 fp32
-# small_linear kernel and ties no longer breaking its row range (step costs and the range change)
+# small_linear kernel and ties no longer breaking its row range (step costs and the range change);
+# the identity's "forward": "lean" where `generate` runs loop.hf.lean's forward (cheaper steps)
 FORMAT = 5
 GRID = (1, 2, 4, 8, 16, 32, 64, 128)  # token counts timed at calibration
 CAL_PREFIX = 64  # prefix length of the table's forwards
@@ -84,6 +85,15 @@ def device_identity(device: torch.device) -> str:
     return f"{device.type}:{cpu}:threads={torch.get_num_threads()}"
 
 
+def hf_lean_applies(model) -> bool:
+    """Whether `generate` runs `model`'s tree steps through `loop.hf.lean.LeanForward`."""
+    try:
+        from .hf.lean import unsupported_reason
+    except ImportError:  # no transformers: not a transformers model
+        return False
+    return unsupported_reason(model) is None
+
+
 def identity(model) -> dict:
     """The key a cost measurement is valid for (model, device, dtype, format, and the backend
     tree attention runs on that device: on a GPU the reference, Triton and CUDA kernels cost
@@ -94,7 +104,8 @@ def identity(model) -> dict:
     device_type = "cpu" if param.is_cpu else param.device.type
     backends = _extension.available_backends("tree_attention", device_type)
     return {**model_identity(model), "device": device_identity(param.device), "dtype": str(param.dtype).replace("torch.", ""),
-            "format": FORMAT, "attention": backends[0]}  # (the default backend: triton_by_default counts)
+            "format": FORMAT, "attention": backends[0],  # (the default backend: triton_by_default counts)
+            **({"forward": "lean"} if hf_lean_applies(model) else {})}
 
 
 class CostModel:
@@ -300,8 +311,10 @@ def _time_forward(model, cache, num_tokens: int, prefix: int) -> float:
     depth = torch.arange(num_tokens, device=device)
     mask = tree_mask(depth[None, :] - 1)
     cache.set_lengths(torch.tensor([prefix], device=device))
+    lean = hf.LeanForward.for_model(model)  # what `generate` runs, where it applies
+    forward = hf.forward if lean is None else lean.forward
     start = device_clock(device)
-    hf.forward(model, cache, tokens, prefix + depth[None, :], mask)
+    forward(model, cache, tokens, prefix + depth[None, :], mask)
     return device_clock(device) - start
 
 

@@ -378,7 +378,9 @@ def generate(
     # Few-row linears by our CPU kernel where the cost model found it faster (specdec_kernels/small_linear.py).
     linear_rows = _small_linear_rows(target, planner)
     static = compiled.static_forward(target, compile, device, kv_page_size is not None)
-    tree_forward = hf.forward if static is None else static.forward
+    # Tree steps of Llama-family models on a CPU: the same math with fewer ops (loop/hf/lean.py).
+    lean = hf.LeanForward.for_model(target) if static is None else None
+    tree_forward = static.forward if static is not None else lean.forward if lean is not None else hf.forward
     with hf.use_tree_attention(target, *drafter.models), config.value_checks(False), \
             small_linears(target, linear_rows):
         cache = hf.TreeKVCache.for_model(target, batch, capacity, page_size=kv_page_size) if static is None else \

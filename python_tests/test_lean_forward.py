@@ -1,0 +1,174 @@
+"""loop.hf.lean.LeanForward: the lean tree-step forward for Llama-family models on a CPU.
+
+Its contract is bit-identity with `hf.forward` (the model's own modules): the logits, every
+`return_hidden` form and what it writes into the `TreeKVCache` must be equal, not close, for
+every family it takes, dense and paged caches, ragged rows with padding nodes, random trees,
+with and without our `small_linear` routing. Models it must not take are refused with the
+reason, and `generate` runs it where it applies (greedy output equal to HF's either way).
+"""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import specdec_kernels as sk  # noqa: E402
+from specdec_kernels import config  # noqa: E402
+from specdec_kernels.loop import hf  # noqa: E402
+from specdec_kernels.loop.hf.lean import LeanForward, unsupported_reason  # noqa: E402
+from specdec_kernels.ops.small_linear import small_linears  # noqa: E402
+from specdec_kernels.ops.tree import tree_mask  # noqa: E402
+
+VOCAB = 97
+GEOMETRY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, vocab_size=VOCAB, bos_token_id=None,
+                eos_token_id=None)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama_bias_rope_scaling": ("LlamaConfig", "LlamaForCausalLM",
+                                dict(attention_bias=True, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=False)),  # q/k/v biases
+}
+
+
+def build(name: str, seed: int = 0, dtype=torch.float32, **overrides):
+    config_name, model_name, extra = FAMILIES[name]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, config_name)(**{**GEOMETRY, **extra, **overrides})
+    model = getattr(transformers, model_name)(cfg).eval().to(dtype)
+    with torch.no_grad():  # biases are zero at init: make them count
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0, 0.5)
+    return model
+
+
+def random_tree(gen, batch: int, nodes: int):
+    """parents [B, T] (row b > 0 ragged: padding nodes -1 after its real ones), depths, tokens."""
+    parents = torch.full((batch, nodes), -1, dtype=torch.int64)
+    for b in range(batch):
+        real = nodes if b == 0 else int(torch.randint(1, nodes + 1, (), generator=gen))
+        for i in range(1, real):
+            parents[b, i] = int(torch.randint(0, i, (), generator=gen))
+    depths = torch.zeros(batch, nodes, dtype=torch.int64)
+    for b in range(batch):
+        for i in range(1, nodes):
+            if parents[b, i] >= 0:
+                depths[b, i] = depths[b, parents[b, i]] + 1
+    tokens = torch.randint(0, VOCAB, (batch, nodes), generator=gen)
+    tokens = torch.where((parents >= 0) | (torch.arange(nodes) == 0), tokens, torch.full_like(tokens, -1))
+    return parents, depths, tokens
+
+
+def one_step(model, forward, seed: int, page_size=None, return_hidden=False, logits_to_keep=0, rows=(1, 32)):
+    """Prefill ragged prompts, then one tree step by `forward`: (its output, the cache's buffers)."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, prompt = 3, 37
+    history = torch.randint(0, VOCAB, (batch, prompt), generator=gen)
+    lengths = torch.tensor([prompt, prompt - 9, prompt - 21])
+    parents, depths, tokens = random_tree(gen, batch, nodes=7)
+    with torch.inference_mode(), hf.use_tree_attention(model), small_linears(model, rows):
+        cache = hf.TreeKVCache.for_model(model, batch, 96, page_size=page_size)
+        hf.prefill(model, cache, history, lengths)
+        cache.set_lengths(lengths - 1)
+        positions = cache.seqlens.long()[:, None] + depths
+        out = forward(model, cache, tokens, positions, tree_mask(parents), logits_to_keep=logits_to_keep,
+                      return_hidden=return_hidden)
+        return out, [buf.clone() for buf in cache.buffers()]
+
+
+def assert_identical(a, b):
+    if isinstance(a, tuple):
+        assert isinstance(b, tuple) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_identical(x, y)
+        return
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert torch.equal(a, b), f"max difference {(a.float() - b.float()).abs().max().item()}"
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("page_size", (None, 8), ids=("dense", "paged"))
+def test_bit_identical_to_the_models_own_forward(name, page_size):
+    model = build(name)
+    assert unsupported_reason(model) is None
+    lean = LeanForward.for_model(model)
+    for seed, return_hidden, keep in ((1, False, 0), (2, True, 0), (3, (0, 1, -1, 3), 0), (4, False, 2)):
+        want = one_step(model, hf.forward, seed, page_size, return_hidden, keep)
+        got = one_step(model, lean.forward, seed, page_size, return_hidden, keep)
+        assert_identical(got[0], want[0])
+        assert_identical(tuple(got[1]), tuple(want[1]))  # the same keys and values written
+
+
+def test_bit_identical_with_torch_linears_and_in_bf16():
+    """Without our small_linear routing (F.linear), and for a bf16 model."""
+    model = build("llama")
+    lean = LeanForward.for_model(model)
+    assert_identical(one_step(model, lean.forward, 5, rows=(0, 0))[0], one_step(model, hf.forward, 5, rows=(0, 0))[0])
+    model16 = build("qwen2", dtype=torch.bfloat16)
+    lean16 = LeanForward.for_model(model16)
+    assert_identical(one_step(model16, lean16.forward, 6)[0], one_step(model16, hf.forward, 6)[0])
+
+
+def test_bad_hidden_layer_index_is_refused():
+    model = build("llama")
+    with pytest.raises(ValueError, match="hidden states 0 .. 3"):
+        one_step(model, LeanForward.for_model(model).forward, 1, return_hidden=(4,))
+
+
+def test_prefill_and_other_models_go_to_the_models_own_forward():
+    """No tree mask (a prefill), or another model than its own: `hf.forward` runs."""
+    model, other = build("llama"), build("llama", seed=1)
+    lean = LeanForward.for_model(model)
+    want = one_step(other, hf.forward, 7)
+    assert_identical(one_step(other, lean.forward, 7)[0], want[0])
+    with torch.inference_mode(), hf.use_tree_attention(model):
+        ids = torch.randint(0, VOCAB, (2, 9))
+        caches = [hf.TreeKVCache.for_model(model, 2, 32) for _ in range(2)]
+        a = hf.forward(model, caches[0], ids, torch.arange(9).expand(2, 9))
+        b = lean.forward(model, caches[1], ids, torch.arange(9).expand(2, 9))
+    assert_identical(a, b)
+
+
+def test_what_it_refuses_and_why(monkeypatch):
+    assert "sliding" in unsupported_reason(build("mistral", sliding_window=16))
+    assert "sliding" in unsupported_reason(build("qwen2", use_sliding_window=True, sliding_window=16,
+                                                 max_window_layers=0))
+    assert "SiLU" in unsupported_reason(build("llama", hidden_act="gelu"))
+    assert "SiLU" in unsupported_reason(build("llama", mlp_bias=True))
+    gemma = transformers.GemmaForCausalLM(transformers.GemmaConfig(**GEOMETRY, head_dim=16))
+    assert "model_type 'gemma'" in unsupported_reason(gemma)
+
+    model = build("llama")
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda *args: None)
+    assert "hooks" in unsupported_reason(model) and LeanForward.for_model(model) is None
+    handle.remove()
+    assert unsupported_reason(model) is None
+    model.model.layers[0].self_attn.q_proj = torch.nn.utils.parametrize.register_parametrization(
+        torch.nn.Linear(64, 64), "weight", torch.nn.Identity())
+    assert "torch.nn.Linear" in unsupported_reason(model)
+
+    monkeypatch.setattr(config, "lean_forward", False)
+    assert "config.lean_forward" in unsupported_reason(build("llama"))
+
+
+@pytest.mark.parametrize("lean_on", (True, False), ids=("lean", "models_own"))
+def test_generate_runs_it_and_matches_hf(monkeypatch, lean_on):
+    """`generate` takes the lean forward where it applies (and not when turned off); greedy
+    output equals HF `generate` either way, with n-gram drafts (trees) at batch 2."""
+    monkeypatch.setattr(config, "lean_forward", lean_on)
+    calls = []
+    real = LeanForward.forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(LeanForward, "forward", counted)
+    model = build("llama", seed=3)
+    prompt = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0)).repeat(1, 4)
+    out = sk.generate(model, prompt, max_new_tokens=24, drafter=sk.NgramDrafter(), adaptive=False)
+    want = model.generate(prompt, max_new_tokens=24, do_sample=False, min_new_tokens=24)
+    assert torch.equal(out.sequences[:, prompt.shape[1]:], want[:, prompt.shape[1]:])
+    assert bool(calls) == lean_on
