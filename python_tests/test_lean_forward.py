@@ -29,6 +29,7 @@ FAMILIES = {
                                 dict(attention_bias=True, rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=False)),  # q/k/v biases
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(use_sliding_window=False, head_dim=16)),  # q/k norms
 }
 
 

@@ -15,7 +15,7 @@ triton_by_default: whether CUDA tensors run the Triton kernels (`tree_attention`
     3.6, 2026-11-26). The environment variable SPECDEC_TRITON_BY_DEFAULT=0 at import turns it
     off; set it here at any time instead. Off, such calls run the plain-torch reference.
     `backend="triton"` always forces the Triton kernel, whatever this says.
-lean_forward: whether `generate` runs tree steps of Llama, Mistral and Qwen2 models on a CPU
+lean_forward: whether `generate` runs tree steps of Llama, Mistral, Qwen2 and Qwen3 models on a CPU
     through `loop.hf.lean.LeanForward` (transformers' math with fewer ops; bit-identical
     logits) instead of the model's own forward. On by default; SPECDEC_LEAN_FORWARD=0 at import
     turns it off; set it here at any time instead (read when `generate` starts).

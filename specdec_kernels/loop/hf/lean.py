@@ -16,7 +16,7 @@ test_lean_forward.py` checks that for every family it takes, dense and paged cac
 rows and every `return_hidden` form.
 
 It takes only what it can prove equal (`LeanForward.for_model` returns None otherwise, and
-`generate` runs the model's own forward): Llama, Mistral and Qwen2 causal LMs whose layers
+`generate` runs the model's own forward): Llama, Mistral, Qwen2 and Qwen3 causal LMs whose layers
 are exactly transformers' classes, on a CPU, SiLU MLPs without biases, every layer full
 attention (no sliding window), no tensor parallelism, no forward hooks on any module.
 `config.lean_forward = False` (or SPECDEC_LEAN_FORWARD=0 at import) turns it off.
@@ -36,7 +36,9 @@ FAMILIES = {
     "llama": ("LlamaForCausalLM", "LlamaDecoderLayer", "LlamaAttention", "LlamaMLP", "LlamaRMSNorm"),
     "mistral": ("MistralForCausalLM", "MistralDecoderLayer", "MistralAttention", "MistralMLP", "MistralRMSNorm"),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2DecoderLayer", "Qwen2Attention", "Qwen2MLP", "Qwen2RMSNorm"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3DecoderLayer", "Qwen3Attention", "Qwen3MLP", "Qwen3RMSNorm"),
 }
+QK_NORM = frozenset({"qwen3"})  # families that RMS-normalise each query and key head before the rotation
 
 
 def _has_hooks(module: torch.nn.Module) -> bool:
@@ -78,9 +80,11 @@ def unsupported_reason(model) -> Optional[str]:
     if len(layers) != cfg.num_hidden_layers or any(type(layer).__name__ != layer_cls for layer in layers):
         return f"decoder layers are not all {layer_cls}"
     for layer in layers:
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if model_type in QK_NORM:
+            norms += [getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)]
         if (type(layer.self_attn).__name__ != attn_cls or type(layer.mlp).__name__ != mlp_cls
-                or type(layer.input_layernorm).__name__ != norm_cls
-                or type(layer.post_attention_layernorm).__name__ != norm_cls):
+                or any(type(norm).__name__ != norm_cls for norm in norms)):
             return "a layer's attention, MLP or norms are not transformers' own"
         linears = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
                    layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
@@ -119,6 +123,7 @@ class LeanForward:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.qk_norm = cfg.model_type in QK_NORM
 
     @classmethod
     def for_model(cls, model) -> Optional["LeanForward"]:
@@ -142,8 +147,11 @@ class LeanForward:
         for index, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             x = _rms_norm(layer.input_layernorm, h)
-            q = _rotate(attn.q_proj.forward(x).view(batch, num_tokens, self.num_heads, self.head_dim), cos, sin)
-            k = _rotate(attn.k_proj.forward(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+            q = attn.q_proj.forward(x).view(batch, num_tokens, self.num_heads, self.head_dim)
+            k = attn.k_proj.forward(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim)
+            if self.qk_norm:
+                q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             v = attn.v_proj.forward(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim)
             keys, values = cache.layers[index].update(k.transpose(1, 2), v.transpose(1, 2))
             out = tree_attention(q, keys.transpose(1, 2), values.transpose(1, 2), tree_mask, cache.seqlens,
