@@ -150,6 +150,13 @@ def test_what_it_refuses_and_why(monkeypatch):
         torch.nn.Linear(64, 64), "weight", torch.nn.Identity())
     assert "torch.nn.Linear" in unsupported_reason(model)
 
+    model = build("llama")
+    model.model.layers[2].mlp.forward = lambda x: x  # what accelerate's offloading hooks do
+    assert "replaced" in unsupported_reason(model)
+    model = build("llama")
+    with small_linears(model, (1, 32)):  # our own routing of the linears is fine
+        assert unsupported_reason(model) is None
+
     monkeypatch.setattr(config, "lean_forward", False)
     assert "config.lean_forward" in unsupported_reason(build("llama"))
 

@@ -94,6 +94,15 @@ def unsupported_reason(model) -> Optional[str]:
         return "the final norm or the LM head is not transformers' own"
     if _has_hooks(model) or _global_hooks():
         return "forward hooks are registered"
+    # The modules whose forward this one replaces must run their class's forward: one with its
+    # own (accelerate's offloading hooks swap it in, `_hf_hook`) would be bypassed. The linears,
+    # the embedding and the rotary module are called through their own forward, whatever it is.
+    replaced = [model, inner, inner.norm]
+    for layer in layers:
+        replaced += [layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm,
+                     getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)]
+    if any(m is not None and ("forward" in m.__dict__ or hasattr(m, "_hf_hook")) for m in replaced):
+        return "a module's forward is replaced (accelerate hooks, offloading)"
     return None
 
 
