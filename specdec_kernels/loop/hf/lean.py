@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from ... import config
-from .families import layer_types
 from ...ops.tree_attention import tree_attention
+from .attention import forward as model_forward
+from .families import layer_types
 
 # model_type -> (causal LM class, decoder layer class, attention class, MLP class, RMSNorm class) names.
 FAMILIES = {
@@ -116,7 +117,8 @@ def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # apply_rotary_pos_emb: x * cos + rotate_half(x) * sin.
+    # apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, element for element the same in
+    # the [B, T, H, D] layout as in transformers' [B, H, T, D] one.
     half = x.shape[-1] // 2
     return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
@@ -142,10 +144,8 @@ class LeanForward:
     def forward(self, model, cache, tokens, position_ids, tree_mask=None, logits_to_keep=0, return_hidden=False):
         """`hf.forward(model, cache, tokens, position_ids, tree_mask, logits_to_keep, return_hidden)`
         with the same results; a prefill (no tree mask) runs `hf.forward` itself."""
-        from .attention import forward as hf_forward
-
         if tree_mask is None or model is not self.model:
-            return hf_forward(model, cache, tokens, position_ids, tree_mask, logits_to_keep, return_hidden)
+            return model_forward(model, cache, tokens, position_ids, tree_mask, logits_to_keep, return_hidden)
         block_table = cache.attention_block_table()
         batch, num_tokens = tokens.shape
         h = self.inner.embed_tokens.forward(tokens.clamp(min=0))
