@@ -283,17 +283,12 @@ def _real_run(methods):
     return {r["config"]["method"]: r for r in rows}
 
 
-@needs_llamacpp
-def test_llamacpp_fp32_gguf_decodes_hf_greedy_tokens():
-    by = _real_run(("llamacpp_plain", "llamacpp_lookup"))
-    for method in ("llamacpp_plain", "llamacpp_lookup"):
-        assert "skipped" not in by[method], by[method].get("skipped")
-        assert by[method]["greedy_identical_share"] == 1.0, by[method]["mismatches"]
-
-
-@needs_vllm
-def test_vllm_decodes_hf_greedy_tokens():
-    by = _real_run(("vllm_plain", "vllm_ngram"))
-    for method in ("vllm_plain", "vllm_ngram"):
+@pytest.mark.parametrize("methods", [
+    pytest.param(("llamacpp_plain", "llamacpp_lookup"), marks=needs_llamacpp, id="llamacpp_fp32_gguf"),
+    pytest.param(("vllm_plain", "vllm_ngram"), marks=needs_vllm, id="vllm"),
+])
+def test_peer_decodes_hf_greedy_tokens(methods):
+    by = _real_run(methods)
+    for method in methods:
         assert "skipped" not in by[method], by[method].get("skipped")
         assert by[method]["greedy_identical_share"] == 1.0, by[method]["mismatches"]

@@ -62,12 +62,13 @@ def measure(model, counts=COUNTS, rounds: int = 7) -> list:
     times = {n: {"ours": [], "F.linear": []} for n in counts}
     with hf.use_tree_attention(model), config.value_checks(False):
         cache = hf.TreeKVCache.for_model(model, 1, PREFIX + max(counts) + 1)
-        _time_forward(model, cache, max(counts), PREFIX)  # warm-up
+        forward = hf.tree_step_forward(model)
+        _time_forward(forward, model, cache, max(counts), PREFIX)  # warm-up
         for _ in range(rounds):
             for n in counts:
-                times[n]["F.linear"].append(_time_forward(model, cache, n, PREFIX))
+                times[n]["F.linear"].append(_time_forward(forward, model, cache, n, PREFIX))
                 with small_linear.small_linears(model, (1, max(counts))):
-                    times[n]["ours"].append(_time_forward(model, cache, n, PREFIX))
+                    times[n]["ours"].append(_time_forward(forward, model, cache, n, PREFIX))
     rows = []
     for n in counts:
         ours, peer = (1e6 * statistics.median(times[n][k]) for k in ("ours", "F.linear"))

@@ -300,10 +300,10 @@ def device_clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _time_forward(model, cache, num_tokens: int, prefix: int) -> float:
-    """Seconds of one forward of a `num_tokens` chain after `prefix` cached tokens (the cache's
-    contents do not change the cost; nothing is prefilled)."""
-    from . import hf
+def _time_forward(forward, model, cache, num_tokens: int, prefix: int) -> float:
+    """Seconds of one `forward` (`hf.tree_step_forward(model)`: what `generate` runs) of a
+    `num_tokens` chain after `prefix` cached tokens (the cache's contents do not change the
+    cost; nothing is prefilled)."""
     from ..ops.tree import tree_mask
 
     device = cache.seqlens.device
@@ -311,8 +311,6 @@ def _time_forward(model, cache, num_tokens: int, prefix: int) -> float:
     depth = torch.arange(num_tokens, device=device)
     mask = tree_mask(depth[None, :] - 1)
     cache.set_lengths(torch.tensor([prefix], device=device))
-    lean = hf.LeanForward.for_model(model)  # what `generate` runs, where it applies
-    forward = hf.forward if lean is None else lean.forward
     start = device_clock(device)
     forward(model, cache, tokens, prefix + depth[None, :], mask)
     return device_clock(device) - start
@@ -350,10 +348,11 @@ def calibrate(model, *, grid: Sequence[int] = GRID, prefix: int = CAL_PREFIX, lo
     on_cpu = next(model.parameters()).device.type == "cpu" and not tensor_parallel(model)
     with hf.use_tree_attention(model), config.value_checks(False):
         cache = hf.TreeKVCache.for_model(model, 1, max(prefix, long_prefix) + max(grid) + 1)
-        _time_forward(model, cache, grid[0], prefix)  # warm-up (first-call allocations)
+        forward = hf.tree_step_forward(model)
+        _time_forward(forward, model, cache, grid[0], prefix)  # warm-up (first-call allocations)
         rows = small_linear.choose_small_linear_rows(small_linear.linear_weights(model), repeats=repeats) if on_cpu else (0, 0)
         with small_linear.small_linears(model, rows):
-            seconds, per_key = _time_table(model, cache, grid, prefix, long_prefix, repeats)
+            seconds, per_key = _time_table(forward, model, cache, grid, prefix, long_prefix, repeats)
     # The table must not fall. Noise (other processes, interrupts) only ever adds time and
     # the best of a few runs removes most of it, so where a smaller forward measured slower
     # than a larger one, the smaller one is the outlier: cap each point by the points after it
@@ -365,7 +364,7 @@ def calibrate(model, *, grid: Sequence[int] = GRID, prefix: int = CAL_PREFIX, lo
     return CostModel(identity(model), grid, seconds, per_key, prefix, rows)
 
 
-def _time_table(model, cache, grid, prefix, long_prefix, repeats):
+def _time_table(forward, model, cache, grid, prefix, long_prefix, repeats):
     """Best-of-`repeats` seconds per token count of `grid` (interleaved rounds), and the
     attention term per (query token x key) from a probe at both prefixes."""
     probe = min(8, max(grid))
@@ -374,9 +373,9 @@ def _time_table(model, cache, grid, prefix, long_prefix, repeats):
     short = long = math.inf
     for _ in range(repeats):
         for i, n in enumerate(grid):
-            seconds[i] = min(seconds[i], _time_forward(model, cache, n, prefix))
+            seconds[i] = min(seconds[i], _time_forward(forward, model, cache, n, prefix))
         if use_long:  # the attention term: the probe at both prefixes, in the same round
-            short = min(short, _time_forward(model, cache, probe, prefix))
-            long = min(long, _time_forward(model, cache, probe, long_prefix))
+            short = min(short, _time_forward(forward, model, cache, probe, prefix))
+            long = min(long, _time_forward(forward, model, cache, probe, long_prefix))
     per_key = max(long - short, 0.0) / (probe * (long_prefix - prefix)) if use_long else 0.0
     return seconds, per_key

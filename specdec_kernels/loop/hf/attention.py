@@ -211,11 +211,16 @@ def _hidden(model, args, layers):
         hidden = _decoder(model)(**args).last_hidden_state
         return hidden, hidden
     out = _decoder(model)(output_hidden_states=True, **args)
-    states = out.hidden_states
+    return out.last_hidden_state, stack_hidden(model, out.hidden_states, layers)
+
+
+def stack_hidden(model, states, layers) -> torch.Tensor:
+    """The hidden states `layers` (transformers' numbering, negative from the end) of `states`
+    stacked on dim -2; ValueError naming the valid range for an index outside it."""
     bad = [i for i in layers if not -len(states) <= int(i) < len(states)]
     if bad:
         raise ValueError(f"hidden layers {bad}: {type(model).__name__} has hidden states 0 .. {len(states) - 1}")
-    return out.last_hidden_state, torch.stack([states[int(i)] for i in layers], dim=-2)
+    return torch.stack([states[int(i)] for i in layers], dim=-2)
 
 
 def _decoder(model):

@@ -5,12 +5,12 @@ by the forward's own overhead: transformers' modules run ~65 torch ops per decod
 (module calls, hooks machinery, kwargs plumbing, dtype round trips, mask and cache bookkeeping).
 On the default model (30 layers, fp32, one thread) that was ~13 ms of a ~55 ms step, which
 llama.cpp does not pay. `LeanForward` runs a tree step of the same model with ~30 ops per
-layer: it calls each linear's `forward` directly (our `small_linear` where `small_linears`
-routed it), applies the rotary embedding to queries and keys in their [B, T, H, D] layout,
+layer: it calls each linear's and RMSNorm's `forward` directly (our `small_linear` where
+`small_linears` routed a linear), applies the rotary embedding to queries and keys in their [B, T, H, D] layout,
 writes the `TreeKVCache` and runs `tree_attention` as the attention function does.
 
 It computes what transformers' modules compute, op for op in the same order and dtype
-(RMSNorm in fp32, `q * cos + rotate_half(q) * sin`, `down(act(gate(x)) * up(x))`, the same
+(their own RMSNorms, `q * cos + rotate_half(q) * sin`, `down(act(gate(x)) * up(x))`, the same
 residual adds), so its logits are bit-identical to `hf.forward`'s; `python_tests/
 test_lean_forward.py` checks that for every family it takes, dense and paged caches, ragged
 rows and every `return_hidden` form.
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from ... import config
 from ...ops.tree_attention import tree_attention
 from .attention import forward as model_forward
+from .attention import stack_hidden
 from .families import layer_types
 
 # model_type -> (causal LM class, decoder layer class, attention class, MLP class, RMSNorm class) names.
@@ -107,15 +108,6 @@ def unsupported_reason(model) -> Optional[str]:
     return None
 
 
-def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    # LlamaRMSNorm.forward (Mistral's and Qwen2's are the same), op for op.
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    variance = x.pow(2).mean(-1, keepdim=True)
-    x = x * torch.rsqrt(variance + norm.variance_epsilon)
-    return norm.weight * x.to(dtype)
-
-
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, element for element the same in
     # the [B, T, H, D] layout as in transformers' [B, H, T, D] one.
@@ -155,22 +147,22 @@ class LeanForward:
         states: List[torch.Tensor] = [h] if layers_wanted else []
         for index, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            x = _rms_norm(layer.input_layernorm, h)
+            x = layer.input_layernorm.forward(h)
             q = attn.q_proj.forward(x).view(batch, num_tokens, self.num_heads, self.head_dim)
             k = attn.k_proj.forward(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim)
             if self.qk_norm:
-                q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
+                q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             v = attn.v_proj.forward(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim)
             keys, values = cache.layers[index].update(k.transpose(1, 2), v.transpose(1, 2))
             out = tree_attention(q, keys.transpose(1, 2), values.transpose(1, 2), tree_mask, cache.seqlens,
                                  block_table=block_table, scale=attn.scaling)
             h = h + attn.o_proj.forward(out.reshape(batch, num_tokens, -1))
-            x = _rms_norm(layer.post_attention_layernorm, h)
+            x = layer.post_attention_layernorm.forward(h)
             h = h + mlp.down_proj.forward(F.silu(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
             if layers_wanted and index + 1 < len(self.layers):
                 states.append(h)
-        h = _rms_norm(self.inner.norm, h)
+        h = self.inner.norm.forward(h)
         kept = h if logits_to_keep == 0 else h[:, -logits_to_keep:]
         logits = self.model.lm_head.forward(kept).float()
         if return_hidden is False:
@@ -178,7 +170,12 @@ class LeanForward:
         if return_hidden is True:
             return logits, h
         states.append(h)
-        bad = [i for i in return_hidden if not -len(states) <= int(i) < len(states)]
-        if bad:
-            raise ValueError(f"hidden layers {bad}: {type(model).__name__} has hidden states 0 .. {len(states) - 1}")
-        return logits, torch.stack([states[int(i)] for i in return_hidden], dim=-2)
+        return logits, stack_hidden(model, states, return_hidden)
+
+
+def tree_step_forward(model):
+    """The forward `generate` runs `model`'s tree steps with (`hf.forward`'s signature): a
+    `LeanForward`'s where it applies, else `hf.forward` itself. Decide once per call: the
+    check walks every module (~4 ms on the default model)."""
+    lean = LeanForward.for_model(model)
+    return model_forward if lean is None else lean.forward
