@@ -75,6 +75,10 @@ TORCH_LIBRARY(specdec, m) {
       .def("append_and_draft", &specdec::SuffixIndex::append_and_draft);
   // Few-row linear products on the CPU (specdec_kernels/small_linear.py): y = x @ weight^T (+ bias), fp32; csrc/small_linear.cpp.
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  // A Llama-family decoder layer's tree step on the CPU (specdec_kernels/ops/decoder_layer.py); csrc/decoder_layer.cpp.
+  m.def(
+      "decoder_layer(Tensor hidden, Tensor cos, Tensor sin, Tensor?[] weights, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, Tensor tree_mask, Tensor cache_seqlens, float scale, float eps) -> Tensor");
   // Paged KV caches: k/v (every cache) [num_pages, page_size, H, D], block_table int32 [B, P].
   m.def(
       "tree_attention_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tree_mask, Tensor cache_seqlens, "

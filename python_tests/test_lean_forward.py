@@ -180,3 +180,56 @@ def test_generate_runs_it_and_matches_hf(monkeypatch, lean_on):
     want = model.generate(prompt, max_new_tokens=24, do_sample=False, min_new_tokens=24)
     assert torch.equal(out.sequences[:, prompt.shape[1]:], want[:, prompt.shape[1]:])
     assert bool(calls) == lean_on
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_fused_layers_match_the_lean_forward(name):
+    """With the linears routed to small_linear, the fused `decoder_layer` steps agree with the
+    op-by-op lean forward to rounding (only RMSNorm's sum of squares runs in another order),
+    every `return_hidden` form and the cache writes included; paged caches and row counts
+    outside the range run op by op."""
+    model = build(name)
+    fused = LeanForward.for_model(model, (1, 32))
+    assert fused.fused_layers is not None
+    lean = LeanForward.for_model(model)
+    for seed, return_hidden in ((1, False), (2, (0, 1, -1, 3))):
+        got, got_cache = one_step(model, fused.forward, seed, return_hidden=return_hidden)
+        want, want_cache = one_step(model, lean.forward, seed, return_hidden=return_hidden)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_cache, want_cache, atol=1e-5, rtol=1e-5)
+    assert fused.fuses(21, hf.TreeKVCache.for_model(model, 3, 8))
+    assert not fused.fuses(33, hf.TreeKVCache.for_model(model, 3, 8))
+    assert not fused.fuses(21, hf.TreeKVCache.for_model(model, 3, 8, page_size=4))
+    assert_identical(one_step(model, fused.forward, 3, page_size=8)[0], one_step(model, lean.forward, 3, page_size=8)[0])
+    assert LeanForward.for_model(model, (0, 0)).fused_layers is None
+
+
+def test_fused_layers_are_off_when_turned_off(monkeypatch):
+    monkeypatch.setattr(config, "fused_layers", False)
+    assert LeanForward.for_model(build("llama"), (1, 32)).fused_layers is None
+
+
+@pytest.mark.parametrize("name", ("llama", "qwen2", "qwen3"))
+def test_generate_with_fused_layers_matches_hf(monkeypatch, name):
+    """`generate` runs the fused layers where the target's linears run small_linear (forced here
+    for every row count: on a tiny model the calibration may not choose it); greedy output
+    equals HF `generate`, with n-gram trees at batch 2. (bf16 targets with our linears run the
+    fused layers in test_bf16.py, where every mismatch with HF must be a bf16 tie.)"""
+    import specdec_kernels.loop.generate as generate_module
+
+    calls = []
+    real = torch.ops.specdec.decoder_layer
+
+    class Counting:
+        def __call__(self, *args):
+            calls.append(1)
+            return real(*args)
+
+    monkeypatch.setattr(generate_module, "_small_linear_rows", lambda target, planner: (1, 64))
+    monkeypatch.setattr(torch.ops.specdec, "decoder_layer", Counting())
+    model = build(name, seed=3)
+    prompt = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0)).repeat(1, 4)
+    out = sk.generate(model, prompt, max_new_tokens=24, drafter=sk.NgramDrafter(), adaptive=False)
+    want = model.generate(prompt, max_new_tokens=24, do_sample=False, min_new_tokens=24)
+    assert torch.equal(out.sequences[:, prompt.shape[1]:], want[:, prompt.shape[1]:])
+    assert calls

@@ -19,6 +19,10 @@ lean_forward: whether `generate` runs tree steps of Llama, Mistral, Qwen2 and Qw
     through `loop.hf.lean.LeanForward` (transformers' math with fewer ops; bit-identical
     logits) instead of the model's own forward. On by default; SPECDEC_LEAN_FORWARD=0 at import
     turns it off; set it here at any time instead (read when `generate` starts).
+fused_layers: whether the lean forward runs each decoder layer as one `decoder_layer` op (C++)
+    at the row counts where the target's linears run `small_linear`: the same ops without the
+    Python between them, bit-identical to the lean forward with those linears routed. On by
+    default; SPECDEC_FUSED_LAYERS=0 at import turns it off (read when `generate` starts).
 """
 
 import contextlib
@@ -30,6 +34,7 @@ check_values: bool = True
 
 triton_by_default: bool = os.environ.get("SPECDEC_TRITON_BY_DEFAULT", "1") != "0"
 lean_forward: bool = os.environ.get("SPECDEC_LEAN_FORWARD", "1") != "0"
+fused_layers: bool = os.environ.get("SPECDEC_FUSED_LAYERS", "1") != "0"
 
 _check_values_here: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("specdec_check_values", default=None)
 

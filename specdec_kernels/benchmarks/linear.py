@@ -62,6 +62,8 @@ def measure(model, counts=COUNTS, rounds: int = 7) -> list:
     times = {n: {"ours": [], "F.linear": []} for n in counts}
     with hf.use_tree_attention(model), config.value_checks(False):
         cache = hf.TreeKVCache.for_model(model, 1, PREFIX + max(counts) + 1)
+        # The lean forward op by op, its linears by F.linear or by ours (the fused layers would
+        # time ours only).
         forward = hf.tree_step_forward(model)
         _time_forward(forward, model, cache, max(counts), PREFIX)  # warm-up
         for _ in range(rounds):

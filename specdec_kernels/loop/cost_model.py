@@ -43,7 +43,8 @@ import torch
 # 2: interleaved calibration rounds (files of 1 may hold shapes bent by load); 3: small_linear_rows;
 # 4: bf16 small_linear calibrated (older bf16 files never chose it); 5: the AVX-512 fp32
 # small_linear kernel and ties no longer breaking its row range (step costs and the range change);
-# the identity's "forward": "lean" where `generate` runs loop.hf.lean's forward (cheaper steps)
+# the identity's "forward": "lean" where `generate` runs loop.hf.lean's forward (cheaper steps),
+# "lean+fused" where its layers run as `decoder_layer` ops (cheaper still)
 FORMAT = 5
 GRID = (1, 2, 4, 8, 16, 32, 64, 128)  # token counts timed at calibration
 CAL_PREFIX = 64  # prefix length of the table's forwards
@@ -85,6 +86,15 @@ def device_identity(device: torch.device) -> str:
     return f"{device.type}:{cpu}:threads={torch.get_num_threads()}"
 
 
+def lean_kind() -> str:
+    """How the lean forward runs its layers: "lean+fused" where each runs as one `decoder_layer`
+    op (at small_linear's row counts), else "lean" (op by op)."""
+    from .. import config
+    from ..ops import decoder_layer
+
+    return "lean+fused" if config.fused_layers and decoder_layer.has_kernel() else "lean"
+
+
 def hf_lean_applies(model) -> bool:
     """Whether `generate` runs `model`'s tree steps through `loop.hf.lean.LeanForward`."""
     try:
@@ -105,7 +115,7 @@ def identity(model) -> dict:
     backends = _extension.available_backends("tree_attention", device_type)
     return {**model_identity(model), "device": device_identity(param.device), "dtype": str(param.dtype).replace("torch.", ""),
             "format": FORMAT, "attention": backends[0],  # (the default backend: triton_by_default counts)
-            **({"forward": "lean"} if hf_lean_applies(model) else {})}
+            **({"forward": lean_kind()} if hf_lean_applies(model) else {})}
 
 
 class CostModel:
@@ -348,10 +358,10 @@ def calibrate(model, *, grid: Sequence[int] = GRID, prefix: int = CAL_PREFIX, lo
     on_cpu = next(model.parameters()).device.type == "cpu" and not tensor_parallel(model)
     with hf.use_tree_attention(model), config.value_checks(False):
         cache = hf.TreeKVCache.for_model(model, 1, max(prefix, long_prefix) + max(grid) + 1)
-        forward = hf.tree_step_forward(model)
-        _time_forward(forward, model, cache, grid[0], prefix)  # warm-up (first-call allocations)
         rows = small_linear.choose_small_linear_rows(small_linear.linear_weights(model), repeats=repeats) if on_cpu else (0, 0)
+        forward = hf.tree_step_forward(model, rows)
         with small_linear.small_linears(model, rows):
+            _time_forward(forward, model, cache, grid[0], prefix)  # warm-up (first-call allocations)
             seconds, per_key = _time_table(forward, model, cache, grid, prefix, long_prefix, repeats)
     # The table must not fall. Noise (other processes, interrupts) only ever adds time and
     # the best of a few runs removes most of it, so where a smaller forward measured slower

@@ -379,7 +379,7 @@ def generate(
     linear_rows = _small_linear_rows(target, planner)
     static = compiled.static_forward(target, compile, device, kv_page_size is not None)
     # Tree steps of Llama-family models on a CPU: the same math with fewer ops (loop/hf/lean.py).
-    tree_forward = static.forward if static is not None else hf.tree_step_forward(target)
+    tree_forward = static.forward if static is not None else hf.tree_step_forward(target, linear_rows)
     with hf.use_tree_attention(target, *drafter.models), config.value_checks(False), \
             small_linears(target, linear_rows):
         cache = hf.TreeKVCache.for_model(target, batch, capacity, page_size=kv_page_size) if static is None else \

@@ -66,3 +66,10 @@ if hasattr(torch.ops.specdec, "small_linear"):  # (an extension built before the
     @torch.library.register_fake("specdec::small_linear")
     def _small_linear_fake(x, weight, bias):
         return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+if hasattr(torch.ops.specdec, "decoder_layer"):  # (an extension built before the op existed lacks it)
+
+    @torch.library.register_fake("specdec::decoder_layer")
+    def _decoder_layer_fake(hidden, cos, sin, weights, k_cache, v_cache, tree_mask, cache_seqlens, scale, eps):
+        return torch.empty_like(hidden)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import config
+from ...ops import decoder_layer as fused
 from ...ops.tree_attention import tree_attention
 from .attention import forward as model_forward
 from .attention import stack_hidden
@@ -115,10 +116,41 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
 
-class LeanForward:
-    """`hf.forward` for tree steps of one model (see the module docstring); build with `for_model`."""
+def _layer_weights(layer) -> Optional[List[Optional[torch.Tensor]]]:
+    """`layer`'s parameters in `decoder_layer.WEIGHT_NAMES` order, or None where the fused op
+    cannot take them (dtypes other than the layer's fp32/bf16, non-contiguous weights)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    weights = [layer.input_layernorm.weight, attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight,
+               attn.k_proj.bias, attn.v_proj.weight, attn.v_proj.bias,
+               getattr(getattr(attn, "q_norm", None), "weight", None), getattr(getattr(attn, "k_norm", None), "weight", None),
+               attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
+               mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+    dtype = attn.q_proj.weight.dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if any(w is not None and (w.dtype != dtype or not w.is_contiguous()) for w in weights):
+        return None
+    return [None if w is None else w.detach() for w in weights]
 
-    def __init__(self, model):
+
+def _norm_eps(layer) -> Optional[float]:
+    """The one epsilon of `layer`'s RMSNorms, or None if they differ."""
+    norms = [layer.input_layernorm, layer.post_attention_layernorm, getattr(layer.self_attn, "q_norm", None),
+             getattr(layer.self_attn, "k_norm", None)]
+    eps = {float(norm.variance_epsilon) for norm in norms if norm is not None}
+    return eps.pop() if len(eps) == 1 else None
+
+
+class LeanForward:
+    """`hf.forward` for tree steps of one model (see the module docstring); build with `for_model`.
+
+    `linear_rows` (lo, hi): the row counts (B x T) at which `generate` routes the target's
+    linears to `small_linear` (the cost model's choice). Steps of that many rows on a dense
+    cache run each layer as one `decoder_layer` op (C++: the same ops without the Python
+    between them, bit-identical to this forward with those linears routed); other steps run
+    the layers op by op here."""
+
+    def __init__(self, model, linear_rows=(0, 0)):
         self.model = model
         self.inner = model.model
         cfg = model.config
@@ -127,11 +159,24 @@ class LeanForward:
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.qk_norm = cfg.model_type in QK_NORM
+        self.linear_rows = tuple(int(r) for r in linear_rows)
+        # The fused layers' parameters, when every layer qualifies (see _layer_weights).
+        self.fused_layers = None
+        if config.fused_layers and self.linear_rows[0] >= 1 and fused.has_kernel():
+            weights = [_layer_weights(layer) for layer in self.layers]
+            eps = [_norm_eps(layer) for layer in self.layers]
+            if all(w is not None for w in weights) and all(e is not None for e in eps):
+                self.fused_layers = list(zip(weights, eps))
 
     @classmethod
-    def for_model(cls, model) -> Optional["LeanForward"]:
+    def for_model(cls, model, linear_rows=(0, 0)) -> Optional["LeanForward"]:
         """A `LeanForward` for `model`, or None where it does not apply (`unsupported_reason`)."""
-        return cls(model) if unsupported_reason(model) is None else None
+        return cls(model, linear_rows) if unsupported_reason(model) is None else None
+
+    def fuses(self, rows: int, cache) -> bool:
+        """Whether a step of `rows` rows (B x T) on `cache` runs the fused `decoder_layer` op."""
+        return (self.fused_layers is not None and self.linear_rows[0] <= rows <= self.linear_rows[1]
+                and cache.block_table is None)
 
     def forward(self, model, cache, tokens, position_ids, tree_mask=None, logits_to_keep=0, return_hidden=False):
         """`hf.forward(model, cache, tokens, position_ids, tree_mask, logits_to_keep, return_hidden)`
@@ -145,6 +190,15 @@ class LeanForward:
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, T, 1, D]: queries and keys stay [B, T, H, D]
         layers_wanted = return_hidden not in (False, True)
         states: List[torch.Tensor] = [h] if layers_wanted else []
+        if self.fuses(batch * num_tokens, cache):
+            cos, sin = cos.squeeze(2), sin.squeeze(2)
+            for index, (layer, (weights, eps)) in enumerate(zip(self.layers, self.fused_layers)):
+                cache_layer = cache.layers[index]
+                h = torch.ops.specdec.decoder_layer(h, cos, sin, weights, cache_layer.k_buf, cache_layer.v_buf,
+                                                    tree_mask, cache.seqlens, layer.self_attn.scaling, eps)
+                if layers_wanted and index + 1 < len(self.layers):
+                    states.append(h)
+            return self._finish(model, h, states, logits_to_keep, return_hidden)
         for index, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             x = layer.input_layernorm.forward(h)
@@ -162,6 +216,10 @@ class LeanForward:
             h = h + mlp.down_proj.forward(F.silu(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
             if layers_wanted and index + 1 < len(self.layers):
                 states.append(h)
+        return self._finish(model, h, states, logits_to_keep, return_hidden)
+
+    def _finish(self, model, h, states, logits_to_keep, return_hidden):
+        # The final norm and the LM head, and the hidden states asked for.
         h = self.inner.norm.forward(h)
         kept = h if logits_to_keep == 0 else h[:, -logits_to_keep:]
         logits = self.model.lm_head.forward(kept).float()
@@ -173,9 +231,10 @@ class LeanForward:
         return logits, stack_hidden(model, states, return_hidden)
 
 
-def tree_step_forward(model):
+def tree_step_forward(model, linear_rows=(0, 0)):
     """The forward `generate` runs `model`'s tree steps with (`hf.forward`'s signature): a
-    `LeanForward`'s where it applies, else `hf.forward` itself. Decide once per call: the
+    `LeanForward`'s where it applies, else `hf.forward` itself; `linear_rows`: the row counts
+    at which the target's linears run `small_linear` (`LeanForward`). Decide once per call: the
     check walks every module (~4 ms on the default model)."""
-    lean = LeanForward.for_model(model)
+    lean = LeanForward.for_model(model, linear_rows)
     return model_forward if lean is None else lean.forward

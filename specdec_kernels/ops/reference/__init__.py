@@ -5,6 +5,7 @@ Each function takes already-validated, already-normalised inputs (the public API
 `specdec_kernels` does that once for every backend).
 """
 
+from .decoder_layer import decoder_layer
 from .kv_cache import compact_kv_cache_, compact_kv_cache_paged_
 from .ngram import ngram_propose, ngram_propose_tree
 from .ngram_index import NgramIndex
@@ -16,6 +17,7 @@ __all__ = [
     "NgramIndex",
     "compact_kv_cache_",
     "compact_kv_cache_paged_",
+    "decoder_layer",
     "ngram_propose",
     "ngram_propose_tree",
     "pack_tree_mask",

@@ -1,0 +1,84 @@
+// The torch side of the few-row linear product (csrc/include/specdec/small_linear.h): the
+// checks of a CPU product and the split of one or more products of the same input over
+// torch's threads. Shared by small_linear.cpp (the op) and decoder_layer.cpp (q/k/v and
+// gate/up products of one layer in one parallel region).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <optional>
+
+#include "specdec/small_linear.h"
+
+namespace specdec {
+
+// One product y = x @ weight^T (+ bias) of a small_linear_many call; y is preallocated
+// [rows, N] contiguous, in x's dtype.
+struct LinearProduct {
+  const at::Tensor* weight;  // [N, K], contiguous, x's dtype
+  const at::Tensor* bias;    // [N] contiguous, x's dtype, or nullptr
+  at::Tensor* y;
+};
+
+// Checks one product's operands (`op` names the caller in the message): CPU, fp32 or bf16
+// alike, 2-D x [rows, K], weight [N, K], bias [N] or undefined.
+inline void check_small_linear(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), op, ": x and weight must be CPU tensors");
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && weight.scalar_type() == dtype, op,
+              ": x and weight must both be float32 or both bfloat16, got ", x.scalar_type(), " and ",
+              weight.scalar_type());
+  TORCH_CHECK(x.dim() == 2, op, ": x must be [rows, K], got ", x.dim(), " dims");
+  TORCH_CHECK(weight.dim() == 2, op, ": weight must be [N, K], got ", weight.dim(), " dims");
+  TORCH_CHECK(x.size(1) == weight.size(1), op, ": x has K = ", x.size(1), " but weight has K = ", weight.size(1));
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == dtype && bias->dim() == 1 &&
+                    bias->size(0) == weight.size(0),
+                op, ": bias must be a ", dtype, " CPU tensor [N] = [", weight.size(0), "] (x's dtype)");
+  }
+}
+
+// Every product of `products` with the same contiguous x [rows, K] (operands checked and
+// contiguous), in one parallel region: the output features of all of them, in blocks of 4
+// weight rows, are split over torch's threads, so each thread streams its own share of all
+// the weights once. Tasks of at least ~128 KB of weights: enough work to hide the split.
+inline void small_linear_many(const at::Tensor& x, c10::ArrayRef<LinearProduct> products) {
+  const int64_t rows = x.size(0), k_dim = x.size(1);
+  if (rows == 0) return;
+  int64_t total_blocks = 0;
+  for (const LinearProduct& p : products) total_blocks += (p.weight->size(0) + 3) / 4;
+  if (total_blocks == 0) return;
+  const int64_t grain = std::max<int64_t>(1, (32768 / x.element_size()) / std::max<int64_t>(k_dim, 1));
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  using Bits = specdec::cpu::BFloat16Bits;
+  static_assert(sizeof(Bits) == sizeof(at::BFloat16), "bf16 storage must match at::BFloat16 bit for bit");
+  at::parallel_for(0, total_blocks, grain, [&](int64_t b0, int64_t b1) {
+    int64_t first = 0;  // the first block of the current product in the concatenation
+    for (const LinearProduct& p : products) {
+      const int64_t n_dim = p.weight->size(0), blocks = (n_dim + 3) / 4;
+      const int64_t lo = std::max(b0, first), hi = std::min(b1, first + blocks);
+      if (lo < hi) {
+        const int64_t n_begin = (lo - first) * 4, n_end = std::min(n_dim, (hi - first) * 4);
+        if (bf16) {
+          specdec::small_linear_rows_bf16(
+              reinterpret_cast<const Bits*>(x.const_data_ptr<at::BFloat16>()), rows, k_dim,
+              reinterpret_cast<const Bits*>(p.weight->const_data_ptr<at::BFloat16>()),
+              p.bias ? reinterpret_cast<const Bits*>(p.bias->const_data_ptr<at::BFloat16>()) : nullptr,
+              reinterpret_cast<Bits*>(p.y->mutable_data_ptr<at::BFloat16>()), n_dim, n_begin, n_end);
+        } else {
+          specdec::small_linear_rows(x.const_data_ptr<float>(), rows, k_dim, p.weight->const_data_ptr<float>(),
+                                     p.bias ? p.bias->const_data_ptr<float>() : nullptr,
+                                     p.y->mutable_data_ptr<float>(), n_dim, n_begin, n_end);
+        }
+      }
+      first += blocks;
+    }
+  });
+}
+
+}  // namespace specdec
