@@ -366,7 +366,7 @@ def planned(model):
     from specdec_kernels.loop import cost_model
     from specdec_kernels.loop import planner
 
-    return planner.Planner(cost_model.CostModel(cost_model.identity(model), [1, 10_000], [1.0, 1.0]))
+    return planner.Planner(cost_model.CostModel(cost_model.identity(model), {1: ([1, 10_000], [1.0, 1.0])}))
 
 
 @pytest.mark.parametrize("adaptive", ["fixed", "planned"])
