@@ -620,7 +620,9 @@ def calibrate_drafter(target, drafter, *, rows: Sequence[int] = ROWS, prefix: in
                 twin.finish()
     if verbose:
         print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    return DraftCost(draft_identity(target, drafter), {r: (budgets, s) for r, s in seconds.items()})
+    # Never cheaper for more nodes: a point above a later one is noise (as in `calibrate`).
+    tables = {r: (budgets, torch.tensor(s).flip(0).cummin(0).values.flip(0).tolist()) for r, s in seconds.items()}
+    return DraftCost(draft_identity(target, drafter), tables)
 
 
 def _feed(drafter, cfg, param, rows: int, positions: int, accepted: bool) -> None:
