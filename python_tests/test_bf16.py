@@ -127,7 +127,7 @@ def own_cache_and_planner(tmp_path, monkeypatch):
 def fixed_cost_model(monkeypatch, model, small_linear_rows):
     """A cost model for `model` that routes rows in `small_linear_rows` through our kernel
     (as calibration would where it measured a win), without timing anything."""
-    cost = cm.CostModel(cm.identity(model), [1, 10_000], [1.0, 1.0], small_linear_rows=small_linear_rows)
+    cost = cm.CostModel(cm.identity(model), {1: ([1, 10_000], [1.0, 1.0])}, small_linear_rows=small_linear_rows)
     monkeypatch.setitem(cm._LOADED, json.dumps(cm.identity(model), sort_keys=True), cost)
 
 

@@ -132,8 +132,12 @@ def test_greedy_matches_hf_generate(target, draft, kind, batch):
     assert torch.equal(out.sequences, expected)
     assert out.stats.new_tokens == [24] * batch
     assert out.stats.steps >= 1 and out.stats.tokens_per_step >= 1.0
-    if kind in ("ngram_chain", "ngram_tree", "merged"):
-        assert out.stats.tokens_per_step > 1.0  # repetitive prompts: some drafts accepted
+    if kind == "ngram_chain":
+        # Repetitive prompts: some drafts accepted. (Drafters the planner may leave idle are
+        # not asked: on these tiny models a draft model's forwards cost 2-7 of the target's,
+        # and even an n-gram tree's lookup ~0.6 of one, so whether they pay is this machine's
+        # call; test_planner checks their acceptance with fixed costs.)
+        assert out.stats.tokens_per_step > 1.0
 
 
 @pytest.mark.parametrize("kind", ["plain", "ngram_chain", "model_tree"])
@@ -366,7 +370,19 @@ def planned(model):
     from specdec_kernels.loop import cost_model
     from specdec_kernels.loop import planner
 
-    return planner.Planner(cost_model.CostModel(cost_model.identity(model), [1, 10_000], [1.0, 1.0]))
+    return planner.Planner(cost_model.CostModel(cost_model.identity(model), {1: ([1, 10_000], [1.0, 1.0])}))
+
+
+def free_planner(model, drafter):
+    """`planned(model)` with drafting that costs next to nothing too: the planner drafts
+    whatever this machine's timings (on these tiny models a head's or a draft model's
+    forwards cost more than the target's, and the measured planner would rightly not draft)."""
+    from specdec_kernels.loop import cost_model
+    from specdec_kernels.loop import planner
+
+    draft_cost = cost_model.DraftCost(cost_model.draft_identity(model, drafter), {1: ([drafter.max_nodes], [1e-9])})
+    return planner.Planner(cost_model.CostModel(cost_model.identity(model), {1: ([1, 10_000], [1.0, 1.0])}),
+                           draft_cost=draft_cost)
 
 
 @pytest.mark.parametrize("adaptive", ["fixed", "planned"])

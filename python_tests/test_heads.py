@@ -21,8 +21,8 @@ from specdec_kernels.heads import EagleDrafter, HeadNgramDrafter, MedusaDrafter,
 from specdec_kernels.heads.common import read_head, target_identity  # noqa: E402
 from conftest import WordTokenizer  # noqa: E402
 from test_generate import (  # noqa: E402
-    SAMPLE_PROMPT, SAMPLE_ROWS, SMALL_VOCAB, VOCAB, chi_square_pvalue, exact_pair_distribution, hf_greedy, left_pad,
-    repetitive_prompts, tiny_model,
+    SAMPLE_PROMPT, SAMPLE_ROWS, SMALL_VOCAB, VOCAB, chi_square_pvalue, exact_pair_distribution, free_planner, hf_greedy,
+    left_pad, repetitive_prompts, tiny_model,
 )
 # Shared fixtures (pytest uses fixtures found in the module's namespace): one intra-op thread
 # for the module (autouse there), and the tiny target model.
@@ -522,7 +522,9 @@ def test_default_drafter_finds_a_saved_head_by_identity(target, tmp_path, monkey
     assert drafter.head_drafter.head.draft_vocab.numel() == read_head(folder)[1]["draft_vocab"].numel()
     for batch in (1, 3):
         ids, mask = left_pad(repetitive_prompts(batch))
-        out = sk.generate(target, ids, attention_mask=mask, drafter=default_drafter(target), max_new_tokens=20)
+        drafter = default_drafter(target)
+        out = sk.generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=20,
+                          adaptive=free_planner(target, drafter))  # drafting whatever the head costs here
         assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 20))
         assert out.stats.tokens_per_step > 1.0  # repetitive prompts: the n-gram part is accepted
     # head=: a given head directory instead of the lookup (still checked against the target)

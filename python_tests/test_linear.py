@@ -177,16 +177,16 @@ def test_choose_small_linear_rows_measures():
 
 def test_calibration_records_the_layout_and_the_file_keeps_it(tmp_path):
     model = _tiny_llama()
-    cost = cm.calibrate(model, grid=(1, 2, 4), repeats=1, verbose=False)
+    cost = cm.calibrate(model, rows=(1, 2), max_tokens=4, repeats=1, verbose=False)
     lo, hi = cost.small_linear_rows
     assert (lo, hi) == (0, 0) or (lo in linear.LAYOUT_ROWS and hi in linear.LAYOUT_ROWS and lo <= hi)
     cost.save(tmp_path / "c.json")
     again = cm.CostModel.load(tmp_path / "c.json", cost.key)
     assert again.small_linear_rows == cost.small_linear_rows
-    assert cm.CostModel({}, [1, 2], [1.0, 1.0], small_linear_rows=(2, 16)).to_dict()["small_linear_rows"] == [2, 16]
+    assert cm.CostModel({}, {1: ([1, 2], [1.0, 1.0])}, small_linear_rows=(2, 16)).to_dict()["small_linear_rows"] == [2, 16]
     for bad in [(-1, 4), (4, 2), (0, 3)]:
         with pytest.raises(ValueError, match="small_linear_rows"):
-            cm.CostModel({}, [1, 2], [1.0, 1.0], small_linear_rows=bad)
+            cm.CostModel({}, {1: ([1, 2], [1.0, 1.0])}, small_linear_rows=bad)
 
 
 @needs_kernel
@@ -209,7 +209,7 @@ def test_greedy_matches_hf_with_small_linears(monkeypatch, drafter):
     for b, p in enumerate(prompts):
         ids[b, width - len(p):], mask[b, width - len(p):] = p, 1
     expected = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=0)
-    cost = cm.CostModel(cm.identity(model), [1, 10_000], [1.0, 1.0], small_linear_rows=(1, 32))
+    cost = cm.CostModel(cm.identity(model), {1: ([1, 10_000], [1.0, 1.0])}, small_linear_rows=(1, 32))
     monkeypatch.setitem(cm._LOADED, json.dumps(cm.identity(model), sort_keys=True), cost)  # plain decoding reads it here
     rows_seen = []
     real = linear._forward

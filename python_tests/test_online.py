@@ -27,7 +27,7 @@ from test_generate import (  # noqa: E402
     SAMPLE_PROMPT, SAMPLE_ROWS, VOCAB, chi_square_pvalue, exact_pair_distribution, hf_greedy, left_pad,
     repetitive_prompts, tiny_model,
 )
-from test_generate import one_thread, target  # noqa: E402,F401  (fixtures)
+from test_generate import free_planner, one_thread, target  # noqa: E402,F401  (fixtures)
 from test_heads import small_target_heads, train  # noqa: E402,F401  (small_target_heads: a fixture)
 
 
@@ -210,7 +210,8 @@ def test_greedy_identity_with_updates_every_step(target, heads):
                 eos_id = int(plain[1, ids.shape[1] + 4])
             expected = hf_greedy(target, ids, mask, 20, eos_token_id=eos_id)
             before = learner_of(drafter).stats.updates
-            out = sk.generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=20, eos_token_id=eos_id)
+            out = sk.generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=20, eos_token_id=eos_id,
+                              adaptive=free_planner(target, drafter))  # drafting (and so learning) whatever it costs here
             assert torch.equal(out.sequences, expected), (name, batch, eos)
         stats = learner_of(drafter).stats
         assert stats.updates > before and stats.rollbacks == 0, (name, stats)
@@ -411,7 +412,8 @@ def test_default_drafter_online(target, tmp_path, monkeypatch):
     assert isinstance(drafter, HeadNgramDrafter) and drafter.online is not None
     assert default_drafter(target).online is None
     ids, mask = left_pad(repetitive_prompts(3))
-    out = sk.generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=20)
+    out = sk.generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=20,
+                      adaptive=free_planner(target, drafter))  # drafting (and so learning) whatever it costs here
     assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 20))
     assert drafter.online.stats.updates > 0
 

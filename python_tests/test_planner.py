@@ -37,12 +37,12 @@ def own_cache_dir(tmp_path, monkeypatch):
 
 def flat_cost(model, seconds=1.0):
     """A cost model where verifying more nodes costs nothing."""
-    return cm.CostModel(cm.identity(model), [1, 10_000], [seconds, seconds])
+    return cm.CostModel(cm.identity(model), {1: ([1, 10_000], [seconds, seconds])})
 
 
 def linear_cost(model, per_token):
     """Each token of a forward costs `per_token` on top of a fixed 1 s."""
-    return cm.CostModel(cm.identity(model), [1, 10_000], [1.0 + per_token, 1.0 + per_token * 10_000])
+    return cm.CostModel(cm.identity(model), {1: ([1, 10_000], [1.0 + per_token, 1.0 + per_token * 10_000])})
 
 
 # ----------------------------------------------------------------------------- decisions
@@ -94,9 +94,17 @@ def test_bad_configuration():
     with pytest.raises(ValueError, match="min_gain"):
         Planner(min_gain=-0.1)
     with pytest.raises(ValueError, match="seconds"):
-        cm.CostModel({}, [1, 2], [0.1, -1.0])
-    with pytest.raises(ValueError, match="tokens"):
-        cm.CostModel({}, [4, 2], [0.1, 0.2])
+        cm.CostModel({}, {1: ([1, 2], [0.1, -1.0])})
+    with pytest.raises(ValueError, match="increasing"):
+        cm.CostModel({}, {1: ([4, 2], [0.1, 0.2])})
+    with pytest.raises(ValueError, match="two or more"):
+        cm.CostModel({}, {1: ([1], [0.1])})
+    with pytest.raises(ValueError, match="row counts"):
+        cm.CostModel({}, {0: ([1, 2], [0.1, 0.2])})
+    with pytest.raises(ValueError, match="tables"):
+        cm.DraftCost({}, {})
+    with pytest.raises(ValueError, match="draft_cost"):
+        Planner(draft_cost=0.01)
     with pytest.raises(ValueError, match="adaptive"):
         sk.generate(tiny_model(0), torch.ones(1, 3, dtype=torch.long), max_new_tokens=1, adaptive="yes")
 
@@ -274,8 +282,8 @@ def test_drafters_honour_budgets(target, draft):
 
 
 def test_cost_model_interpolates_and_refreshes():
-    cost = cm.CostModel({"k": 1}, [1, 4, 16], [1.0, 1.0, 4.0], per_key=0.0)
-    got = cost.forward_seconds(torch.tensor([1, 2, 4, 10, 16, 32]))
+    cost = cm.CostModel({"k": 1}, {1: ([1, 4, 16], [1.0, 1.0, 4.0])}, per_key=0.0)
+    got = cost.forward_seconds(1, torch.tensor([1, 2, 4, 10, 16, 32]))
     assert torch.allclose(got, torch.tensor([1.0, 1.0, 1.0, 2.5, 4.0, 8.0], dtype=torch.float64))
     before = cost.step_seconds(2, torch.tensor([1, 2, 8]), prefix=cm.CAL_PREFIX)
     for _ in range(30):
@@ -283,9 +291,120 @@ def test_cost_model_interpolates_and_refreshes():
     after = cost.step_seconds(2, torch.tensor([1, 2, 8]), prefix=cm.CAL_PREFIX)
     assert torch.allclose(after[2], 2 * before[2], rtol=1e-3)
     # One odd step (a hiccup, a drafter's catch-up) moves a fresh bucket a fifth of the way.
-    fresh = cm.CostModel({"k": 1}, [1, 4, 16], [1.0, 1.0, 4.0], per_key=0.0)
+    fresh = cm.CostModel({"k": 1}, {1: ([1, 4, 16], [1.0, 1.0, 4.0])}, per_key=0.0)
     fresh.observe(rows=1, width=4, prefix=cm.CAL_PREFIX, seconds=3.0)  # 4 tokens measured at 3x
     assert float(fresh.step_seconds(1, torch.tensor([4]), prefix=cm.CAL_PREFIX)[0]) == pytest.approx(1.4)
+    # A step is judged with its drafting: one that took what forward + drafting predict
+    # leaves its bucket where it was (measured step times include drafting).
+    steady = cm.CostModel({"k": 1}, {1: ([1, 4, 16], [1.0, 1.0, 4.0])}, per_key=0.0)
+    for _ in range(10):
+        steady.observe(rows=1, width=4, prefix=cm.CAL_PREFIX, seconds=1.5, draft_seconds=0.5)
+    assert float(steady.step_seconds(1, torch.tensor([4]), cm.CAL_PREFIX, 0.5)[0]) == pytest.approx(1.5)
+
+
+def test_cost_model_reads_multi_row_steps_from_their_tables():
+    """A step of R rows x W nodes comes from what R-row steps measured, not from R * W
+    tokens of a 1-row chain; between measured row counts linear in the rows, past the last
+    the widest table at the same token count."""
+    cost = cm.CostModel({"k": 1}, {1: ([1, 2, 4, 8], [1.0, 1.0, 1.2, 1.5]), 8: ([1, 2], [2.0, 3.0])})
+    assert cost.forward_seconds(8, torch.tensor([1, 2, 4])).tolist() == [2.0, 3.0, 5.0]  # past width 2: its slope
+    assert float(cost.forward_seconds(1, torch.tensor([8]))[0]) == 1.5  # the 1-row chain of 8 tokens is cheaper
+    t = 3 / 7
+    expected = [(1 - t) * 1.0 + t * 2.0, (1 - t) * 1.0 + t * 3.0]
+    assert torch.allclose(cost.forward_seconds(4, torch.tensor([1, 2])), torch.tensor(expected, dtype=torch.float64))
+    assert float(cost.forward_seconds(16, torch.tensor([1]))[0]) == 3.0  # 16 tokens on the 8-row table
+    assert cost.rows == [1, 8]
+    again = cm.CostModel.from_dict(json.loads(json.dumps(cost.to_dict())))
+    assert again.to_dict() == cost.to_dict()
+
+
+def test_calibration_times_each_row_count(target):
+    cost = cm.calibrate(target, rows=(1, 2, 4), max_tokens=8, repeats=1, verbose=False)
+    assert cost.rows == [1, 2, 4]
+    assert [cost.tables[r].x.tolist() for r in cost.rows] == [[1, 2, 4, 8], [1, 2, 4], [1, 2]]
+    assert cm.table_widths(8) == [1, 2, 4, 8, 16] and cm.table_widths(1) == [1, 2, 4, 8, 16, 32, 64, 128]
+    for curve in cost.tables.values():  # never falling with the width
+        assert bool((curve.y[1:] >= curve.y[:-1]).all())
+
+
+def test_draft_cost_interpolates():
+    cost = cm.DraftCost({"k": 1}, {1: ([1, 2, 4], [0.01, 0.02, 0.03]), 2: ([1, 2, 4], [0.02, 0.03, 0.05])})
+    got = cost.seconds(1, torch.tensor([0, 1, 3, 4, 9]))
+    assert torch.allclose(got, torch.tensor([0.0, 0.01, 0.025, 0.03, 0.03], dtype=torch.float64))  # flat past its size
+    assert float(cost.seconds(2, torch.tensor([2]))[0]) == pytest.approx(0.03)
+    assert float(cost.seconds(4, torch.tensor([1]))[0]) == pytest.approx(0.04)  # past 2 rows: the last slope
+    assert float(cost.seconds(3, torch.tensor([0]))[0]) == 0.0  # no drafting, no cost
+    free = cm.DraftCost({"k": 1}, {1: ([5], [0.002])})  # a free drafter: its full size, whatever the budget
+    assert free.seconds(1, torch.tensor([0, 1, 5])).tolist() == [0.0, 0.002, 0.002]
+
+
+def _budget(target, drafter, cost, draft_seconds, rows=8):
+    """Planner.budget at `rows` rows (prior acceptance 0.6 per rank) with the drafting
+    costing `draft_seconds` per step."""
+    draft_cost = cm.DraftCost(cm.draft_identity(target, drafter), {rows: ([1, drafter.max_nodes], [draft_seconds] * 2)})
+    planner = Planner(cost, draft_cost=draft_cost)
+    planner.start(target, rows, drafter.max_nodes, "cpu", drafter)
+    return planner.budget(prefix=cm.CAL_PREFIX), planner.drafting
+
+
+def test_drafting_cost_decides_whether_to_draft(target, draft):
+    """The gap docs/loop.md measured at batch 8: forwards of 45 / 55 / 78 ms at widths 1 /
+    2 / 3 and an 18 ms head. 8 rows accepting 0.6 of a first node: (8 + 4.8) / 55 ms beats
+    8 / 45 ms, but not once drafting's 18 ms is paid (12.8 / 73 ms); a 1 ms drafter still
+    drafts."""
+    drafter = sk.DraftModelDrafter(draft, num_tokens=2)
+    cost = cm.CostModel(cm.identity(target), {8: ([1, 2, 3], [0.045, 0.055, 0.078])})
+    counts, drafting = _budget(target, drafter, cost, 0.018)
+    assert counts.tolist() == [0] * 8 and not drafting
+    counts, drafting = _budget(target, drafter, cost, 0.001)
+    assert counts.tolist() == [1] * 8 and drafting
+
+
+class CountingDrafter(sk.DraftModelDrafter):
+    """A draft-model chain that counts the proposals asked of it."""
+
+    def __init__(self, draft):
+        super().__init__(draft, num_tokens=3)
+        self.proposals = 0
+
+    def propose(self, history, lengths, sampling=None, budget=None):
+        self.proposals += 1
+        return super().propose(history, lengths, sampling, budget)
+
+
+@pytest.mark.parametrize("draft_seconds", [1e-6, 100.0])
+def test_a_drafter_that_costs_more_than_it_saves_is_not_asked(target, draft, draft_seconds):
+    ids, mask = left_pad(repetitive_prompts(2))
+    drafter = CountingDrafter(draft)
+    draft_cost = cm.DraftCost(cm.draft_identity(target, drafter), {1: ([1, 3], [draft_seconds] * 2)})
+    out = sk.generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=10,
+                      adaptive=Planner(flat_cost(target), draft_cost=draft_cost))
+    assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 10))
+    if draft_seconds > 1:  # 100 s of drafting against 1 s forwards (nodes free): plain decoding, never asked
+        assert drafter.proposals == 0 and out.stats.nodes_per_step == 0 and out.stats.steps == 10
+    else:
+        assert drafter.proposals > 0 and out.stats.nodes_per_step > 0
+
+
+class Skipping(Planner):
+    """Every other step drafts nothing (a batch budget of 0 nodes): the drafter is not asked."""
+
+    calls = 0
+
+    def budget(self, prefix, remaining=None):
+        self.max_batch_nodes = 0 if self.calls % 2 else None
+        self.calls += 1
+        return super().budget(prefix, remaining)
+
+
+@pytest.mark.parametrize("kind", ["ngram_tree", "model_chain", "model_tree", "merged"])
+def test_drafters_catch_up_after_skipped_steps(target, draft, kind):
+    ids, mask = left_pad(repetitive_prompts(3))
+    out = sk.generate(target, ids, attention_mask=mask, drafter=PLANNED[kind](draft), max_new_tokens=16,
+                      adaptive=Skipping(flat_cost(target)))
+    assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 16))
+    widths = [step["width"] for step in out.stats.trace]
+    assert widths[1::2] == [1] * len(widths[1::2]) and max(widths[::2]) > 1
 
 
 def test_cost_model_key_names_the_attention_backend(target, monkeypatch):
@@ -306,25 +425,81 @@ def test_cost_model_cached_per_model_and_device(target, tmp_path, capsys):
     assert "measuring" in capsys.readouterr().err and path.exists()
     assert json.loads(path.read_text())["key"] == cm.identity(target)
     again = cm.CostModel.for_model(target, path=path, verbose=True)
-    assert capsys.readouterr().err == "" and torch.equal(again.seconds, first.seconds)  # read, not measured
+    assert capsys.readouterr().err == "" and again.to_dict() == first.to_dict()  # read, not measured
+    assert first.rows == list(cm.ROWS)
     # a file from another device (or model): measured again, never used
     data = json.loads(path.read_text())
     data["key"]["device"] = "cuda:NVIDIA H100:sm90"
-    data["seconds"] = [1e-9] * len(data["seconds"])
+    for table in data["tables"].values():
+        table["seconds"] = [1e-9] * len(table["seconds"])
     path.write_text(json.dumps(data))
     fresh = cm.CostModel.for_model(target, path=path, verbose=True)
     err = capsys.readouterr().err
     assert "measured for" in err and "measuring" in err
-    assert fresh.key == cm.identity(target) and float(fresh.seconds[0]) > 1e-9
+    assert fresh.key == cm.identity(target) and float(fresh.tables[1].y[0]) > 1e-9
     path.write_text("{not json")
     assert cm.CostModel.for_model(target, path=path, verbose=False).key == cm.identity(target)
     # another model's identity differs (its shapes)
     assert cm.identity(tiny_model(0, hidden=32))["config"] != cm.identity(target)["config"]
     # a planner handed another model's cost model refuses it
-    other = cm.CostModel(cm.identity(tiny_model(0, hidden=32)), [1, 2], [1.0, 1.0])
+    other = cm.CostModel(cm.identity(tiny_model(0, hidden=32)), {1: ([1, 2], [1.0, 1.0])})
     ids, mask = left_pad(repetitive_prompts(1))
     with pytest.raises(ValueError, match="cost_model"):
         sk.generate(target, ids, drafter=sk.NgramDrafter(), max_new_tokens=2, adaptive=Planner(other))
+
+
+def test_draft_cost_cached_per_drafter_identity(target, draft, tmp_path, capsys):
+    drafter = sk.DraftModelDrafter(draft, num_tokens=3)
+    key = cm.draft_identity(target, drafter)
+    assert key["drafter"]["drafter"] == "DraftModelDrafter" and key["model"] == cm.identity(target)["model"]
+    path = tmp_path / "draft.json"
+    first = cm.DraftCost.for_drafter(target, drafter, path=path, verbose=True)
+    assert "measuring the drafter" in capsys.readouterr().err
+    assert json.loads(path.read_text())["key"] == key
+    assert first.rows == list(cm.ROWS) and first.tables[1].x.tolist() == [1, 2, 3]
+    again = cm.DraftCost.for_drafter(target, drafter, path=path, verbose=True)
+    assert capsys.readouterr().err == "" and again.to_dict() == first.to_dict()  # read, not measured
+    # Keyed by what sets the cost, never by object: an equal drafter (another object) shares
+    # the file; other sizes, kinds or draft-model shapes do not; drafter files sit beside the
+    # target's.
+    assert cm.draft_identity(target, sk.DraftModelDrafter(draft, num_tokens=3)) == key
+    others = [sk.DraftModelDrafter(draft, num_tokens=2), sk.DraftModelDrafter(draft, tree_widths=(2, 1, 1)),
+              sk.DraftModelDrafter(tiny_model(5, hidden=32), num_tokens=3), sk.NgramDrafter(num_tokens=3)]
+    keys = [cm.draft_identity(target, d) for d in others]
+    assert all(k != key for k in keys) and len({json.dumps(k, sort_keys=True) for k in keys}) == len(keys)
+    assert cm.default_path(key).parent == cm.default_path(cm.identity(target)).parent
+    assert cm.default_path(key) != cm.default_path(cm.identity(target))
+    # A free drafter is timed at its full size (generate never gives it a budget), and its
+    # calibration leaves its own state alone (a suffix cache stays empty).
+    suffix = sk.SuffixDrafter()
+    free = cm.calibrate_drafter(target, suffix, rows=(1, 2), repeats=1, verbose=False)
+    assert free.tables[2].x.tolist() == [suffix.max_nodes] and suffix.cached_tokens == 0
+    # A planner handed another drafter's cost refuses it.
+    ids, mask = left_pad(repetitive_prompts(1))
+    with pytest.raises(ValueError, match="draft_cost"):
+        sk.generate(target, ids, drafter=sk.NgramDrafter(), max_new_tokens=2, adaptive=Planner(draft_cost=first))
+
+
+def test_sampled_plans_reproducible_across_processes(target, draft):
+    """Sampled calls plan from the calibrated costs alone, which the first call measures and
+    caches: a later process (here: the in-process cache cleared) reads the same numbers and
+    makes the same trees, whatever greedy calls learned from step times in between."""
+    ids, mask = left_pad(repetitive_prompts(3))
+
+    def sampled():
+        out = sk.generate(target, ids, attention_mask=mask, drafter=sk.DraftModelDrafter(draft, num_tokens=3),
+                          max_new_tokens=12, temperature=0.8, seed=11)
+        return out.sequences, [(s["rows"], s["width"]) for s in out.stats.trace]
+
+    first = sampled()  # measures the target and the drafter, and caches both
+    files = sorted(p.name for p in (cm.default_path(cm.identity(target)).parent).iterdir())
+    assert any("-draft-" in name for name in files) and len(files) == 2
+    sk.generate(target, ids, attention_mask=mask, drafter=sk.DraftModelDrafter(draft, num_tokens=3), max_new_tokens=12)
+    same = sampled()  # same process, after a greedy call refreshed the costs from step times
+    assert torch.equal(same[0], first[0]) and same[1] == first[1]
+    cm._LOADED.clear()  # a new process: the costs come from the files
+    again = sampled()
+    assert torch.equal(again[0], first[0]) and again[1] == first[1]
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -423,6 +598,10 @@ class HiddenRecorder(sk.NgramDrafter):
     def __init__(self, target):
         super().__init__(num_tokens=3)
         self.target, self.seen = target, []
+
+    def start(self, history, lengths, capacity):
+        super().start(history, lengths, capacity)
+        self.seen = []  # per call (so the cost calibration's twin records into its own list)
 
     def observe(self, hidden_states, accepted_nodes=None, num_accepted=None):
         self.seen.append((hidden_states.clone(), accepted_nodes, num_accepted))

@@ -21,7 +21,7 @@ def main(model_dir, out_dir):
     target = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto")
     if rank == "1":
         key = cost_model.identity(target)
-        cost_model.CostModel(key, [1, 2, 4], [1e-3, 1.5e-3, 2e-3]).save(cost_model.default_path(key))
+        cost_model.CostModel(key, {1: ([1, 2, 4], [1e-3, 1.5e-3, 2e-3])}).save(cost_model.default_path(key))
     ids = torch.load(os.path.join(out_dir, "inputs.pt"))
     results = {}
     for name, kwargs in CASES.items():

@@ -27,9 +27,12 @@ verified features while it serves (`heads.online.OnlineLearner`, hooked into `st
 from pathlib import Path
 from typing import Optional
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
+from ..loop.cost_model import shapes_digest
 from ..loop.drafters import (Draft, Drafter, MergedDrafter,
                              root_tokens, trimmed)
 from ..ops.small_linear import choose_small_linear_rows, linear_weights, routed_linear, small_linears
@@ -189,6 +192,20 @@ class _HeadDrafter(Drafter):
     def upkeep_seconds(self) -> float:
         """The online head's update seconds so far (0 for a frozen head)."""
         return 0.0 if self.online is None else float(self.online.stats.update_seconds)
+
+    def cost_identity(self) -> dict:
+        """The head's kind and shapes, its draft vocabulary's size, dtype and tree settings (the
+        target, whose LM head rows it reads, is in the cost's key beside it)."""
+        return {"drafter": type(self).__name__, "max_nodes": self.max_nodes, "depth": self.depth, "top_k": self.top_k,
+                "head": shapes_digest(self.head), "vocab": int(self.vocab.numel()), "dtype": str(self.dtype),
+                "feature_layers": list(self.feature_layers)}
+
+    def cost_twin(self):
+        """A frozen twin: an online head's updates are upkeep, not drafting (the planner
+        leaves them out of the step times it learns from too)."""
+        twin = copy.copy(self)
+        twin.online = None
+        return twin
 
     def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
         """Draft a tree per row (`_propose`, see the class docstring); online, the learner
@@ -543,6 +560,14 @@ class HeadNgramDrafter(MergedDrafter):
 
     def observe(self, hidden_states, accepted_nodes=None, num_accepted=None):
         self.head_drafter.observe(hidden_states, accepted_nodes, num_accepted)
+
+    def cost_identity(self):
+        return {**super().cost_identity(), "confident": self.confident}
+
+    def cost_twin(self):
+        twin = super().cost_twin()
+        twin.head_drafter, twin.ngram = twin.drafters
+        return twin
 
     @property
     def online(self):

@@ -1,31 +1,48 @@
 """What one decoding step costs on this device: the cost model of adaptive speculation.
 
-A step runs one target forward over `rows x width` tokens (every row's tree padded to the
-widest, root included) after a prefix of about `prefix` tokens. `CostModel` predicts its
-seconds from a few forwards timed on the device at first use:
+A step drafts (unless the planner skips drafting), then runs one target forward over
+`rows x width` tokens (every row's tree padded to the widest, root included) after a prefix
+of about `prefix` tokens. Two measured parts predict its seconds:
 
-    seconds(rows, width, prefix) = table(rows * width) + per_key * rows * width * (prefix - P0)
+    seconds = forward(rows, width) + per_key * rows * width * (prefix - P0) + drafting(rows, nodes)
 
-`table` is piecewise linear in the token count through the measured points (a forward is
-flat while it reads weights and grows linearly once it computes: both shapes fit), extended
-linearly past the last point; `per_key` is the attention's extra cost per query token and
-cached key past the calibration prefix P0, from one forward at a long prefix.
+`CostModel` is the target's forward. It is timed at first use on batches of 1, 2, 4 and 8
+rows (`ROWS`), each at tree widths 1, 2, 4, ... up to 128 tokens in all, so a step of R rows
+x W nodes is read from what such steps measured: at 8 rows one node per row costs ~25%
+more than a 1-row chain of 8 tokens (each row attends to its own prefix and carries its
+own bookkeeping), which a table of 1-row chains read at R * W tokens missed. Each row
+count's table is piecewise linear in the width through its measured points (a forward is
+flat while it reads weights and grows linearly once it computes), extended with its last
+slope; row counts between two measured ones interpolate linearly, and beyond the measured
+ones the nearest table is read at the same token count. `per_key` is the attention's extra
+cost per query token and cached key past the calibration prefix P0, from a 1-row forward
+at a long prefix.
 
-On a CPU the calibration first picks how few-row linears run (`small_linear`): it times the
-target's fp32 linear weights at 1-32 rows with `F.linear` and with our `small_linear`
-kernel, keeps `small_linear_rows` (the range of row counts at which ours won, (0, 0) if
-none), and times the table with that choice, which `generate` then runs with.
+`DraftCost` is the drafter's part: seconds of one `propose` by rows and drafted nodes (the
+budget the planner gives the widest row), timed on the drafter itself at first use (a twin
+of it, `Drafter.cost_twin`, on made-up rows of random tokens, so the drafter's own state is
+untouched) at the same row counts. Plain decoding pays nothing for drafting; the planner
+adds the drafting cost to every step that drafts, so a drafter whose accepted tokens do not
+repay it is left idle. It is keyed by the target's identity and the drafter's
+(`Drafter.cost_identity`: its kind, sizes and models, never object ids).
 
-The measurement is cached on disk per model (name and a hash of the shapes that set its
-cost), device and dtype (and CPU thread count), under `models.cache_dir()/cost_models/`. A
-file whose identity differs from the model and device at hand, or whose numbers are not
-usable, is measured again: a plan is never made from another machine's numbers.
+On a CPU the target's calibration first picks how few-row linears run (`small_linear`): it
+times the target's fp32 linear weights at 1-32 rows with `F.linear` and with our
+`small_linear` kernel, keeps `small_linear_rows` (the range of row counts at which ours won,
+(0, 0) if none), and times the tables with that choice, which `generate` then runs with.
 
-Online refresh: the loop reports each step's measured seconds (which also include drafting,
-verification and bookkeeping, and whatever load the machine is under). The model keeps a
-decayed ratio measured / predicted per power-of-two bucket of the token count and scales its
-predictions by the ratio of the nearest bucket it has seen, so plans follow the loop's real
-costs at the shapes it actually runs.
+Both measurements are cached on disk per model (name and a hash of the shapes that set its
+cost), device and dtype (and CPU thread count), and for the drafter per drafter identity,
+under `models.cache_dir()/cost_models/`. A file whose identity differs from the model,
+drafter and device at hand, or whose numbers are not usable, is measured again: a plan is
+never made from another machine's numbers. Calls that sample plan from these files alone,
+so the same seed gives the same trees in every process that reads them.
+
+Online refresh (greedy calls only): the loop reports each step's measured seconds (drafting,
+verification and bookkeeping, under whatever load the machine is). The target's model keeps
+a decayed ratio measured / predicted (the prediction with its drafting term) per power-of-two
+bucket of the token count and scales its predictions by the ratio of the nearest bucket it
+has seen, so plans follow the loop's real costs at the shapes it actually runs.
 """
 
 import hashlib
@@ -36,25 +53,29 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 # 2: interleaved calibration rounds (files of 1 may hold shapes bent by load); 3: small_linear_rows;
 # 4: bf16 small_linear calibrated (older bf16 files never chose it); 5: the AVX-512 fp32
 # small_linear kernel and ties no longer breaking its row range (step costs and the range change);
+# 6: a table per row count (steps of R rows timed as such, not read from 1-row chains);
 # the identity's "forward": "lean" where `generate` runs loop.hf.lean's forward (cheaper steps),
 # "lean+fused" where its layers run as `decoder_layer` ops (cheaper still)
-FORMAT = 5
-GRID = (1, 2, 4, 8, 16, 32, 64, 128)  # token counts timed at calibration
-CAL_PREFIX = 64  # prefix length of the table's forwards
+FORMAT = 6
+DRAFT_FORMAT = 1  # of `DraftCost` files (their key holds the target's identity, FORMAT included)
+ROWS = (1, 2, 4, 8)  # batch sizes timed at calibration (the target's forward and the drafter)
+MAX_TOKENS = 128  # the target's tables: widths 1, 2, 4, ... while rows * width <= MAX_TOKENS
+CAL_PREFIX = 64  # prefix length of the tables' forwards and of the drafter's made-up rows
 LONG_PREFIX = 1024  # prefix length of the forward that measures the attention term
 _DECAY = 0.8  # weight of the old ratio per observed step
 _RATIO_RANGE = (0.2, 5.0)  # one step's measured / predicted, clipped (a hiccup must not swing plans)
 
-# One model per (model, device, dtype, threads) in this process, so online corrections carry
-# over from one generate call to the next.
-_LOADED: Dict[str, "CostModel"] = {}
+# One measurement per key in this process (`CostModel` per model, device, dtype and threads;
+# `DraftCost` per target and drafter), so online corrections carry over from one generate
+# call to the next.
+_LOADED: Dict[str, "_Measured"] = {}
 
 
 def model_identity(model) -> dict:
@@ -118,89 +139,68 @@ def identity(model) -> dict:
             **({"forward": lean_kind()} if hf_lean_applies(model) else {})}
 
 
-class CostModel:
-    """Predicted seconds of one decoding step (see the module docstring).
+def shapes_digest(module) -> str:
+    """A hash of `module`'s parameter names, shapes and dtypes (what its compute depends on,
+    not its values): identifies a draft head's cost."""
+    shapes = [(name, list(p.shape), str(p.dtype)) for name, p in module.named_parameters()]
+    return hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
 
-    Args:
-        key: the identity the numbers were measured for (`identity(model)`).
-        tokens: increasing token counts (>= 1) of the timed forwards.
-        seconds: their measured seconds (> 0, finite).
-        per_key: attention seconds per (query token x cached key) past `prefix` (>= 0).
-        prefix: the prefix length the table was measured at.
-        small_linear_rows: (lo, hi): the target's linears run as `small_linear.small_linears(target,
-            small_linear_rows)` (the table was timed so; (0, 0): plain `F.linear`).
-    """
 
-    def __init__(self, key: dict, tokens: Sequence[int], seconds: Sequence[float], per_key: float = 0.0,
-                 prefix: int = CAL_PREFIX, small_linear_rows: Sequence[int] = (0, 0)):
-        tokens, seconds = [float(t) for t in tokens], [float(s) for s in seconds]
-        if len(tokens) < 2 or len(tokens) != len(seconds):
-            raise ValueError(f"tokens, seconds: expected two or more measured points of each, got {len(tokens)} and {len(seconds)}")
-        if tokens[0] < 1 or any(b <= a for a, b in zip(tokens, tokens[1:])):
-            raise ValueError(f"tokens: expected increasing counts >= 1, got {tokens}")
-        if not all(math.isfinite(s) and s > 0 for s in seconds):
-            raise ValueError(f"seconds: expected finite times > 0, got {seconds}")
-        if not (math.isfinite(per_key) and per_key >= 0):
-            raise ValueError(f"per_key: expected a finite value >= 0, got {per_key}")
-        lo, hi = (int(r) for r in small_linear_rows)
-        if not ((lo, hi) == (0, 0) or 1 <= lo <= hi):
-            raise ValueError(f"small_linear_rows: expected (0, 0) or 1 <= lo <= hi, got {tuple(small_linear_rows)}")
-        self.key, self.prefix, self.per_key = dict(key), int(prefix), float(per_key)
-        self.small_linear_rows = (lo, hi)
-        self.tokens = torch.tensor(tokens, dtype=torch.float64)
-        self.seconds = torch.tensor(seconds, dtype=torch.float64)
-        slopes = (self.seconds[1:] - self.seconds[:-1]) / (self.tokens[1:] - self.tokens[:-1])
-        self._slopes = torch.cat([slopes, slopes[-1:].clamp(min=0)])  # past the last point: its slope, never falling
-        self._ratio = torch.ones(64, dtype=torch.float64)  # per log2 bucket of the token count
-        self._seen = torch.zeros(64, dtype=torch.bool)
+def draft_identity(target, drafter) -> dict:
+    """The key a drafting-cost measurement is valid for: the target's (device, dtype and
+    threads included: head drafters run on the target's device with its LM head rows) and
+    the drafter's (`drafters.cost_identity`)."""
+    from .drafters import cost_identity
 
-    # ------------------------------------------------------------------ predictions
+    return {**identity(target), "drafter": cost_identity(drafter), "draft_format": DRAFT_FORMAT}
 
-    def forward_seconds(self, tokens: torch.Tensor, prefix: float = CAL_PREFIX) -> torch.Tensor:
-        """float64 seconds of target forwards over `tokens` (a tensor of counts) at `prefix`, as
-        calibrated (no online correction)."""
-        n = tokens.to(torch.float64).clamp(min=1.0)
-        seg = (torch.searchsorted(self.tokens, n, right=True) - 1).clamp(min=0)
-        base = self.seconds[seg] + self._slopes[seg] * (n - self.tokens[seg]).clamp(min=0)
-        return (base + self.per_key * n * (float(prefix) - self.prefix)).clamp(min=self.seconds[0] * 0.5)
 
-    def step_seconds(self, rows: int, widths: torch.Tensor, prefix: float, corrected: bool = True) -> torch.Tensor:
-        """float64 seconds of steps of `rows` rows whose trees are `widths` nodes wide (root
-        included; a tensor), corrected by what the loop measured (see `observe`) unless
-        `corrected` is False (the calibration alone: the same answer every time)."""
-        tokens = rows * widths.to(torch.float64)
-        seconds = self.forward_seconds(tokens, prefix)
-        return seconds * self._correction(tokens) if corrected else seconds
+class _Curve:
+    """Piecewise linear through measured points `(x, y)` (x increasing, y finite and > 0):
+    flat before the first point; past the last, its last slope (never falling) when
+    `extend`, else flat. One point: a constant."""
 
-    def _correction(self, tokens: torch.Tensor) -> torch.Tensor:
-        bucket = torch.log2(tokens.clamp(min=1)).round().long().clamp(max=63)
-        if not bool(self._seen.any()):
-            return torch.ones_like(tokens)
-        seen = self._seen.nonzero()[:, 0]
-        nearest = seen[(bucket[:, None] - seen[None, :]).abs().argmin(1)]
-        return self._ratio[nearest]
+    def __init__(self, x: Sequence[float], y: Sequence[float], name: str, extend: bool):
+        x, y = [float(v) for v in x], [float(v) for v in y]
+        if not x or len(x) != len(y):
+            raise ValueError(f"{name}: expected one or more measured points, got {len(x)} x and {len(y)} seconds")
+        if x[0] < 1 or any(b <= a for a, b in zip(x, x[1:])):
+            raise ValueError(f"{name}: expected increasing sizes >= 1, got {x}")
+        if not all(math.isfinite(v) and v > 0 for v in y):
+            raise ValueError(f"{name}: expected finite seconds > 0, got {y}")
+        self.x = torch.tensor(x, dtype=torch.float64)
+        self.y = torch.tensor(y, dtype=torch.float64)
+        slopes = (self.y[1:] - self.y[:-1]) / (self.x[1:] - self.x[:-1])
+        last = slopes[-1:].clamp(min=0) if extend and len(x) > 1 else self.y.new_zeros(1)
+        self._slopes = torch.cat([slopes, last])
 
-    def observe(self, rows: int, width: int, prefix: float, seconds: float) -> None:
-        """Refresh from one step the loop measured: `rows` rows, trees `width` wide, `seconds`."""
-        if rows <= 0 or width <= 0 or not (math.isfinite(seconds) and seconds > 0):
-            return
-        tokens = torch.tensor([float(rows * width)], dtype=torch.float64)
-        ratio = min(max(seconds / float(self.forward_seconds(tokens, prefix)[0]), _RATIO_RANGE[0]), _RATIO_RANGE[1])
-        b = min(int(round(math.log2(rows * width))), 63)
-        # A bucket starts from the calibration (ratio 1): one odd step moves it a fifth of the way.
-        self._ratio[b] = _DECAY * (float(self._ratio[b]) if self._seen[b] else 1.0) + (1 - _DECAY) * ratio
-        self._seen[b] = True
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.float64)
+        seg = (torch.searchsorted(self.x, x, right=True) - 1).clamp(min=0)
+        return self.y[seg] + self._slopes[seg] * (x - self.x[seg]).clamp(min=0)
 
-    # ------------------------------------------------------------------ persistence
+    def to_dict(self, x_name: str) -> dict:
+        return {x_name: self.x.tolist(), "seconds": self.y.tolist()}
 
-    def to_dict(self) -> dict:
-        return {"key": self.key, "tokens": self.tokens.tolist(), "seconds": self.seconds.tolist(),
-                "per_key": self.per_key, "prefix": self.prefix, "small_linear_rows": list(self.small_linear_rows)}
 
-    @classmethod
-    def from_dict(cls, data: dict) -> "CostModel":
-        return cls(data["key"], data["tokens"], data["seconds"], data.get("per_key", 0.0), data.get("prefix", CAL_PREFIX),
-                   data.get("small_linear_rows", (0, 0)))
+def _tables(tables: Mapping, name: str, extend: bool) -> Dict[int, _Curve]:
+    """{rows: (sizes, seconds)} checked, as curves sorted by row count."""
+    if not isinstance(tables, Mapping) or not tables:
+        raise ValueError(f"{name}: expected {{rows: (sizes, seconds)}} for one or more row counts, got {tables!r}")
+    curves = {}
+    for rows in sorted(tables):
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"{name}: row counts must be ints >= 1, got {rows!r}")
+        sizes, seconds = tables[rows]
+        curves[rows] = _Curve(sizes, seconds, f"{name}[{rows}]", extend)
+    return curves
+
+
+class _Measured:
+    """What `CostModel` and `DraftCost` share: a `key` naming what was measured, the tables
+    as a dict (`to_dict` / `from_dict`), and their files."""
+
+    key: dict
 
     def save(self, path: Path) -> None:
         """Write atomically (a reader never sees half a file)."""
@@ -211,9 +211,9 @@ class CostModel:
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: Path, expected_key: dict) -> "CostModel":
+    def load(cls, path: Path, expected_key: dict):
         """Read a cached measurement; ValueError if it is unreadable or measured for another
-        model, device or dtype than `expected_key`."""
+        model, drafter, device or dtype than `expected_key`."""
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, ValueError) as error:
@@ -223,46 +223,196 @@ class CostModel:
             raise ValueError(f"cost model file {path}: measured for {got}, not {expected_key}")
         try:
             return cls.from_dict(data)
-        except (KeyError, TypeError, ValueError) as error:
+        except (AttributeError, KeyError, TypeError, ValueError) as error:
             raise ValueError(f"cost model file {path}: unusable ({error})") from error
+
+
+class CostModel(_Measured):
+    """Predicted seconds of the target's forward in a decoding step (see the module docstring).
+
+    Args:
+        key: the identity the numbers were measured for (`identity(model)`).
+        tables: {rows: (widths, seconds)}: for each measured row count, the tree widths timed
+            (increasing, >= 1; two or more) and the seconds of those forwards (> 0, finite).
+        per_key: attention seconds per (query token x cached key) past `prefix` (>= 0).
+        prefix: the prefix length the tables were measured at.
+        small_linear_rows: (lo, hi): the target's linears run as `small_linear.small_linears(target,
+            small_linear_rows)` (the tables were timed so; (0, 0): plain `F.linear`).
+    """
+
+    def __init__(self, key: dict, tables: Mapping[int, Tuple[Sequence[int], Sequence[float]]], per_key: float = 0.0,
+                 prefix: int = CAL_PREFIX, small_linear_rows: Sequence[int] = (0, 0)):
+        self.tables = _tables(tables, "tables", extend=True)
+        if any(len(curve.x) < 2 for curve in self.tables.values()):
+            raise ValueError("tables: expected two or more measured widths per row count")
+        if not (math.isfinite(per_key) and per_key >= 0):
+            raise ValueError(f"per_key: expected a finite value >= 0, got {per_key}")
+        lo, hi = (int(r) for r in small_linear_rows)
+        if not ((lo, hi) == (0, 0) or 1 <= lo <= hi):
+            raise ValueError(f"small_linear_rows: expected (0, 0) or 1 <= lo <= hi, got {tuple(small_linear_rows)}")
+        self.key, self.prefix, self.per_key = dict(key), int(prefix), float(per_key)
+        self.small_linear_rows = (lo, hi)
+        self.rows = list(self.tables)
+        self._floor = 0.5 * min(float(curve.y[0]) for curve in self.tables.values())
+        self._ratio = torch.ones(64, dtype=torch.float64)  # per log2 bucket of the token count
+        self._seen = torch.zeros(64, dtype=torch.bool)
+
+    # ------------------------------------------------------------------ predictions
+
+    def forward_seconds(self, rows: int, widths: torch.Tensor, prefix: float = CAL_PREFIX) -> torch.Tensor:
+        """float64 seconds of target forwards of `rows` rows over trees `widths` (a tensor)
+        nodes wide at `prefix`, as calibrated (no online correction)."""
+        widths = widths.to(torch.float64).clamp(min=1.0)
+        measured = self.rows
+        if rows in self.tables:
+            base = self.tables[rows](widths)
+        elif rows < measured[0] or rows > measured[-1]:  # the nearest table, at the same token count
+            nearest = measured[0] if rows < measured[0] else measured[-1]
+            base = self.tables[nearest](widths * rows / nearest)
+        else:  # between two measured row counts: linear in the rows
+            hi = next(r for r in measured if r > rows)
+            lo = max(r for r in measured if r < rows)
+            t = (rows - lo) / (hi - lo)
+            base = (1 - t) * self.tables[lo](widths) + t * self.tables[hi](widths)
+        return (base + self.per_key * rows * widths * (float(prefix) - self.prefix)).clamp(min=self._floor)
+
+    def step_seconds(self, rows: int, widths: torch.Tensor, prefix: float, draft_seconds=0.0,
+                     corrected: bool = True) -> torch.Tensor:
+        """float64 seconds of steps of `rows` rows whose trees are `widths` nodes wide (root
+        included; a tensor) and whose drafting took `draft_seconds` (a float, or a tensor like
+        `widths`; `DraftCost`), corrected by what the loop measured (see `observe`) unless
+        `corrected` is False (the calibration alone: the same answer every time)."""
+        seconds = self.forward_seconds(rows, widths, prefix) + draft_seconds
+        return seconds * self._correction(rows * widths.to(torch.float64)) if corrected else seconds
+
+    def _correction(self, tokens: torch.Tensor) -> torch.Tensor:
+        bucket = torch.log2(tokens.clamp(min=1)).round().long().clamp(max=63)
+        if not bool(self._seen.any()):
+            return torch.ones_like(tokens)
+        seen = self._seen.nonzero()[:, 0]
+        nearest = seen[(bucket[:, None] - seen[None, :]).abs().argmin(1)]
+        return self._ratio[nearest]
+
+    def observe(self, rows: int, width: int, prefix: float, seconds: float, draft_seconds: float = 0.0) -> None:
+        """Refresh from one step the loop measured: `rows` rows, trees `width` wide, `seconds`
+        in all, of which the calibration predicts `draft_seconds` for its drafting (0: the
+        step drafted nothing)."""
+        if rows <= 0 or width <= 0 or not (math.isfinite(seconds) and seconds > 0):
+            return
+        predicted = float(self.forward_seconds(rows, torch.tensor([float(width)]), prefix)[0]) + draft_seconds
+        ratio = min(max(seconds / predicted, _RATIO_RANGE[0]), _RATIO_RANGE[1])
+        b = min(int(round(math.log2(rows * width))), 63)
+        # A bucket starts from the calibration (ratio 1): one odd step moves it a fifth of the way.
+        self._ratio[b] = _DECAY * (float(self._ratio[b]) if self._seen[b] else 1.0) + (1 - _DECAY) * ratio
+        self._seen[b] = True
+
+    # ------------------------------------------------------------------ persistence
+
+    def to_dict(self) -> dict:
+        return {"key": self.key, "tables": {str(r): c.to_dict("widths") for r, c in self.tables.items()},
+                "per_key": self.per_key, "prefix": self.prefix, "small_linear_rows": list(self.small_linear_rows)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostModel":
+        tables = {int(r): (t["widths"], t["seconds"]) for r, t in data["tables"].items()}
+        return cls(data["key"], tables, data["per_key"], data["prefix"], data["small_linear_rows"])
 
     @classmethod
     def for_model(cls, model, *, path: Optional[Path] = None, verbose: bool = True) -> "CostModel":
         """The cost model of `model` on its device and dtype: from this process, else from the
-        cache file, else measured now (a few seconds, with a progress line) and cached.
+        cache file, else measured now (seconds, with a progress line) and cached.
 
         Under tensor parallelism (see `tensor_parallel`) every rank must plan the same trees,
         or the ranks' forwards would run different shapes and their collectives would not
         match: the ranks measure together when any of them lacks a usable file (the
         calibration's forwards are collective), and all take rank 0's numbers.
         """
-        key = identity(model)
-        name = json.dumps(key, sort_keys=True)
-        if path is None and name in _LOADED:
-            return _LOADED[name]
-        path = Path(path) if path is not None else default_path(key)
-        parallel = tensor_parallel(model)
-        try:
-            cost, error = cls.load(path, key), None
-        except ValueError as load_error:
-            cost, error = None, load_error
-        measure = cost is None
-        if parallel:  # one rank lacking a usable file makes every rank measure
-            measure = not _all_ranks_have(not measure, model)
-        if measure:
-            if error is not None and path.exists() and verbose:
-                print(f"specdec: {error}; measuring again", file=sys.stderr)
-            cost = calibrate(model, verbose=verbose)
-            if not parallel or torch.distributed.get_rank() == 0:
-                try:
-                    cost.save(path)
-                except OSError as save_error:  # a read-only cache only costs the next process a calibration
-                    if verbose:
-                        print(f"specdec: could not cache the cost model at {path} ({save_error})", file=sys.stderr)
-        if parallel:
-            cost = _from_rank0(cost, model)
-        _LOADED[name] = cost
-        return cost
+        return _cached(cls, identity(model), path, lambda: calibrate(model, verbose=verbose), model,
+                       collective=True, verbose=verbose)
+
+
+class DraftCost(_Measured):
+    """Seconds of one drafting step (`Drafter.propose`) by row count and drafted nodes (see
+    the module docstring).
+
+    Args:
+        key: what it was measured for (`draft_identity(target, drafter)`).
+        tables: {rows: (nodes, seconds)}: for each measured row count, the budgets the
+            drafter was timed with (the most nodes a row may draft; increasing, >= 1) and the
+            seconds of those proposals. A drafter that `drafts_for_free` drafts its full size
+            whatever the budget: one point, its max_nodes.
+    """
+
+    def __init__(self, key: dict, tables: Mapping[int, Tuple[Sequence[int], Sequence[float]]]):
+        self.key = dict(key)
+        self.tables = _tables(tables, "tables", extend=False)  # no drafter drafts more than its size
+        self.rows = list(self.tables)
+
+    def seconds(self, rows: int, nodes: torch.Tensor) -> torch.Tensor:
+        """float64 seconds of drafting up to `nodes` (a tensor) nodes per row for `rows` rows;
+        0 where nodes is 0 (the step drafts nothing). Linear in the rows between measured row
+        counts, and past the last with the slope of the last two (the smallest table below)."""
+        nodes = nodes.to(torch.float64)
+        measured = self.rows
+        if rows in self.tables or rows < measured[0] or len(measured) == 1:
+            base = self.tables[rows if rows in self.tables else measured[0 if rows < measured[0] else -1]](nodes)
+        else:
+            hi = next((r for r in measured if r > rows), measured[-1])
+            lo = max(r for r in measured if r < hi)
+            t = (rows - lo) / (hi - lo)  # > 1 past the last row count
+            low, high = self.tables[lo](nodes), self.tables[hi](nodes)
+            base = low + t * (high - low).clamp(min=0) if rows > hi else (1 - t) * low + t * high
+        return torch.where(nodes > 0, base, 0.0)
+
+    def to_dict(self) -> dict:
+        return {"key": self.key, "tables": {str(r): c.to_dict("nodes") for r, c in self.tables.items()}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DraftCost":
+        return cls(data["key"], {int(r): (t["nodes"], t["seconds"]) for r, t in data["tables"].items()})
+
+    @classmethod
+    def for_drafter(cls, target, drafter, *, path: Optional[Path] = None, verbose: bool = True) -> "DraftCost":
+        """The drafting cost of `drafter` beside `target` on its device: from this process,
+        else from the cache file, else measured now (`calibrate_drafter`, with a progress
+        line) and cached. Under tensor parallelism every rank takes rank 0's numbers (the
+        drafters run no collectives, so each rank measures on its own when it must)."""
+        return _cached(cls, draft_identity(target, drafter), path,
+                       lambda: calibrate_drafter(target, drafter, verbose=verbose), target,
+                       collective=False, verbose=verbose)
+
+
+def _cached(cls, key: dict, path: Optional[Path], measure, model, *, collective: bool, verbose: bool):
+    """The measurement `cls` for `key`: from this process (unless a `path` is given), else
+    from the file at `path` (default: `default_path(key)`), else `measure()`, then saved.
+    Under tensor parallelism every rank ends with rank 0's numbers; `collective`: measuring
+    runs collective forwards, so the ranks measure together when any of them must."""
+    name = json.dumps(key, sort_keys=True)
+    if path is None and name in _LOADED:
+        return _LOADED[name]
+    path = Path(path) if path is not None else default_path(key)
+    parallel = tensor_parallel(model)
+    try:
+        cost, error = cls.load(path, key), None
+    except ValueError as load_error:
+        cost, error = None, load_error
+    measure_now = cost is None
+    if parallel and collective:  # one rank lacking a usable file makes every rank measure
+        measure_now = not _all_ranks_have(not measure_now, model)
+    if measure_now:
+        if error is not None and path.exists() and verbose:
+            print(f"specdec: {error}; measuring again", file=sys.stderr)
+        cost = measure()
+        if not parallel or torch.distributed.get_rank() == 0:
+            try:
+                cost.save(path)
+            except OSError as save_error:  # a read-only cache only costs the next process a calibration
+                if verbose:
+                    print(f"specdec: could not cache the cost model at {path} ({save_error})", file=sys.stderr)
+    if parallel:
+        cost = _from_rank0(cls, cost, model)
+    _LOADED[name] = cost
+    return cost
 
 
 def tensor_parallel(model) -> bool:
@@ -285,22 +435,21 @@ def _all_ranks_have(ok: bool, model) -> bool:
     return bool(flag.item())
 
 
-def _from_rank0(cost: "CostModel", model) -> "CostModel":
-    """Rank 0's table on every rank (same grid everywhere: the calibration's or the file's)."""
-    numbers = torch.tensor(cost.seconds.tolist() + [cost.per_key], dtype=torch.float64,
-                           device=_collective_device(model))
-    torch.distributed.broadcast(numbers, src=0)
-    numbers = numbers.cpu().tolist()
-    return CostModel(cost.key, cost.tokens.tolist(), numbers[:-1], numbers[-1], cost.prefix, cost.small_linear_rows)
+def _from_rank0(cls, cost: _Measured, model) -> _Measured:
+    """Rank 0's measurement on every rank."""
+    data = [cost.to_dict()]
+    torch.distributed.broadcast_object_list(data, src=0, device=_collective_device(model))
+    return cls.from_dict(data[0])
 
 
 def default_path(key: dict) -> Path:
-    """Where the measurement for `key` is cached."""
+    """Where the measurement for `key` is cached (a drafter's beside its target's)."""
     from ..models import cache_dir
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in key["model"])[:60]
-    return cache_dir() / "cost_models" / f"{safe}-{key['dtype']}-{digest}.json"
+    kind = "-draft" if "drafter" in key else ""
+    return cache_dir() / "cost_models" / f"{safe}-{key['dtype']}{kind}-{digest}.json"
 
 
 def device_clock(device: torch.device) -> float:
@@ -310,36 +459,47 @@ def device_clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _time_forward(forward, model, cache, num_tokens: int, prefix: int) -> float:
+def _time_forward(forward, model, cache, width: int, prefix: int) -> float:
     """Seconds of one `forward` (`hf.tree_step_forward(model)`: what `generate` runs) of a
-    `num_tokens` chain after `prefix` cached tokens (the cache's contents do not change the
-    cost; nothing is prefilled)."""
+    `width`-token chain in every row of `cache` after `prefix` cached tokens (the cache's
+    contents do not change the cost; nothing is prefilled)."""
     from ..ops.tree import tree_mask
 
     device = cache.seqlens.device
-    tokens = torch.zeros(1, num_tokens, dtype=torch.int64, device=device)  # any ids cost the same
-    depth = torch.arange(num_tokens, device=device)
-    mask = tree_mask(depth[None, :] - 1)
-    cache.set_lengths(torch.tensor([prefix], device=device))
+    rows = cache.seqlens.shape[0]
+    tokens = torch.zeros(rows, width, dtype=torch.int64, device=device)  # any ids cost the same
+    depth = torch.arange(width, device=device).expand(rows, -1)
+    mask = tree_mask(depth - 1)
+    cache.set_lengths(torch.full((rows,), prefix, device=device))
     start = device_clock(device)
-    forward(model, cache, tokens, prefix + depth[None, :], mask)
+    forward(model, cache, tokens, prefix + depth, mask)
     return device_clock(device) - start
 
 
-@torch.inference_mode()
-def calibrate(model, *, grid: Sequence[int] = GRID, prefix: int = CAL_PREFIX, long_prefix: int = LONG_PREFIX,
-              repeats: int = 3, verbose: bool = True) -> CostModel:
-    """Measure `model`'s forward on its device: a chain forward per token count in `grid` at
-    `prefix`, and one at `long_prefix` for the attention term, after a warm-up.
+def table_widths(rows: int, max_tokens: int = MAX_TOKENS) -> list:
+    """The tree widths the calibration times at `rows` rows: 1, 2, 4, ... while rows * width
+    <= max_tokens."""
+    widths = [1]
+    while rows * widths[-1] * 2 <= max_tokens:
+        widths.append(widths[-1] * 2)
+    return widths
 
-    The points are timed in `repeats` interleaved rounds (every size once per round) and each
-    keeps its best time. What the planner needs is the table's shape (how much a wider step
-    costs over a narrower one); timing each size back to back would let a busy spell of the
-    machine (other processes) land on some sizes only and bend that shape, while rounds spread
-    it over all of them and the minimum drops most of it.
+
+@torch.inference_mode()
+def calibrate(model, *, rows: Sequence[int] = ROWS, max_tokens: int = MAX_TOKENS, prefix: int = CAL_PREFIX,
+              long_prefix: int = LONG_PREFIX, repeats: int = 3, verbose: bool = True) -> CostModel:
+    """Measure `model`'s forward on its device: for each row count in `rows`, a forward with a
+    chain of each width of `table_widths(rows, max_tokens)` per row at `prefix`, and a
+    `rows[0]`-row forward at `long_prefix` for the attention term, after a warm-up.
+
+    The points are timed in `repeats` interleaved rounds (every shape once per round) and
+    each keeps its best time. What the planner needs is the tables' shape (how much a wider
+    step costs over a narrower one); timing each shape back to back would let a busy spell
+    of the machine (other processes) land on some shapes only and bend that shape, while
+    rounds spread it over all of them and the minimum drops most of it.
 
     On a CPU (not tensor-parallel) the choice of few-row linears comes first
-    (`small_linear.choose_small_linear_rows` on the target's weights) and the table is timed with it.
+    (`small_linear.choose_small_linear_rows` on the target's weights) and the tables are timed with it.
     """
     from .. import config
     from . import hf
@@ -347,9 +507,14 @@ def calibrate(model, *, grid: Sequence[int] = GRID, prefix: int = CAL_PREFIX, lo
 
     if repeats < 1:
         raise ValueError(f"repeats: expected >= 1, got {repeats}")
+    rows = sorted(int(r) for r in rows)
+    if not rows or rows[0] < 1 or max_tokens < 2 * rows[-1]:
+        raise ValueError(f"rows, max_tokens: expected row counts >= 1 and max_tokens >= 2 * the largest "
+                         f"(two widths each), got {rows} and {max_tokens}")
+    widths = {r: table_widths(r, max_tokens) for r in rows}
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    max_positions = getattr(cfg, "max_position_embeddings", None) or (long_prefix + max(grid) + 1)
-    long_prefix = min(long_prefix, max_positions - max(grid) - 1)
+    max_positions = getattr(cfg, "max_position_embeddings", None) or (long_prefix + max_tokens + 1)
+    long_prefix = min(long_prefix, max_positions - max_tokens - 1)
     prefix = min(prefix, max(long_prefix, 0))
     start = time.perf_counter()
     if verbose:
@@ -357,35 +522,128 @@ def calibrate(model, *, grid: Sequence[int] = GRID, prefix: int = CAL_PREFIX, lo
               end="", file=sys.stderr, flush=True)
     on_cpu = next(model.parameters()).device.type == "cpu" and not tensor_parallel(model)
     with hf.use_tree_attention(model), config.value_checks(False):
-        cache = hf.TreeKVCache.for_model(model, 1, max(prefix, long_prefix) + max(grid) + 1)
-        rows = small_linear.choose_small_linear_rows(small_linear.linear_weights(model), repeats=repeats) if on_cpu else (0, 0)
-        forward = hf.tree_step_forward(model, rows)
-        with small_linear.small_linears(model, rows):
-            _time_forward(forward, model, cache, grid[0], prefix)  # warm-up (first-call allocations)
-            seconds, per_key = _time_table(forward, model, cache, grid, prefix, long_prefix, repeats)
-    # The table must not fall. Noise (other processes, interrupts) only ever adds time and
-    # the best of a few runs removes most of it, so where a smaller forward measured slower
-    # than a larger one, the smaller one is the outlier: cap each point by the points after it
+        # One cache per row count; the first also holds the long prefix of the attention probe.
+        caches = {r: hf.TreeKVCache.for_model(model, r, (max(prefix, long_prefix) if r == rows[0] else prefix)
+                                              + widths[r][-1] + 1) for r in rows}
+        linear_rows = small_linear.choose_small_linear_rows(small_linear.linear_weights(model), repeats=repeats) \
+            if on_cpu else (0, 0)
+        forward = hf.tree_step_forward(model, linear_rows)  # what generate will run
+        with small_linear.small_linears(model, linear_rows):
+            _time_forward(forward, model, caches[rows[0]], 1, prefix)  # warm-up (first-call allocations)
+            seconds, per_key = _time_tables(forward, model, caches, widths, prefix, long_prefix, repeats)
+    # A table must not fall. Noise (other processes, interrupts) only ever adds time and
+    # the best of a few runs removes most of it, so where a narrower forward measured slower
+    # than a wider one, the narrower one is the outlier: cap each point by the points after it
     # (a running max would instead spread one slow small forward to every larger size).
-    seconds = torch.tensor(seconds).flip(0).cummin(0).values.flip(0).tolist()
+    tables = {r: (widths[r], torch.tensor(s).flip(0).cummin(0).values.flip(0).tolist()) for r, s in seconds.items()}
     if verbose:
-        layout = f"; linears of {rows[0]}-{rows[1]} rows by our kernel" if rows != (0, 0) else ""
+        layout = f"; linears of {linear_rows[0]}-{linear_rows[1]} rows by our kernel" if linear_rows != (0, 0) else ""
         print(f" {time.perf_counter() - start:.1f} s{layout}", file=sys.stderr)
-    return CostModel(identity(model), grid, seconds, per_key, prefix, rows)
+    return CostModel(identity(model), tables, per_key, prefix, linear_rows)
 
 
-def _time_table(forward, model, cache, grid, prefix, long_prefix, repeats):
-    """Best-of-`repeats` seconds per token count of `grid` (interleaved rounds), and the
+def _time_tables(forward, model, caches, widths, prefix, long_prefix, repeats):
+    """Best-of-`repeats` seconds per row count and width (interleaved rounds), and the
     attention term per (query token x key) from a probe at both prefixes."""
-    probe = min(8, max(grid))
+    first = min(caches)
+    probe = min(8, widths[first][-1])
     use_long = long_prefix > prefix + 64
-    seconds = [math.inf] * len(grid)
+    seconds = {r: [math.inf] * len(w) for r, w in widths.items()}
     short = long = math.inf
     for _ in range(repeats):
-        for i, n in enumerate(grid):
-            seconds[i] = min(seconds[i], _time_forward(forward, model, cache, n, prefix))
+        for r, ws in widths.items():
+            for i, w in enumerate(ws):
+                seconds[r][i] = min(seconds[r][i], _time_forward(forward, model, caches[r], w, prefix))
         if use_long:  # the attention term: the probe at both prefixes, in the same round
-            short = min(short, _time_forward(forward, model, cache, probe, prefix))
-            long = min(long, _time_forward(forward, model, cache, probe, long_prefix))
-    per_key = max(long - short, 0.0) / (probe * (long_prefix - prefix)) if use_long else 0.0
+            short = min(short, _time_forward(forward, model, caches[first], probe, prefix))
+            long = min(long, _time_forward(forward, model, caches[first], probe, long_prefix))
+    per_key = max(long - short, 0.0) / (first * probe * (long_prefix - prefix)) if use_long else 0.0
     return seconds, per_key
+
+
+def draft_budgets(drafter) -> list:
+    """The budgets the drafter calibration times: 1, 2, 4, ... below max_nodes, and max_nodes;
+    max_nodes alone for a drafter that `drafts_for_free` (generate asks it for its full draft)."""
+    most = int(drafter.max_nodes)
+    if drafter.drafts_for_free:
+        return [most]
+    budgets = [1]
+    while budgets[-1] * 2 < most:
+        budgets.append(budgets[-1] * 2)
+    return budgets + ([most] if most > budgets[-1] else [])
+
+
+@torch.inference_mode()
+def calibrate_drafter(target, drafter, *, rows: Sequence[int] = ROWS, prefix: int = CAL_PREFIX, repeats: int = 3,
+                      verbose: bool = True) -> DraftCost:
+    """Time `drafter` drafting beside `target`: for each row count in `rows`, one `propose` per
+    budget of `draft_budgets(drafter)` (the budget None for a drafter that `drafts_for_free`,
+    as generate calls it), in `repeats` interleaved rounds keeping each point's best.
+
+    Each row count runs its own twin of the drafter (`drafters.cost_twin`: the drafter's
+    own state, a suffix cache or an online head, is left as it was) on made-up rows: random
+    tokens of the target's vocabulary, `prefix` long, advanced by one token before every
+    proposal (its catch-up work), with zero hidden states for drafters that read the
+    target's (`observe`: what generate would have handed them). Random rows give n-gram
+    and suffix lookups few matches: their measured cost is the lookup's, which is most of it.
+    """
+    from .. import config
+    from . import hf
+    from .drafters import cost_twin
+
+    if repeats < 1:
+        raise ValueError(f"repeats: expected >= 1, got {repeats}")
+    rows = sorted(int(r) for r in rows)
+    param = next(target.parameters())
+    device = param.device
+    cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    budgets = draft_budgets(drafter)
+    steps = repeats * len(budgets)
+    capacity = prefix + steps + int(drafter.max_nodes) + 2
+    start = time.perf_counter()
+    if verbose:
+        print(f"specdec: measuring the drafter on this device (once per drafter, target and device) ...",
+              end="", file=sys.stderr, flush=True)
+    generator = torch.Generator().manual_seed(0)
+    twins, histories, lengths = {}, {}, {}
+    for r in rows:
+        twins[r] = cost_twin(drafter)
+        histories[r] = torch.randint(0, int(cfg.vocab_size), (r, capacity), generator=generator).to(device)
+        lengths[r] = torch.full((r,), prefix, dtype=torch.int64, device=device)
+    seconds = {r: [math.inf] * len(budgets) for r in rows}
+    with hf.use_tree_attention(target, *drafter.models), config.value_checks(False):
+        try:
+            for r in rows:
+                twins[r].start(histories[r], lengths[r], capacity)
+                _feed(twins[r], cfg, param, r, prefix - 1, accepted=False)
+            for _ in range(repeats):
+                for r in rows:
+                    for i, n in enumerate(budgets):
+                        lengths[r] = lengths[r] + 1  # the last step emitted one token
+                        _feed(twins[r], cfg, param, r, 1, accepted=True)
+                        budget = None if drafter.drafts_for_free else torch.full((r,), n, dtype=torch.int64, device=device)
+                        begin = device_clock(device)
+                        twins[r].propose(histories[r], lengths[r], None, budget)
+                        seconds[r][i] = min(seconds[r][i], device_clock(device) - begin)
+        finally:
+            for twin in twins.values():
+                twin.finish()
+    if verbose:
+        print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    # Never cheaper for more nodes: a point above a later one is noise (as in `calibrate`).
+    tables = {r: (budgets, torch.tensor(s).flip(0).cummin(0).values.flip(0).tolist()) for r, s in seconds.items()}
+    return DraftCost(draft_identity(target, drafter), tables)
+
+
+def _feed(drafter, cfg, param, rows: int, positions: int, accepted: bool) -> None:
+    """Zero hidden states for `positions` positions of every row, to a drafter that reads the
+    target's: the prefill's (accepted False) or a step's whose root alone was accepted."""
+    if not drafter.needs_hidden_states:
+        return
+    layers = (len(drafter.hidden_layers),) if drafter.hidden_layers else ()
+    hidden = torch.zeros(rows, positions, *layers, int(cfg.hidden_size), dtype=param.dtype, device=param.device)
+    if not accepted:
+        drafter.observe(hidden)
+        return
+    nodes = torch.zeros(rows, positions, dtype=torch.int64, device=param.device)
+    drafter.observe(hidden, nodes, torch.zeros(rows, dtype=torch.int64, device=param.device))

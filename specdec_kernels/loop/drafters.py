@@ -26,6 +26,7 @@ and get them through `observe`.
   matching child. No draft probabilities are combined.
 """
 
+import copy
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -37,6 +38,7 @@ from ..ops.ngram_index import NgramIndex
 from ..ops.suffix_index import SuffixIndex
 from ..ops.tree import TokenTree, tree_mask
 from ..ops.trie import merge_scored_trees
+from .cost_model import model_identity
 
 
 @dataclass
@@ -136,11 +138,29 @@ def root_tokens(history: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return history.gather(1, (lengths.long() - 1)[:, None])[:, 0]
 
 
+def no_draft(history: torch.Tensor, lengths: torch.Tensor) -> Draft:
+    """Each row's root alone: a step that drafts nothing."""
+    return Draft(TokenTree.chain(root_tokens(history, lengths), history.new_zeros(history.shape[0], 0)))
+
+
 def upkeep_seconds(drafter) -> float:
     """`drafter.upkeep_seconds()`, or 0 for a drafter written without it (the interface
     gained it late; duck-typed drafters keep working)."""
     method = getattr(drafter, "upkeep_seconds", None)
     return 0.0 if method is None else float(method())
+
+
+def cost_identity(drafter) -> dict:
+    """`drafter.cost_identity()`, or its class name and size for a drafter written without it
+    (duck-typed drafters keep working)."""
+    method = getattr(drafter, "cost_identity", None)
+    return method() if method is not None else {"drafter": type(drafter).__name__, "max_nodes": int(drafter.max_nodes)}
+
+
+def cost_twin(drafter):
+    """`drafter.cost_twin()`, or a shallow copy for a drafter written without it."""
+    method = getattr(drafter, "cost_twin", None)
+    return method() if method is not None else copy.copy(drafter)
 
 
 class Drafter:
@@ -181,7 +201,7 @@ class Drafter:
             return (0: the root only). A sampled tree must choose its nodes without looking
             at the sampled tokens (see `planner`).
         """
-        return Draft(TokenTree.chain(root_tokens(history, lengths), history.new_zeros(history.shape[0], 0)))
+        return no_draft(history, lengths)
 
     def observe(self, hidden_states: torch.Tensor, accepted_nodes: Optional[torch.Tensor] = None,
                 num_accepted: Optional[torch.Tensor] = None) -> None:
@@ -209,6 +229,21 @@ class Drafter:
         adaptive planner leaves them out of the step times it learns its costs from (a step
         that also trained the head would otherwise look like an expensive tree width)."""
         return 0.0
+
+    def cost_identity(self) -> dict:
+        """What sets this drafter's cost per step, the key of its measured drafting cost
+        (`cost_model.DraftCost`, cached on disk): its kind, size and the shapes of the models it
+        runs, never object ids (the measurement serves later processes). Drafters with
+        settings that change their cost add them."""
+        return {"drafter": type(self).__name__, "max_nodes": int(self.max_nodes),
+                "models": [model_identity(m) for m in self.models]}
+
+    def cost_twin(self) -> "Drafter":
+        """A drafter that drafts like this one at the same cost and shares no state with it
+        that outlives a call: the cost calibration runs it on made-up rows. A shallow copy
+        (`start` gives it its own per-call state); drafters whose state outlives calls (a
+        suffix cache, an online head) return a twin without it."""
+        return copy.copy(self)
 
 
 class NgramDrafter(Drafter):
@@ -251,6 +286,10 @@ class NgramDrafter(Drafter):
     def keep_rows(self, rows):
         if self.index is not None:
             self.slots, self.indexed = self.slots[rows], self.indexed[rows]
+
+    def cost_identity(self):
+        return {**super().cost_identity(), "min_n": self.min_n, "max_n": self.max_n, "num_tokens": self.num_tokens,
+                "tree_width": self.tree_width, "policy": self.policy}
 
     def finish(self):
         self.index = None
@@ -420,6 +459,9 @@ class DraftModelDrafter(Drafter):
     def finish(self):
         self.cache = None
 
+    def cost_identity(self):
+        return {**super().cost_identity(), "widths": list(self.widths)}
+
     def _children(self, logits, width, sampling):
         """[B, F, V] logits -> (children [B, F * width], their draft probabilities [B, F * width],
         probs [B, F, V] they were sampled from, or None when chosen greedily)."""
@@ -551,6 +593,14 @@ class MergedDrafter(Drafter):
     def upkeep_seconds(self):
         return sum(upkeep_seconds(d) for d in self.drafters)
 
+    def cost_identity(self):
+        return {"drafter": type(self).__name__, "parts": [cost_identity(d) for d in self.drafters]}
+
+    def cost_twin(self):
+        twin = copy.copy(self)
+        twin.drafters = [cost_twin(d) for d in self.drafters]
+        return twin
+
     def observe(self, hidden_states, accepted_nodes=None, num_accepted=None):
         for d in self.drafters:
             if d.needs_hidden_states:
@@ -628,8 +678,18 @@ class SuffixDrafter(Drafter):
         if num_tokens < 1 or max_nodes < 1:
             raise ValueError(f"num_tokens and max_nodes must be >= 1, got {num_tokens} and {max_nodes}")
         self.num_tokens, self.max_nodes = num_tokens, max_nodes
+        self.max_depth, self.max_candidates = max_depth, max_candidates
         self.index = SuffixIndex(1, max_tokens=max_tokens, max_depth=max_depth, max_candidates=max_candidates)
         self.slots = None
+
+    def cost_identity(self):
+        return {**super().cost_identity(), "num_tokens": self.num_tokens, "max_depth": self.max_depth,
+                "max_candidates": self.max_candidates}
+
+    def cost_twin(self):
+        """An empty cache with the same settings: a step's cost does not grow with the cache
+        (so a small one, which allocates less, costs the same)."""
+        return SuffixDrafter(1 << 16, self.num_tokens, self.max_nodes, self.max_depth, self.max_candidates)
 
     def add(self, token_lists) -> None:
         """Cache finished token sequences (lists or 1-D int tensors of token ids)."""

@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from .. import config
-from .drafters import Drafter, Sampling, upkeep_seconds
+from .drafters import Drafter, Sampling, no_draft, upkeep_seconds
 from .logits_processing import TreeLogitsProcessor, sampling_settings
 from ..ops.philox import row_seeds
 from ..ops.small_linear import small_linears
@@ -199,15 +199,19 @@ class _Rows:
 
 def _draft(drafter: Drafter, planner: Optional[Planner], rows: _Rows, sampling, stats: GenerateStats):
     """The step's draft: with a planner, at most the nodes it budgets from the rows' history
-    (all a drafter that `drafts_for_free` has), then cut to the nodes worth verifying (its host
-    time goes to stats.time_plan)."""
+    (all a drafter that `drafts_for_free` has; none, and the drafter is not asked, where no
+    row's nodes repay drafting), then cut to the nodes worth verifying (its host time goes to
+    stats.time_plan). Drafters catch up on the tokens of skipped steps at their next draft."""
     if planner is None:
         return drafter.propose(rows.history, rows.lengths, sampling)
     start, prefix = time.perf_counter(), float(rows.lengths.double().mean())
     remaining = rows.max_new_tokens - rows.generated
     budget = planner.budget(prefix, remaining)
     middle = time.perf_counter()
-    draft = drafter.propose(rows.history, rows.lengths, sampling, None if drafter.drafts_for_free else budget)
+    if planner.drafting:
+        draft = drafter.propose(rows.history, rows.lengths, sampling, None if drafter.drafts_for_free else budget)
+    else:
+        draft = no_draft(rows.history, rows.lengths)
     end = time.perf_counter()
     draft = planner.select(draft, prefix, remaining)
     stats.time_plan += (middle - start) + (time.perf_counter() - end)

@@ -1,12 +1,15 @@
 """Adaptive speculation: how many draft nodes each row verifies, step by step.
 
-Speculation pays only when the tokens a step adds outweigh the extra verification compute.
-Each step the planner maximises the batch's expected emitted tokens per second (goodput):
+Speculation pays only when the tokens a step adds outweigh what drafting them and verifying
+them costs. Each step the planner maximises the batch's expected emitted tokens per second
+(goodput):
 
     goodput = (R + sum over verified nodes of P(node accepted)) / step_seconds(R, width)
 
-R rows each emit one token plus their accepted drafts; a step's cost (`CostModel`) depends on
-the rows and the tree width (every row's tree is padded to the widest), so the planner picks
+R rows each emit one token plus their accepted drafts; a step's cost is the target's forward
+(`CostModel`: it depends on the rows and the tree width, every row's tree padded to the
+widest) plus, when the step drafts, the drafter's (`DraftCost`: by rows and drafted nodes;
+plain decoding drafts nothing), so the planner picks
 one width level n and gives each row its best min(n, useful) nodes: nodes below the widest
 row's cost nothing more, and rows whose nodes are not worth min_gain draft nothing (plain
 decoding). Under a batch node budget (`max_batch_nodes`), the nodes go to the rows with the
@@ -16,12 +19,16 @@ Two decisions per step:
 1. `budget()` before drafting, from each row's history: P(the rank-r node is accepted), the
    product of decayed rates per rank of acceptance given the parent's (rank = the node's place
    in the row's priority order; for a chain, its depth). Drafters draft at most that many
-   nodes (a draft model skips the depths no row needs).
+   nodes (a draft model skips the depths no row needs). Drafting n nodes costs what the
+   drafter measured for n; when no row's nodes repay it, the step does not draft at all
+   (`drafting` False: plain decoding). A drafter that `drafts_for_free` is asked for its
+   full draft every step instead (its cost, measured too, is then paid whatever the plan).
 2. `select(draft)` after drafting: each node's estimate multiplies, along its path, the
    drafter's own conditional scores (from path probabilities, n-gram match lengths) scaled
    by how well the row's scores predicted its acceptance so far, or the rank rates where the
    drafter has no scores; the best nodes are kept (ancestor-closed: a node's estimate never
-   exceeds its parent's, and ties keep the parent, which comes first).
+   exceeds its parent's, and ties keep the parent, which comes first). The drafting is paid
+   by then: it counts in every choice's step time alike.
 Drafts deeper than a row's remaining tokens (max_new_tokens) could not be emitted: never
 verified.
 
@@ -41,7 +48,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .cost_model import CostModel, identity, tensor_parallel
+from .cost_model import CostModel, DraftCost, draft_identity, identity, tensor_parallel
 from .drafters import Draft, keep_nodes, rank_nodes
 
 
@@ -232,6 +239,7 @@ class _Plan:
     rows: int
     width: int
     prefix: float
+    draft_seconds: float  # what the calibration predicts for the step's drafting (0: none)
 
 
 class Planner:
@@ -240,6 +248,9 @@ class Planner:
     Args:
         cost_model: a `CostModel`; None: `CostModel.for_model(target)` at `start` (measured on
             first use, then cached).
+        draft_cost: a `DraftCost` for the drafter of every call; None: `DraftCost.for_drafter(target,
+            drafter)` at each `start` (measured on first use per target and drafter identity,
+            then cached).
         max_batch_nodes: most drafted nodes verified per step over the whole batch (None: no
             limit beyond each drafter's size).
         min_gain: a node whose estimated acceptance is at most this is never verified.
@@ -247,8 +258,9 @@ class Planner:
         verbose: print the calibration's progress line.
     """
 
-    def __init__(self, cost_model: Optional[CostModel] = None, *, max_batch_nodes: Optional[int] = None,
-                 min_gain: float = 0.01, decay: float = 0.8, prior: float = 0.6, verbose: bool = True):
+    def __init__(self, cost_model: Optional[CostModel] = None, *, draft_cost: Optional[DraftCost] = None,
+                 max_batch_nodes: Optional[int] = None, min_gain: float = 0.01, decay: float = 0.8, prior: float = 0.6,
+                 verbose: bool = True):
         if max_batch_nodes is not None and (not isinstance(max_batch_nodes, int) or max_batch_nodes < 0):
             raise ValueError(f"max_batch_nodes: expected an int >= 0 or None, got {max_batch_nodes!r}")
         if not 0.0 <= min_gain < 1.0:
@@ -259,20 +271,25 @@ class Planner:
             raise ValueError(f"prior: expected a value in (0, 1), got {prior}")
         if cost_model is not None and not isinstance(cost_model, CostModel):
             raise ValueError(f"cost_model: expected a CostModel or None, got {type(cost_model).__name__}")
+        if draft_cost is not None and not isinstance(draft_cost, DraftCost):
+            raise ValueError(f"draft_cost: expected a DraftCost or None, got {type(draft_cost).__name__}")
         self.cost_model, self.max_batch_nodes, self.min_gain = cost_model, max_batch_nodes, min_gain
         self._measure = cost_model is None  # ours to (re)load when the target changes
+        self.draft_cost, self._measure_drafts = draft_cost, draft_cost is None
         self.decay, self.prior, self.verbose = decay, prior, verbose
         self.acceptance: Optional[AcceptanceModel] = None
         self._plan: Optional[_Plan] = None
         self._reproducible = False
-        self._seconds: Optional[torch.Tensor] = None  # this step's predicted seconds per width
+        self._free = False  # the call's drafter drafts_for_free
+        self._drafted = 0  # the step's drafting: the widest row's budget (free drafters: their size), 0 none
 
     def start(self, target, rows: int, max_nodes: int, device, drafter=None, reproducible: bool = False) -> None:
         """Per generate call: the cost model (measured or loaded once) and fresh row histories,
         whose prior per-token acceptance is what earlier calls with the same target and kind
         of drafter measured (else `prior`).
 
-        reproducible: plan from the calibrated cost model and this call's rows only (no
+        reproducible: plan from the calibrated cost models (the target's and the drafter's,
+        both read from disk once measured) and this call's rows only (no
         measured step times, nothing learned in earlier calls), so the plan, and with it a
         sampled output, is the same for the same seed every time. Greedy output never
         depends on the plan; sampled output does (a different tree draws other numbers).
@@ -287,6 +304,12 @@ class Planner:
         elif self.cost_model.key != key:
             raise ValueError(f"cost_model: measured for {self.cost_model.key}, but the target is {key}; "
                              "pass cost_model=None to measure this target")
+        if drafter is not None and self._measure_drafts:
+            self.draft_cost = DraftCost.for_drafter(target, drafter, verbose=self.verbose)
+        elif drafter is not None and self.draft_cost.key != draft_identity(target, drafter):
+            raise ValueError(f"draft_cost: measured for {self.draft_cost.key}, but the call's is "
+                             f"{draft_identity(target, drafter)}; pass draft_cost=None to measure this drafter")
+        self._free = bool(getattr(drafter, "drafts_for_free", False))
         self.max_nodes = max_nodes
         # The drafter's kind: its class, size and the model objects it runs (another draft
         # model is another drafter, even with the same shapes).
@@ -302,12 +325,29 @@ class Planner:
         prior = _LEARNED.get(self._learned_key, self.prior) if use_learned else self.prior
         self.acceptance = AcceptanceModel(rows, max_nodes, device, decay=self.decay, prior=prior)
         self._alpha_sum, self._alpha_rows = 0.0, 0
-        self._plan, self._seconds = None, None
+        self._plan, self._drafted = None, 0
 
-    def _step_seconds(self, rows: int, prefix: float, num_nodes: int) -> torch.Tensor:
-        """[num_nodes + 1]: predicted seconds of a step with trees 1 .. num_nodes + 1 wide."""
+    def _draft_seconds(self, rows: int, nodes: torch.Tensor) -> torch.Tensor:
+        """float64 predicted seconds of drafting up to `nodes` nodes per row (0 for 0)."""
+        if self.draft_cost is None:
+            return torch.zeros(nodes.shape, dtype=torch.float64)
+        return self.draft_cost.seconds(rows, nodes)
+
+    def _step_seconds(self, rows: int, prefix: float, num_nodes: int, drafted: Optional[int] = None) -> torch.Tensor:
+        """[num_nodes + 1]: predicted seconds of a step with trees 1 .. num_nodes + 1 wide.
+        drafted None: drafting is still to be chosen, and a tree of n drafted nodes pays for
+        drafting n (plain decoding for nothing); else the step drafted up to `drafted` nodes
+        per row (0: nothing), paid whatever it verifies."""
         widths = torch.arange(1, num_nodes + 2)
-        return self.cost_model.step_seconds(rows, widths, prefix, corrected=not self._reproducible)
+        nodes = widths - 1 if drafted is None else torch.full_like(widths, drafted)
+        return self.cost_model.step_seconds(rows, widths, prefix, self._draft_seconds(rows, nodes),
+                                            corrected=not self._reproducible)
+
+    @property
+    def drafting(self) -> bool:
+        """Whether the step `budget` planned drafts (False: every row decodes plainly, and
+        the drafter is not asked)."""
+        return self._drafted > 0
 
     def budget(self, prefix: float, remaining: Optional[torch.Tensor] = None) -> torch.Tensor:
         """int64 [R]: the most nodes each row should draft this step (from its history).
@@ -317,8 +357,11 @@ class Planner:
         if remaining is not None:  # a chain's rank k sits at depth k + 1
             rank = torch.arange(rates.shape[1], device=rates.device)
             rates = torch.where(rank[None, :] + 1 < remaining.to(rates.device)[:, None], rates, 0.0)
-        self._seconds = self._step_seconds(rates.shape[0], prefix, rates.shape[1])  # select() reuses it
-        return choose_counts(rates, self._seconds, max_batch_nodes=self.max_batch_nodes, min_gain=self.min_gain)
+        # A free drafter drafts its full size every step: paid at every level alike.
+        seconds = self._step_seconds(rates.shape[0], prefix, rates.shape[1], self.max_nodes if self._free else None)
+        counts = choose_counts(rates, seconds, max_batch_nodes=self.max_batch_nodes, min_gain=self.min_gain)
+        self._drafted = self.max_nodes if self._free else int(counts.max()) if counts.numel() else 0
+        return counts
 
     def select(self, draft: Draft, prefix: float, remaining: Optional[torch.Tensor] = None) -> Draft:
         """The drafted tree cut to the nodes worth verifying (sampled trees: as drafted);
@@ -327,9 +370,10 @@ class Planner:
         rows, width = tree.tokens.shape
         real = tree.parents >= 0  # drafted nodes (the root has parent -1)
         node = torch.arange(width, device=tree.parents.device)
+        paid = float(self._draft_seconds(rows, torch.tensor([self._drafted]))[0])
         if draft.draft_probs is not None:  # sampled children: never pruned by value (module docstring)
             ranks = torch.where(real, node - 1, -1)
-            self._plan = _Plan(ranks, tree.parents, draft.scores, rows, width, prefix)
+            self._plan = _Plan(ranks, tree.parents, draft.scores, rows, width, prefix, paid)
             return draft
         # Rank the nodes by the drafter's scores, else in its node order (its priority).
         key = draft.scores if draft.scores is not None else (1.0 - node / width).expand(rows, -1)
@@ -342,18 +386,17 @@ class Planner:
             depths = tree.depths.gather(1, order[:, 1:])
             gains = torch.where(depths < remaining.to(depths.device)[:, None], gains, 0.0).cummin(1).values
         gains = torch.where(node[None, : width - 1] < num_real[:, None], gains, 0.0)
-        seconds = self._seconds[:width] if self._seconds is not None and self._seconds.shape[0] >= width else \
-            self._step_seconds(rows, prefix, width - 1)
+        seconds = self._step_seconds(rows, prefix, width - 1, self._drafted)
         counts = choose_counts(gains, seconds, max_batch_nodes=self.max_batch_nodes, min_gain=self.min_gain)
         keep = (position <= counts[:, None]) & (real | (node == 0))
         if bool((counts >= num_real).all()):  # nothing pruned: the draft as it is
-            self._plan = _Plan(torch.where(real, position - 1, -1), tree.parents, draft.scores, rows, width, prefix)
+            self._plan = _Plan(torch.where(real, position - 1, -1), tree.parents, draft.scores, rows, width, prefix, paid)
             return draft
         draft, new_index = keep_nodes(draft, keep)
         ranks = torch.full_like(draft.tree.parents, -1)
         ranks.scatter_(1, torch.where(keep, new_index, 0), torch.where(keep & real, position - 1, -1))
         ranks[:, 0] = -1
-        self._plan = _Plan(ranks, draft.tree.parents, draft.scores, rows, draft.tree.tokens.shape[1], prefix)
+        self._plan = _Plan(ranks, draft.tree.parents, draft.scores, rows, draft.tree.tokens.shape[1], prefix, paid)
         return draft
 
     def observe(self, out, active: torch.Tensor) -> None:
@@ -371,9 +414,11 @@ class Planner:
         self.acceptance.update(plan.ranks, on_path, plan.scores, active, rejected, plan.parents)
 
     def observe_time(self, seconds: float) -> None:
-        """The measured seconds of the step last planned (drafting to bookkeeping)."""
+        """The measured seconds of the step last planned (drafting to bookkeeping), against
+        its prediction with the drafting it did."""
         if self._plan is not None and not self._reproducible:
-            self.cost_model.observe(self._plan.rows, self._plan.width, self._plan.prefix, seconds)
+            plan = self._plan
+            self.cost_model.observe(plan.rows, plan.width, plan.prefix, seconds, plan.draft_seconds)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Rows finished: the batch keeps `rows`; the leaving rows' acceptance is remembered."""
