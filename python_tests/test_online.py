@@ -158,7 +158,8 @@ def test_prompt_steps_draw_only_prompt_positions(target, heads):
 
     learner._step = spy
     ids, mask = left_pad(repetitive_prompts(2, seed=3))
-    sk.generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=6)
+    sk.generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=6,
+                adaptive=free_planner(target, drafter))  # drafting (and so learning) whatever it costs here
     lengths = mask.sum(1)
     assert len(seen["weights"]) == 2
     for weights, length in zip(seen["weights"], lengths.tolist()):

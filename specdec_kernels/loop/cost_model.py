@@ -45,6 +45,7 @@ bucket of the token count and scales its predictions by the ratio of the nearest
 has seen, so plans follow the loop's real costs at the shapes it actually runs.
 """
 
+import copy
 import hashlib
 import json
 import math
@@ -146,12 +147,23 @@ def shapes_digest(module) -> str:
     return hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
 
 
+def cost_identity(drafter) -> dict:
+    """`drafter.cost_identity()`, or its class name and size for a drafter written without it
+    (duck-typed drafters keep working)."""
+    method = getattr(drafter, "cost_identity", None)
+    return method() if method is not None else {"drafter": type(drafter).__name__, "max_nodes": int(drafter.max_nodes)}
+
+
+def cost_twin(drafter):
+    """`drafter.cost_twin()`, or a shallow copy for a drafter written without it."""
+    method = getattr(drafter, "cost_twin", None)
+    return method() if method is not None else copy.copy(drafter)
+
+
 def draft_identity(target, drafter) -> dict:
     """The key a drafting-cost measurement is valid for: the target's (device, dtype and
     threads included: head drafters run on the target's device with its LM head rows) and
-    the drafter's (`drafters.cost_identity`)."""
-    from .drafters import cost_identity
-
+    the drafter's (`cost_identity`)."""
     return {**identity(target), "drafter": cost_identity(drafter), "draft_format": DRAFT_FORMAT}
 
 
@@ -580,7 +592,7 @@ def calibrate_drafter(target, drafter, *, rows: Sequence[int] = ROWS, prefix: in
     budget of `draft_budgets(drafter)` (the budget None for a drafter that `drafts_for_free`,
     as generate calls it), in `repeats` interleaved rounds keeping each point's best.
 
-    Each row count runs its own twin of the drafter (`drafters.cost_twin`: the drafter's
+    Each row count runs its own twin of the drafter (`cost_twin`: the drafter's
     own state, a suffix cache or an online head, is left as it was) on made-up rows: random
     tokens of the target's vocabulary, `prefix` long, advanced by one token before every
     proposal (its catch-up work), with zero hidden states for drafters that read the
@@ -589,7 +601,6 @@ def calibrate_drafter(target, drafter, *, rows: Sequence[int] = ROWS, prefix: in
     """
     from .. import config
     from . import hf
-    from .drafters import cost_twin
 
     if repeats < 1:
         raise ValueError(f"repeats: expected >= 1, got {repeats}")

@@ -38,7 +38,7 @@ from ..ops.ngram_index import NgramIndex
 from ..ops.suffix_index import SuffixIndex
 from ..ops.tree import TokenTree, tree_mask
 from ..ops.trie import merge_scored_trees
-from .cost_model import model_identity
+from .cost_model import cost_identity, cost_twin, model_identity
 
 
 @dataclass
@@ -148,19 +148,6 @@ def upkeep_seconds(drafter) -> float:
     gained it late; duck-typed drafters keep working)."""
     method = getattr(drafter, "upkeep_seconds", None)
     return 0.0 if method is None else float(method())
-
-
-def cost_identity(drafter) -> dict:
-    """`drafter.cost_identity()`, or its class name and size for a drafter written without it
-    (duck-typed drafters keep working)."""
-    method = getattr(drafter, "cost_identity", None)
-    return method() if method is not None else {"drafter": type(drafter).__name__, "max_nodes": int(drafter.max_nodes)}
-
-
-def cost_twin(drafter):
-    """`drafter.cost_twin()`, or a shallow copy for a drafter written without it."""
-    method = getattr(drafter, "cost_twin", None)
-    return method() if method is not None else copy.copy(drafter)
 
 
 class Drafter:
