@@ -21,7 +21,9 @@ Two decisions per step:
    in the row's priority order; for a chain, its depth). Drafters draft at most that many
    nodes (a draft model skips the depths no row needs). Drafting n nodes costs what the
    drafter measured for n; when no row's nodes repay it, the step does not draft at all
-   (`drafting` False: plain decoding). A drafter that `drafts_for_free` is asked for its
+   (`drafting` False: plain decoding), except that after `PROBE_AFTER` such steps in a row
+   it drafts and verifies one node per row (a probe: rows that never draft never learn that
+   drafting would pay again). A drafter that `drafts_for_free` is asked for its
    full draft every step instead (its cost, measured too, is then paid whatever the plan).
 2. `select(draft)` after drafting: each node's estimate multiplies, along its path, the
    drafter's own conditional scores (from path probabilities, n-gram match lengths) scaled
@@ -242,6 +244,9 @@ class _Plan:
     draft_seconds: float  # what the calibration predicts for the step's drafting (0: none)
 
 
+PROBE_AFTER = 8  # steps without drafting before the planner drafts one node per row anyway (`budget`)
+
+
 class Planner:
     """Chooses each row's verified draft nodes every step (see the module docstring).
 
@@ -282,6 +287,7 @@ class Planner:
         self._reproducible = False
         self._free = False  # the call's drafter drafts_for_free
         self._drafted = 0  # the step's drafting: the widest row's budget (free drafters: their size), 0 none
+        self._idle, self._probing = 0, False
 
     def start(self, target, rows: int, max_nodes: int, device, drafter=None, reproducible: bool = False) -> None:
         """Per generate call: the cost model (measured or loaded once) and fresh row histories,
@@ -326,6 +332,7 @@ class Planner:
         self.acceptance = AcceptanceModel(rows, max_nodes, device, decay=self.decay, prior=prior)
         self._alpha_sum, self._alpha_rows = 0.0, 0
         self._plan, self._drafted = None, 0
+        self._idle, self._probing = 0, False  # steps in a row without drafting; this step probes
 
     def _draft_seconds(self, rows: int, nodes: torch.Tensor) -> torch.Tensor:
         """float64 predicted seconds of drafting up to `nodes` nodes per row (0 for 0)."""
@@ -360,6 +367,22 @@ class Planner:
         # A free drafter drafts its full size every step: paid at every level alike.
         seconds = self._step_seconds(rates.shape[0], prefix, rates.shape[1], self.max_nodes if self._free else None)
         counts = choose_counts(rates, seconds, max_batch_nodes=self.max_batch_nodes, min_gain=self.min_gain)
+        # A probe: after PROBE_AFTER steps without drafting, one node per row that may still
+        # use it. Rows that stop drafting learn nothing more, and their rates only drift back
+        # to the call's prior, which a short or unlucky earlier call may have left too low to
+        # ever draft again (a benchmark's 4-token warm-up call once stopped every later call
+        # from drafting on code edit, 40 tok/s where 110 was there to take). Deterministic:
+        # the plan of a sampled call still depends on its own rows only.
+        self._probing = False
+        if not self._free and counts.numel() and int(counts.max()) == 0:
+            self._idle += 1
+            if self._idle >= PROBE_AFTER:
+                counts = (rates[:, 0] > 0).long() if rates.shape[1] else counts
+                if self.max_batch_nodes is not None:  # the batch's node budget holds for probes too
+                    counts = torch.where(counts.cumsum(0) <= self.max_batch_nodes, counts, 0)
+                self._probing = bool(counts.any())
+        if self._probing or (counts.numel() and int(counts.max()) > 0):
+            self._idle = 0
         self._drafted = self.max_nodes if self._free else int(counts.max()) if counts.numel() else 0
         return counts
 
@@ -388,6 +411,8 @@ class Planner:
         gains = torch.where(node[None, : width - 1] < num_real[:, None], gains, 0.0)
         seconds = self._step_seconds(rows, prefix, width - 1, self._drafted)
         counts = choose_counts(gains, seconds, max_batch_nodes=self.max_batch_nodes, min_gain=self.min_gain)
+        if self._probing:  # a probe's node is verified whatever its estimate (see budget)
+            counts = torch.maximum(counts, (num_real > 0).long())
         keep = (position <= counts[:, None]) & (real | (node == 0))
         if bool((counts >= num_real).all()):  # nothing pruned: the draft as it is
             self._plan = _Plan(torch.where(real, position - 1, -1), tree.parents, draft.scores, rows, width, prefix, paid)
