@@ -133,7 +133,15 @@ at::Tensor decoder_layer_cpu(const at::Tensor& hidden, const at::Tensor& cos, co
                   k_cache.sizes() == v_cache.sizes(),
               kOp, ": k_cache and v_cache must be contiguous dense caches [B, S, Hkv, D] of one shape, got ",
               k_cache.sizes(), " and ", v_cache.sizes());
+  // The tree's keys and values are copied into the caches as hidden's element type, and cos /
+  // sin read as it: all of one dtype, on the CPU.
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"k_cache", &k_cache}, {"v_cache", &v_cache},
+                                {"cos", &cos}, {"sin", &sin}}) {
+    TORCH_CHECK(t->scalar_type() == dtype && t->device().is_cpu(), kOp, ": ", name,
+                " must be a CPU tensor of hidden's dtype ", dtype, ", got ", t->scalar_type(), " on ", t->device());
+  }
   check_tensor(kOp, "cache_seqlens", cache_seqlens, 1, at::kInt);
+  check_device(kOp, "cache_seqlens", cache_seqlens, hidden.device());
   check_size(kOp, "k_cache", k_cache, 0, batch, "B (hidden.size(0))");
   check_size(kOp, "cache_seqlens", cache_seqlens, 0, batch, "B (hidden.size(0))");
   const int64_t num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);

@@ -145,6 +145,10 @@ def test_bad_input_is_named():
         call(cos=case["cos"][:, :, :8])
     with pytest.raises(RuntimeError, match="k_cache and v_cache must be contiguous dense caches"):
         call(v_cache=case["v_cache"][:, :40])
+    with pytest.raises(RuntimeError, match="k_cache must be a CPU tensor of hidden's dtype"):
+        call(k_cache=case["k_cache"].bfloat16())
+    with pytest.raises(RuntimeError, match="cos must be a CPU tensor of hidden's dtype"):
+        call(cos=case["cos"].double())
     with pytest.raises(RuntimeError, match="q_bias must be"):
         call(weights=case["weights"][:2] + [torch.zeros(3)] + case["weights"][3:])
     with pytest.raises(ValueError, match="weights: expected 15"):
