@@ -1,7 +1,7 @@
 // The torch side of the few-row linear product (csrc/include/specdec/small_linear.h): the
-// checks of a CPU product and the split of one or more products of the same input over
-// torch's threads. Shared by small_linear.cpp (the op) and decoder_layer.cpp (q/k/v and
-// gate/up products of one layer in one parallel region).
+// split of one or more products of the same input over torch's threads. Shared by
+// small_linear.cpp (the op) and decoder_layer.cpp (q/k/v and gate/up products of one layer in
+// one parallel region).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -10,7 +10,6 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
-#include <optional>
 
 #include "specdec/small_linear.h"
 
@@ -23,25 +22,6 @@ struct LinearProduct {
   const at::Tensor* bias;    // [N] contiguous, x's dtype, or nullptr
   at::Tensor* y;
 };
-
-// Checks one product's operands (`op` names the caller in the message): CPU, fp32 or bf16
-// alike, 2-D x [rows, K], weight [N, K], bias [N] or undefined.
-inline void check_small_linear(const char* op, const at::Tensor& x, const at::Tensor& weight,
-                               const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), op, ": x and weight must be CPU tensors");
-  const at::ScalarType dtype = x.scalar_type();
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && weight.scalar_type() == dtype, op,
-              ": x and weight must both be float32 or both bfloat16, got ", x.scalar_type(), " and ",
-              weight.scalar_type());
-  TORCH_CHECK(x.dim() == 2, op, ": x must be [rows, K], got ", x.dim(), " dims");
-  TORCH_CHECK(weight.dim() == 2, op, ": weight must be [N, K], got ", weight.dim(), " dims");
-  TORCH_CHECK(x.size(1) == weight.size(1), op, ": x has K = ", x.size(1), " but weight has K = ", weight.size(1));
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == dtype && bias->dim() == 1 &&
-                    bias->size(0) == weight.size(0),
-                op, ": bias must be a ", dtype, " CPU tensor [N] = [", weight.size(0), "] (x's dtype)");
-  }
-}
 
 // Every product of `products` with the same contiguous x [rows, K] (operands checked and
 // contiguous), in one parallel region: the output features of all of them, in blocks of 4

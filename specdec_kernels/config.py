@@ -20,8 +20,9 @@ lean_forward: whether `generate` runs tree steps of Llama, Mistral, Qwen2 and Qw
     logits) instead of the model's own forward. On by default; SPECDEC_LEAN_FORWARD=0 at import
     turns it off; set it here at any time instead (read when `generate` starts).
 fused_layers: whether the lean forward runs each decoder layer as one `decoder_layer` op (C++)
-    at the row counts where the target's linears run `small_linear`: the same ops without the
-    Python between them, bit-identical to the lean forward with those linears routed. On by
+    at the row counts where the target's linears run `small_linear`: the same steps without the
+    Python between them, equal to the lean forward with those linears routed up to the order
+    of RMSNorm's sum of squares. On by
     default; SPECDEC_FUSED_LAYERS=0 at import turns it off (read when `generate` starts).
 """
 

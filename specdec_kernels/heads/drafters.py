@@ -24,10 +24,9 @@ verified features while it serves (`heads.online.OnlineLearner`, hooked into `st
 `propose`, `keep_rows` and `finish`); drafts stay proposals, so outputs stay exact.
 """
 
+import copy
 from pathlib import Path
 from typing import Optional
-
-import copy
 
 import torch
 import torch.nn.functional as F

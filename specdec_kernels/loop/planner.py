@@ -374,16 +374,18 @@ class Planner:
         # from drafting on code edit, 40 tok/s where 110 was there to take). Deterministic:
         # the plan of a sampled call still depends on its own rows only.
         self._probing = False
-        if not self._free and counts.numel() and int(counts.max()) == 0:
+        most = int(counts.max()) if counts.numel() else 0
+        if not self._free and counts.numel() and most == 0:
             self._idle += 1
             if self._idle >= PROBE_AFTER:
                 counts = (rates[:, 0] > 0).long() if rates.shape[1] else counts
                 if self.max_batch_nodes is not None:  # the batch's node budget holds for probes too
                     counts = torch.where(counts.cumsum(0) <= self.max_batch_nodes, counts, 0)
                 self._probing = bool(counts.any())
-        if self._probing or (counts.numel() and int(counts.max()) > 0):
+                most = int(self._probing)
+        if most > 0:
             self._idle = 0
-        self._drafted = self.max_nodes if self._free else int(counts.max()) if counts.numel() else 0
+        self._drafted = self.max_nodes if self._free else most
         return counts
 
     def select(self, draft: Draft, prefix: float, remaining: Optional[torch.Tensor] = None) -> Draft:

@@ -4,12 +4,13 @@ A decode step of a small model on a CPU spends, after reading the weights, most 
 between the kernels: transformers' eager forward runs ~65 torch ops per layer from Python, and
 even `loop/hf/lean.py`'s lean forward runs ~30. On the default model (30 layers, 2 threads) that
 was ~10 ms of a ~32 ms step, which llama.cpp does not pay. This op runs a whole layer from C++
-(`csrc/decoder_layer.cpp`): the element-wise ops are the ATen ops transformers' modules run, in
-the same order and dtypes, so they round alike; the products are `small_linear`'s kernel (the
-q/k/v products in one parallel region, gate/up in another); the attention is `tree_attention`'s
-CPU kernel. So its result is bit-identical to the lean forward's layer with every linear routed
-to `small_linear` (python_tests/test_decoder_layer.py), and agrees with the plain-torch
-reference (`F.linear`, another summation order) to rounding.
+(`csrc/decoder_layer.cpp`): its element-wise steps (`csrc/include/specdec/decoder_layer.h`)
+round where transformers' modules round (bf16: after each product and sum, as torch does) and
+its SiLU is torch's own; the products are `small_linear`'s kernel (the q/k/v products in one
+parallel region, gate/up in another); the attention is `tree_attention`'s CPU kernel. So it
+equals the lean forward's layer with every linear routed to `small_linear` up to the order of
+RMSNorm's sum of squares (python_tests/test_lean_forward.py), and agrees with the plain-torch
+reference (`F.linear`, another summation order) to rounding (python_tests/test_decoder_layer.py).
 """
 
 from typing import Optional, Sequence

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from ... import config
 from ...ops import decoder_layer as fused
+from ...ops.reference.decoder_layer import rotate
 from ...ops.tree_attention import tree_attention
 from .attention import forward as model_forward
 from .attention import stack_hidden
@@ -114,13 +115,6 @@ def unsupported_reason(model) -> Optional[str]:
     if any(m is not None and ("forward" in m.__dict__ or hasattr(m, "_hf_hook")) for m in replaced):
         return "a module's forward is replaced (accelerate hooks, offloading)"
     return None
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, element for element the same in
-    # the [B, T, H, D] layout as in transformers' [B, H, T, D] one.
-    half = x.shape[-1] // 2
-    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
 
 def _layer_weights(layer) -> Optional[List[Optional[torch.Tensor]]]:
@@ -213,7 +207,7 @@ class LeanForward:
             k = attn.k_proj.forward(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim)
             if self.qk_norm:
                 q, k = attn.q_norm.forward(q), attn.k_norm.forward(k)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             v = attn.v_proj.forward(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim)
             keys, values = cache.layers[index].update(k.transpose(1, 2), v.transpose(1, 2))
             out = tree_attention(q, keys.transpose(1, 2), values.transpose(1, 2), tree_mask, cache.seqlens,

@@ -15,7 +15,10 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb, x * cos + rotate_half(x) * sin, on x [B, T, H, D]
+    with cos/sin [B, T, 1, D]: element for element the same as in transformers' [B, H, T, D]
+    layout (so the lean forward using it stays bit-identical to the model's own)."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
@@ -37,7 +40,7 @@ def decoder_layer(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if k_norm is not None:
         k = _rms_norm(k, k_norm, eps)
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     slots = cache_seqlens.long()[:, None] + torch.arange(num_nodes, device=hidden.device)
     rows = torch.arange(batch, device=hidden.device)[:, None]
     k_cache[rows, slots] = k
