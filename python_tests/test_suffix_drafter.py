@@ -226,3 +226,83 @@ def test_bench_best_of_n_and_stream(target, tmp_path):
     cached = [r["cached_tokens_before"] for r in results["ours_default"]]
     assert cached[0] == 0 and cached[1] > 0
     assert stream.plot_stream(results, tmp_path / "s.png", "t") is not None
+
+
+# ----------------------------------------------------------------------------- SourceGate
+
+
+@pytest.mark.parametrize("kind", ("chain", "star", "bushy", "deep", "random"))
+def test_path_products_match_brute_force(gen, kind):
+    from conftest import ancestors, random_parents
+    from specdec_kernels.loop.drafters import path_products
+
+    for num_nodes in (1, 2, 9, 40):
+        parents = random_parents(gen, 3, num_nodes, kind)
+        values = torch.rand(3, num_nodes, generator=gen, dtype=torch.float64) + 0.5
+        out = path_products(parents, values)
+        for b, row in enumerate(parents.tolist()):
+            for i in range(num_nodes):
+                expected = 1.0
+                if i > 0 and row[i] >= 0:
+                    for j in ancestors(row, i)[:-1]:  # the node and its ancestors, the root left out
+                        expected *= float(values[b, j])
+                assert abs(float(out[b, i]) - expected) < 1e-9 * max(expected, 1.0), (b, i, row)
+
+
+def chain_tree(root, tokens_per_row):
+    """A TokenTree of one chain per row (ragged, -1 padded)."""
+    from specdec_kernels.ops.tree import TokenTree
+
+    width = 1 + max(len(t) for t in tokens_per_row)
+    tokens = torch.full((len(root), width), -1, dtype=torch.int64)
+    parents = torch.full_like(tokens, -1)
+    for b, row in enumerate(tokens_per_row):
+        tokens[b, 0] = root[b]
+        for i, token in enumerate(row):
+            tokens[b, i + 1], parents[b, i + 1] = token, i
+    return TokenTree(tokens, parents)
+
+
+def test_source_gate_counts_what_only_one_source_drafted():
+    """A source adds the emitted tokens its nodes reach and no other asked source's do; a
+    source not asked is not judged; rows that emitted nothing are not judged."""
+    from specdec_kernels.loop.drafters import SourceGate
+
+    gate = SourceGate([True, False, False, False])
+    history = torch.tensor([[1, 2, 3, 10, 11, 12, 0], [1, 2, 3, 20, 21, 22, 0], [1, 2, 3, 30, 0, 0, 0]])
+    before = torch.tensor([3, 3, 3])
+    root = [3, 3, 3]
+    trees = [chain_tree(root, [[10], [20], [30]]),  # the first token everywhere
+             chain_tree(root, [[10, 11, 12], [20, 21], [30, 31]]),  # two more in row 0, one in row 1
+             chain_tree(root, [[99], [98], [97]]),  # always wrong
+             None]  # not asked
+    assert gate.asked() == [True, True, True, True]  # warming up
+    gate.observe(trees, history, before)
+    gate.observe(trees, history, torch.tensor([6, 5, 3]))  # row 2 emitted nothing
+    assert gate.added.tolist() == [0.0, 3.0, 0.0, 0.0]
+    assert gate.judged.tolist() == [2.0, 2.0, 2.0, 0.0] and gate.seen == [2, 2, 2, 0]
+    assert gate.rates()[1] == 1.5
+
+
+def test_source_gate_skips_a_source_that_adds_nothing_and_probes_it():
+    from specdec_kernels.loop.drafters import SourceGate
+
+    gate = SourceGate([True, False, False], warmup=4, probe_every=5, min_rate=0.05)
+    history = torch.arange(200)[None, :]
+    asked_log = []
+    for step in range(40):
+        asked = gate.asked()
+        asked_log.append(asked)
+        length = 10 + 2 * step  # two tokens emitted per step: history[length], history[length + 1]
+        trees = [chain_tree([length - 1], [[length]]) if asked[0] else None,
+                 chain_tree([length - 1], [[length, length + 1]]) if asked[1] else None,  # adds the second token
+                 chain_tree([length - 1], [[7]]) if asked[2] else None]  # never right
+        gate.observe(trees, history, torch.tensor([length]))
+    assert all(a[0] and a[1] for a in asked_log)
+    skipped = [i for i, a in enumerate(asked_log) if not a[2]]
+    assert skipped and min(skipped) >= 4  # judged on 4 rows first
+    assert all(asked_log[i][2] for i in range(len(asked_log)) if (i + 1) % 5 == 0)  # probes
+    assert gate.rates()[2] == 0.0 and gate.rates()[1] > 0.5
+    twin = gate.cost_twin()  # a cost twin asks the optional sources at probes only
+    assert [twin.asked() for _ in range(4)] == [[True, False, False]] * 4
+

@@ -32,12 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from ..loop.cost_model import shapes_digest
-from ..loop.drafters import (Draft, Drafter, MergedDrafter,
-                             root_tokens, trimmed)
+from ..loop.drafters import (Draft, Drafter, MergedDrafter, ScoredMergedDrafter, SourceGate, merge_drafts,
+                             root_tokens)
 from ..ops.small_linear import choose_small_linear_rows, linear_weights, routed_linear, small_linears
 from ..ops.sampling import target_probs
 from ..ops.tree import TokenTree
-from ..ops.trie import merge_scored_trees
 from .common import check_target, input_embedding, lm_head_weight, read_head, text_config
 from .modules import EagleHead, MedusaHeads
 from .online import OnlineLearner, OnlineOptions, training_copy
@@ -539,12 +538,16 @@ class HeadNgramDrafter(MergedDrafter):
     the adaptive planner keeps the nodes most likely accepted from either source. With a
     budget the head drafts at most that many nodes (a head forward costs compute; none at all
     when no row may draft) while the n-gram continuation, free to find, is always proposed
-    whole and left to the planner.
+    whole and left to the planner. When `ngram` is a `ScoredMergedDrafter` (the n-gram drafter
+    and a suffix cache, as `default_drafter` builds it), its drafters join this one merge
+    directly (one trie instead of two), its first one asked at every step and the others while
+    they add accepted tokens the head and the rest do not (`SourceGate`).
 
     Args:
-        head_drafter: an `EagleDrafter` or `MedusaDrafter`.
-        ngram: the n-gram drafter whose continuations are added (code edits keep their gain);
-            an unscored proposal (an n-gram tree) counts each node as 0.5 ** depth.
+        head_drafter: an `EagleDrafter`, `MedusaDrafter` or `MtpDrafter`.
+        ngram: the n-gram drafter whose continuations are added (code edits keep their gain),
+            or a `ScoredMergedDrafter` of it and more deterministic drafters; an unscored
+            proposal (an n-gram tree) counts each node as 0.5 ** depth.
         confident: with a budget, rows whose n-gram continuation's first node scores at least
             this (a long match: a copy in progress) get no head drafts; the head's siblings
             would only pay when a near-certain token is wrong, and its forwards cost ~7% of
@@ -558,6 +561,16 @@ class HeadNgramDrafter(MergedDrafter):
             raise ValueError(f"confident must be in (0, 1] or None, got {confident}")
         super().__init__([head_drafter, ngram])
         self.head_drafter, self.ngram, self.confident = head_drafter, ngram, confident
+        self.context = list(ngram.drafters) if isinstance(ngram, ScoredMergedDrafter) else [ngram]
+        self.gate = SourceGate([True, True] + [False] * (len(self.context) - 1))  # the head, the first context drafter
+
+    def start(self, history, lengths, capacity):
+        super().start(history, lengths, capacity)
+        self.gate.start()
+
+    def keep_rows(self, rows):
+        super().keep_rows(rows)
+        self.gate.keep_rows(rows)
 
     def observe(self, hidden_states, accepted_nodes=None, num_accepted=None):
         self.head_drafter.observe(hidden_states, accepted_nodes, num_accepted)
@@ -568,6 +581,8 @@ class HeadNgramDrafter(MergedDrafter):
     def cost_twin(self):
         twin = super().cost_twin()
         twin.head_drafter, twin.ngram = twin.drafters
+        twin.context = list(twin.ngram.drafters) if isinstance(twin.ngram, ScoredMergedDrafter) else [twin.ngram]
+        twin.gate = self.gate.cost_twin()
         return twin
 
     @property
@@ -580,19 +595,18 @@ class HeadNgramDrafter(MergedDrafter):
         return self.head_drafter.save(out_dir)
 
     def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
-        """The head's tree (within `budget`) merged with the n-gram proposal, with scores."""
-        ngram = self.ngram.propose(history, lengths, None)
+        """The head's tree (within `budget`) merged with the asked context drafters'
+        proposals, with scores."""
+        asked = self.gate.asked()
+        context = [d.propose(history, lengths, None) if ask else None for d, ask in zip(self.context, asked[1:])]
+        ngram = context[0]
         if budget is not None and self.confident is not None and ngram.scores is not None \
                 and ngram.scores.shape[1] > 1:
             sure = ngram.scores[:, 1].to(budget.device) >= self.confident
             budget = torch.where(sure, 0, budget)
-        drafts = [self.head_drafter.propose(history, lengths, None, budget), ngram]
-        scores = [d.scores if d.scores is not None else 0.5 ** d.tree.depths.clamp(min=0).float() for d in drafts]
-        tokens, parents, merged = merge_scored_trees(root_tokens(history, lengths).tolist(),
-                                                     [(d.tree.tokens, d.tree.parents) for d in drafts],
-                                                     scores, self.max_nodes)
-        tree = trimmed(TokenTree(tokens, parents).to(history.device))
-        return Draft(tree, None, merged[:, : tree.tokens.shape[1]].to(history.device))
+        drafts = [self.head_drafter.propose(history, lengths, None, budget)] + context
+        self.gate.observe([None if d is None else d.tree for d in drafts], history, lengths)
+        return merge_drafts(history, lengths, [d for d in drafts if d is not None], self.max_nodes)
 
 
 def _head_dirs():

@@ -123,14 +123,14 @@ def first_nodes(draft: Draft, counts: torch.Tensor) -> Draft:
     width = max(int((~drop & ((parents >= 0) | (node == 0))).sum(1).max()), 1)
     probs = None if draft.draft_probs is None else draft.draft_probs[:, :width]
     scores = None if draft.scores is None else draft.scores[:, :width]
-    return Draft(TokenTree(tokens[:, :width], parents[:, :width]), probs, scores)
+    return Draft(TokenTree._from_op(tokens[:, :width], parents[:, :width]), probs, scores)
 
 
 def trimmed(tree: TokenTree) -> TokenTree:
     """`tree` without its trailing node columns that are padding in every row (a shorter
     target forward when drafts are short or missing)."""
     num_nodes = int(tree.num_nodes.max())
-    return tree if num_nodes == tree.tokens.shape[1] else TokenTree(tree.tokens[:, :num_nodes], tree.parents[:, :num_nodes])
+    return tree if num_nodes == tree.tokens.shape[1] else TokenTree._from_op(tree.tokens[:, :num_nodes], tree.parents[:, :num_nodes])
 
 
 def root_tokens(history: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -540,6 +540,132 @@ class DraftModelDrafter(Drafter):
         return keep_nodes(draft, keep)[0]
 
 
+def path_products(parents: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """float [B, T]: the product of `values` over each node and its ancestors, the root's
+    value left out (the root and padding count 1). parents as in `TokenTree` (-1: root,
+    padding). Pointer doubling: log2(T) rounds of gathers, not one per depth."""
+    has_parent = parents >= 0
+    node = torch.arange(parents.shape[1], device=parents.device).expand_as(parents)
+    up = torch.where(has_parent, parents, node)
+    product = torch.where(has_parent, values, torch.ones_like(values))
+    for _ in range(max(parents.shape[1] - 1, 0).bit_length()):
+        product = product * product.gather(1, up)
+        up = up.gather(1, up)
+    return product
+
+
+class SourceGate:
+    """Which sources a merged drafter asks for drafts at each step.
+
+    A source that rarely adds an accepted token the other sources did not also draft costs
+    its lookup, and its share of the merge, at every step for nothing (a suffix cache of
+    unrelated requests, say); the adaptive planner can prune its nodes, not its cost. So a
+    source that adds too little is skipped until a probe shows it pays again.
+
+    What is measured: at each step, the nodes every asked source proposed at the step before
+    are judged against the tokens the rows emitted since, whether or not the planner verified
+    them. On the emitted path every source's node at a given depth carries the same token, so
+    a source *adds* the token at depth d of a row when its nodes follow the emitted tokens to
+    depth d and no other asked source's do. Per source, decayed counts of added tokens and of
+    rows judged give its rate of added tokens per row and step.
+
+    The rule: `required` sources are always asked; another is asked while its rate is at least
+    `min_rate`, until it has been judged on `warmup` rows, and every `probe_every`-th step (a
+    cache that starts matching is noticed). Skipping loses nothing: the incremental drafters
+    (n-gram index, suffix cache) take every token appended since they were last asked. Which
+    sources are asked depends on past outcomes only, so verification stays exact. The counts
+    belong to the drafter object (kept across `generate` calls, like a suffix cache's
+    contents; a seed reproduces a sampled output with a fresh drafter, or the same state).
+
+    Args:
+        required: per source, whether it is always asked.
+        min_rate: added tokens per row and step below which an optional source is skipped
+            (0.02: one token in 50 row-steps, about what a lookup costs at batch 1 on a CPU).
+        decay: multiplies the counts at each judged step (0.97: about the last 30 steps count).
+        warmup: rows a source is judged on before it may be skipped.
+        probe_every: an optional source is asked at every probe_every-th step whatever its rate.
+    """
+
+    def __init__(self, required: Sequence[bool], *, min_rate: float = 0.02, decay: float = 0.97,
+                 warmup: int = 32, probe_every: int = 16):
+        self.required = [bool(r) for r in required]
+        self.min_rate, self.decay, self.warmup, self.probe_every = min_rate, decay, warmup, probe_every
+        self.added = torch.zeros(len(self.required), dtype=torch.float64)  # decayed tokens each source added
+        self.judged = torch.zeros_like(self.added)  # decayed rows each source was judged on
+        self.seen = [0] * len(self.required)  # rows each source was judged on, in all
+        self.steps = 0
+        self._last = None  # the last step's lengths [B] (host) and each source's TokenTree (None: not asked)
+
+    def cost_twin(self) -> "SourceGate":
+        """The gate of a drafter's cost twin: fresh counts, and the optional sources asked at
+        probes only (made-up rows match nothing, and a source skipped on real rows costs
+        nothing: the calibrated cost is that of the steps where only the required ones run)."""
+        return SourceGate(self.required, min_rate=float("inf"), decay=self.decay, warmup=0,
+                          probe_every=self.probe_every)
+
+    def rates(self) -> torch.Tensor:
+        """float64 [sources]: each source's added tokens per row and step (decayed)."""
+        return self.added / self.judged.clamp(min=1e-9)
+
+    def asked(self) -> list:
+        """Which sources to ask at this step (one call per step)."""
+        self.steps += 1
+        probe = self.steps % self.probe_every == 0
+        rates = self.rates().tolist()
+        return [required or probe or seen < self.warmup or rate >= self.min_rate
+                for required, seen, rate in zip(self.required, self.seen, rates)]
+
+    def start(self) -> None:
+        """A new call: its first step has nothing to judge (the counts stay)."""
+        self._last = None
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        if self._last is not None:
+            lengths, trees = self._last
+            rows = rows.cpu()
+            self._last = (lengths[rows], [None if t is None else TokenTree._from_op(t.tokens[rows], t.parents[rows])
+                                          for t in trees])
+
+    def observe(self, trees: Sequence[Optional[TokenTree]], history: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Judge the last step's trees against what the rows emitted since, then keep `trees`
+        (this step's, host copies; None for a source not asked) for the next step."""
+        lengths = lengths.long().cpu()
+        self._judge(history, lengths)
+        self._last = (lengths, [None if t is None else TokenTree._from_op(t.tokens.cpu(), t.parents.cpu())
+                                for t in trees])
+
+    def _judge(self, history: torch.Tensor, lengths: torch.Tensor) -> None:
+        if self._last is None:
+            return
+        before, trees = self._last
+        count = (lengths - before).clamp(min=0)  # tokens each row emitted since
+        width = int(count.max()) if count.numel() else 0
+        if width == 0:
+            return
+        at = (before[:, None] + torch.arange(width)).clamp(max=history.shape[1] - 1)
+        emitted = history.gather(1, at.to(history.device)).cpu()  # [B, width]
+        reached = {}  # source -> bool [B, width]: its nodes follow the emitted tokens to depth d + 1
+        for source, tree in enumerate(trees):
+            if tree is None:
+                continue
+            depths = tree.depths
+            match = (depths >= 1) & (depths <= count[:, None]) & \
+                (tree.tokens == emitted.gather(1, (depths - 1).clamp(0, width - 1)))
+            on_path = match & (path_products(tree.parents, match.double()) > 0)  # the node and its ancestors
+            depth_reached = torch.zeros(count.shape[0], 1 + width).scatter_reduce(
+                1, torch.where(on_path, depths, 0), on_path.float(), "amax")
+            reached[source] = depth_reached[:, 1:] > 0
+        if not reached:
+            return
+        sources = torch.stack(list(reached.values()))  # [S, B, width]
+        alone = sources & (sources.sum(0) == 1)
+        rows = float((count > 0).sum())
+        for i, source in enumerate(reached):
+            self.added[source] = self.added[source] * self.decay + float(alone[i].sum())
+            self.judged[source] = self.judged[source] * self.decay + rows
+            self.seen[source] += int(rows)
+
+
 class MergedDrafter(Drafter):
     """Several drafters' deterministic proposals merged into one tree per row.
 
@@ -728,7 +854,7 @@ class SuffixDrafter(Drafter):
         out = self.index.append_and_draft(self.slots, appended, new, num_tokens=self.num_tokens,
                                           max_nodes=self.max_nodes)
         self.indexed = host_lengths
-        tree = trimmed(TokenTree(out.tokens, out.parents))
+        tree = trimmed(TokenTree._from_op(out.tokens, out.parents))
         width = tree.tokens.shape[1]
         depths = tree.depths
         curve = match_scores(out.match_lengths.long(), self.num_tokens)  # [B, 1 + num_tokens]
@@ -742,7 +868,7 @@ class SuffixDrafter(Drafter):
             keep = (position <= budget.cpu()[:, None]) & ((tree.parents >= 0) | (position == 0))
             draft = keep_nodes(draft, keep)[0]
         device = history.device
-        return Draft(TokenTree(draft.tree.tokens.to(device), draft.tree.parents.to(device)), None,
+        return Draft(TokenTree._from_op(draft.tree.tokens.to(device), draft.tree.parents.to(device)), None,
                      draft.scores.to(device))
 
 
@@ -750,8 +876,9 @@ class ScoredMergedDrafter(MergedDrafter):
     """Several drafters' deterministic proposals merged into one tree per row, each node
     scored by the best of its sources' scores (an unscored proposal counts each node as
     0.5 ** depth), so the adaptive planner keeps the nodes most likely accepted from any
-    source. Used by `default_drafter` to put a row's own n-gram drafts and the suffix cache
-    into one tree.
+    source. The first drafter is asked at every step; the others while they add accepted
+    tokens the rest do not (`SourceGate`). Used by `default_drafter` to put a row's own
+    n-gram drafts and the suffix cache into one tree.
 
     Args:
         drafters: the drafters to merge, in priority order (earlier ones get lower node ids).
@@ -760,20 +887,43 @@ class ScoredMergedDrafter(MergedDrafter):
     def __init__(self, drafters: Sequence[Drafter]):
         super().__init__(drafters)
         self.drafts_for_free = all(d.drafts_for_free for d in self.drafters)
+        self.gate = SourceGate([i == 0 for i in range(len(self.drafters))])
+
+    def start(self, history, lengths, capacity):
+        super().start(history, lengths, capacity)
+        self.gate.start()
+
+    def keep_rows(self, rows):
+        super().keep_rows(rows)
+        self.gate.keep_rows(rows)
+
+    def cost_twin(self):
+        twin = super().cost_twin()
+        twin.gate = self.gate.cost_twin()
+        return twin
 
     def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
-        """Merge the drafters' proposals with scores (`sampling` is not used); with a
+        """Merge the asked drafters' proposals with scores (`sampling` is not used); with a
         `budget`, each drafter gets its share (`MergedDrafter.split_budget`)."""
         shares = [None] * len(self.drafters) if budget is None else self.split_budget(budget)
-        drafts = [d.propose(history, lengths, None, share) for d, share in zip(self.drafters, shares)]
-        scores = [d.scores if d.scores is not None else 0.5 ** d.tree.depths.clamp(min=0).float() for d in drafts]
-        tokens, parents, merged = merge_scored_trees(root_tokens(history, lengths).tolist(),
-                                                     [(d.tree.tokens.cpu(), d.tree.parents.cpu()) for d in drafts],
-                                                     [s.cpu() for s in scores], self.max_nodes)
-        tree = trimmed(TokenTree(tokens, parents))
-        draft = Draft(tree, None, merged[:, : tree.tokens.shape[1]])
+        drafts = [d.propose(history, lengths, None, share) if asked else None
+                  for d, share, asked in zip(self.drafters, shares, self.gate.asked())]
+        self.gate.observe([None if d is None else d.tree for d in drafts], history, lengths)
+        draft = merge_drafts(history, lengths, [d for d in drafts if d is not None], self.max_nodes)
         if budget is not None:
-            draft = first_nodes(draft, budget.cpu())
-        device = history.device
-        return Draft(TokenTree(draft.tree.tokens.to(device), draft.tree.parents.to(device)), None,
-                     draft.scores.to(device))
+            draft = first_nodes(draft, budget.to(draft.tree.tokens.device))
+        return draft
+
+
+def merge_drafts(history: torch.Tensor, lengths: torch.Tensor, drafts: Sequence[Draft], max_nodes: int) -> Draft:
+    """Deterministic drafts merged into one trie per row (`merge_scored_trees`, at most
+    `max_nodes` drafted nodes), each node scored by the best of its drafts' scores (an
+    unscored draft counts each node as 0.5 ** depth), trimmed, on history's device."""
+    scores = [d.scores if d.scores is not None else 0.5 ** d.tree.depths.clamp(min=0).float() for d in drafts]
+    tokens, parents, merged = merge_scored_trees(root_tokens(history, lengths).tolist(),
+                                                 [(d.tree.tokens.cpu(), d.tree.parents.cpu()) for d in drafts],
+                                                 [s.cpu() for s in scores], max_nodes)
+    tree = trimmed(TokenTree._from_op(tokens, parents))
+    device = history.device
+    return Draft(TokenTree._from_op(tree.tokens.to(device), tree.parents.to(device)), None,
+                 merged[:, : tree.tokens.shape[1]].to(device))

@@ -61,8 +61,9 @@ class TokenTree:
 
     @classmethod
     def _from_op(cls, tokens: torch.Tensor, parents: torch.Tensor) -> "TokenTree":
-        """A tree an op returned ([B, T] tokens and int64 parents, valid by construction):
-        not checked again, which would cost more than the op on short histories."""
+        """A tree valid by construction ([B, T] tokens and int64 parents, as an op, a trie
+        merge or a cut of a valid tree returns them): not checked again, which would cost
+        more than drafting on short histories."""
         tree = object.__new__(cls)
         tree.tokens, tree.parents = tokens, parents
         return tree
@@ -79,13 +80,18 @@ class TokenTree:
     @property
     def depths(self) -> torch.Tensor:
         """int64 [B, T]: root 0, a child one more than its parent, padding -1."""
-        depths = torch.full_like(self.parents, -1)
-        depths[:, 0] = 0
-        rows = torch.arange(self.batch_size, device=self.parents.device)
-        for i in range(1, self.parents.shape[1]):
-            parent = self.parents[:, i]
-            depths[:, i] = torch.where(parent >= 0, depths[rows, parent.clamp(min=0)] + 1, -1)
-        return depths
+        # Pointer doubling: after round k, `up` is each node's 2**k-th ancestor (the root
+        # stops there) and `depth` counts the edges to it; log2(T) rounds instead of T.
+        has_parent = self.parents >= 0
+        node = torch.arange(self.parents.shape[1], device=self.parents.device).expand_as(self.parents)
+        up = torch.where(has_parent, self.parents, node)
+        depth = has_parent.long()
+        for _ in range(max(self.parents.shape[1] - 1, 0).bit_length()):
+            depth = depth + depth.gather(1, up)
+            up = up.gather(1, up)
+        padding = ~has_parent
+        padding[:, 0] = False
+        return depth.masked_fill(padding, -1)
 
     def position_ids(self, prefix_lens: torch.Tensor) -> torch.Tensor:
         """int64 [B, T]: position of each node in its sequence, prefix_len + depth (padding: prefix_len)."""
