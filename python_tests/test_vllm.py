@@ -472,3 +472,7 @@ def test_bench_report_without_vllm(tmp_path, capsys):
     assert bench.method_config("ours", 7) == integ.speculative_config(7)
     with pytest.raises(ValueError):
         bench.method_config("eagle")
+    # Method names: vllm_ngram<K>, vllm_ours<K> (K drafts), vllm_ours (--k's).
+    assert [bench.vllm_method(m, 10) for m in ("vllm_plain", "vllm_ngram24", "vllm_ours", "vllm_ours16")] == \
+        [("plain", None), ("ngram", 24), ("ours", 10), ("ours", 16)]
+    assert all(bench.vllm_method(m, 10) is None for m in ("vllm_ngram", "vllm_ours0", "generate", "vllm_eagle"))

@@ -22,6 +22,7 @@ with vLLM is reported but not required.
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -59,6 +60,19 @@ def method_config(method: str, k: Optional[int] = None) -> Optional[dict]:
 
 VLLM_METHODS = ("vllm_plain", "vllm_ngram5", "vllm_ngram10", "vllm_ours")
 METHODS = ("generate",) + VLLM_METHODS  # generate: our own loop (n-gram drafter, adaptive), in this process
+
+
+def vllm_method(method: str, default_k: int):
+    """(kind, k) of a vLLM method name: vllm_plain (k None), vllm_ngram<K> (vLLM's own n-gram,
+    K drafts), vllm_ours or vllm_ours<K> (our proposer, K drafts at most; default_k without
+    K); None for a name that is none of these."""
+    match = re.fullmatch(r"vllm_(plain|ngram(\d+)|ours(\d*))", method)
+    if match is None:
+        return None
+    if match.group(1) == "plain":
+        return "plain", None
+    k = int(match.group(2) or match.group(3) or default_k)
+    return ("ngram" if match.group(2) else "ours", k) if k >= 1 else None
 SHORT = dict(prompts=2, max_new_tokens=64, concurrency=(1, 8, 32))
 SMOKE = dict(prompts=1, max_new_tokens=16, concurrency=(1, 2), workloads=("code_edit",))
 
@@ -78,8 +92,10 @@ def add_arguments(parser):
     parser.add_argument("--concurrency", type=_csv(int), default=SHORT["concurrency"],
                         help="requests in flight, comma-separated (default 1,8,32)")
     parser.add_argument("--max-new-tokens", type=int, default=SHORT["max_new_tokens"])
-    parser.add_argument("--methods", type=_csv(str), default=METHODS, help=f"comma-separated of {', '.join(METHODS)}")
-    parser.add_argument("--k", type=int, default=10, help="vllm_ours: num_speculative_tokens (default 10)")
+    parser.add_argument("--methods", type=_csv(str), default=METHODS,
+                        help=f"comma-separated (default {','.join(METHODS)}); vllm_ngram<K> and vllm_ours<K> "
+                             "set K, the drafts per step")
+    parser.add_argument("--k", type=int, default=10, help="vllm_ours and generate: drafts per step at most (default 10)")
     parser.add_argument("--specdec", type=json.loads, default=None, metavar="JSON",
                         help='vllm_ours: our proposer\'s settings (additional_config["specdec"]), e.g. \'{"max_n": 8}\'')
     parser.add_argument("--generate-max-concurrency", type=int, default=8,
@@ -121,14 +137,14 @@ def _kv_bytes_per_token(model_dir: str) -> int:
 def _vllm_job(method, model_dir, plan, args):
     """The engine of one vLLM method: rows for the largest concurrency, KV for the largest
     group of requests in flight (+25%), context for the longest prompt."""
-    base = method.split("_", 1)[1]
-    kind, k = ("ngram", int(base[len("ngram"):])) if base.startswith("ngram") else (base, args.k)
+    kind, k = vllm_method(method, args.k)
     most = max(args.concurrency)
     longest = max(len(p) for prompts in plan.values() for p in prompts)
     per_token = _kv_bytes_per_token(model_dir)
-    in_flight = max(sum(len(p) + args.max_new_tokens + args.k + 16 for p in prompts[i: i + c])
+    drafts = max(k or 0, args.k)
+    in_flight = max(sum(len(p) + args.max_new_tokens + drafts + 16 for p in prompts[i: i + c])
                     for (_, c), prompts in plan.items() for i in range(0, len(prompts), c))
-    engine = {"max_num_seqs": max(most, 1), "max_model_len": longest + args.max_new_tokens + args.k + 16,
+    engine = {"max_num_seqs": max(most, 1), "max_model_len": longest + args.max_new_tokens + drafts + 16,
               "kv_cache_bytes": max(int(in_flight * per_token * 1.25), 256 << 20)}
     return {"model": model_dir, "method": kind, "k": k, "engine": engine,
             "warmup_prompt": next(iter(plan.values()))[0], "specdec": args.specdec if kind == "ours" else None}
@@ -197,9 +213,10 @@ def run_args(args) -> int:
     if args.smoke:
         args.prompts, args.max_new_tokens, args.concurrency = SMOKE["prompts"], SMOKE["max_new_tokens"], SMOKE["concurrency"]
         args.workloads = SMOKE["workloads"]
-    unknown = [m for m in args.methods if m not in METHODS]
+    unknown = [m for m in args.methods if m != "generate" and vllm_method(m, args.k) is None]
     if unknown:
-        raise SystemExit(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
+        raise SystemExit(f"--methods: unknown {unknown}; choose from generate, vllm_plain, vllm_ngram<K>, "
+                         f"vllm_ours or vllm_ours<K> (K >= 1 drafts)")
     model_dir = str(default_model_dir())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     plan = _plan(args, tokenizer)
@@ -211,7 +228,7 @@ def run_args(args) -> int:
     path = out_dir / f"{args.name}.json"
     rows, tokens = [], {}
     planned = len(plan) * len(args.methods)
-    vllm_methods = [m for m in args.methods if m in VLLM_METHODS]
+    vllm_methods = [m for m in args.methods if m != "generate"]
     if vllm_methods and python is None:
         print(f"{', '.join(vllm_methods)}: skipped, no vLLM venv (tools/vllm_env.sh)", flush=True)
         vllm_methods = []
