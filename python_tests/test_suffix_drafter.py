@@ -231,24 +231,6 @@ def test_bench_best_of_n_and_stream(target, tmp_path):
 # ----------------------------------------------------------------------------- SourceGate
 
 
-@pytest.mark.parametrize("kind", ("chain", "star", "bushy", "deep", "random"))
-def test_path_products_match_brute_force(gen, kind):
-    from conftest import ancestors, random_parents
-    from specdec_kernels.loop.drafters import path_products
-
-    for num_nodes in (1, 2, 9, 40):
-        parents = random_parents(gen, 3, num_nodes, kind)
-        values = torch.rand(3, num_nodes, generator=gen, dtype=torch.float64) + 0.5
-        out = path_products(parents, values)
-        for b, row in enumerate(parents.tolist()):
-            for i in range(num_nodes):
-                expected = 1.0
-                if i > 0 and row[i] >= 0:
-                    for j in ancestors(row, i)[:-1]:  # the node and its ancestors, the root left out
-                        expected *= float(values[b, j])
-                assert abs(float(out[b, i]) - expected) < 1e-9 * max(expected, 1.0), (b, i, row)
-
-
 def chain_tree(root, tokens_per_row):
     """A TokenTree of one chain per row (ragged, -1 padded)."""
     from specdec_kernels.ops.tree import TokenTree
@@ -279,8 +261,8 @@ def test_source_gate_counts_what_only_one_source_drafted():
     assert gate.asked() == [True, True, True, True]  # warming up
     gate.observe(trees, history, before)
     gate.observe(trees, history, torch.tensor([6, 5, 3]))  # row 2 emitted nothing
-    assert gate.added.tolist() == [0.0, 3.0, 0.0, 0.0]
-    assert gate.judged.tolist() == [2.0, 2.0, 2.0, 0.0] and gate.seen == [2, 2, 2, 0]
+    assert gate.added == [0.0, 3.0, 0.0, 0.0]
+    assert gate.judged == [2.0, 2.0, 2.0, 0.0] and gate.seen == [2, 2, 2, 0]
     assert gate.rates()[1] == 1.5
 
 
@@ -306,3 +288,22 @@ def test_source_gate_skips_a_source_that_adds_nothing_and_probes_it():
     twin = gate.cost_twin()  # a cost twin asks the optional sources at probes only
     assert [twin.asked() for _ in range(4)] == [[True, False, False]] * 4
 
+
+
+def test_source_gate_walks_trees_along_the_emitted_tokens():
+    """A tree's reach follows the emitted tokens through any branch: here the second child of
+    the root, then its second child."""
+    from specdec_kernels.loop.drafters import SourceGate
+    from specdec_kernels.ops.tree import TokenTree
+
+    gate = SourceGate([True, False])
+    history = torch.tensor([[5, 6, 7, 8, 9]])
+    tree = TokenTree(torch.tensor([[5, 1, 6, 2, 3, 7, 8]]), torch.tensor([[-1, 0, 0, 2, 2, 4, 4]]))
+    # root 5 -> {1, 6}; 6 -> {2, 3}; 3 -> {7, 8}: no path 6, 7 ... (7 hangs under 3)
+    fixed = TokenTree(torch.tensor([[5, 6, 7, 9]]), torch.tensor([[-1, 0, 1, 2]]))  # 6, 7, then wrong
+    gate.observe([TokenTree(torch.tensor([[5]]), torch.tensor([[-1]])), tree], history, torch.tensor([1]))
+    gate.observe([None, None], history, torch.tensor([4]))  # emitted 6, 7, 8
+    assert gate.added == [0.0, 1.0]  # the tree holds 6 only
+    gate.observe([TokenTree(torch.tensor([[5]]), torch.tensor([[-1]])), fixed], history, torch.tensor([1]))
+    gate.observe([None, None], history, torch.tensor([4]))
+    assert gate.added[1] == 1.0 * gate.decay + 2.0  # 6, 7

@@ -30,6 +30,7 @@ import copy
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..ops._extension import COMPILED
@@ -540,20 +541,6 @@ class DraftModelDrafter(Drafter):
         return keep_nodes(draft, keep)[0]
 
 
-def path_products(parents: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """float [B, T]: the product of `values` over each node and its ancestors, the root's
-    value left out (the root and padding count 1). parents as in `TokenTree` (-1: root,
-    padding). Pointer doubling: log2(T) rounds of gathers, not one per depth."""
-    has_parent = parents >= 0
-    node = torch.arange(parents.shape[1], device=parents.device).expand_as(parents)
-    up = torch.where(has_parent, parents, node)
-    product = torch.where(has_parent, values, torch.ones_like(values))
-    for _ in range(max(parents.shape[1] - 1, 0).bit_length()):
-        product = product * product.gather(1, up)
-        up = up.gather(1, up)
-    return product
-
-
 class SourceGate:
     """Which sources a merged drafter asks for drafts at each step.
 
@@ -562,12 +549,13 @@ class SourceGate:
     unrelated requests, say); the adaptive planner can prune its nodes, not its cost. So a
     source that adds too little is skipped until a probe shows it pays again.
 
-    What is measured: at each step, the nodes every asked source proposed at the step before
-    are judged against the tokens the rows emitted since, whether or not the planner verified
-    them. On the emitted path every source's node at a given depth carries the same token, so
-    a source *adds* the token at depth d of a row when its nodes follow the emitted tokens to
-    depth d and no other asked source's do. Per source, decayed counts of added tokens and of
-    rows judged give its rate of added tokens per row and step.
+    What is measured: at each step, the trees every asked source proposed at the step before
+    are walked along the tokens each row emitted since, whether or not the planner verified
+    them: a source's *reach* is how many of those tokens its tree holds as a path from the
+    root. The sources' paths along the emitted tokens are prefixes of one path, so a source
+    adds max(0, its reach - the largest other asked source's reach) tokens. Per source,
+    decayed counts of added tokens and of rows judged give its rate of added tokens per row
+    and step.
 
     The rule: `required` sources are always asked; another is asked while its rate is at least
     `min_rate`, until it has been judged on `warmup` rows, and every `probe_every`-th step (a
@@ -590,11 +578,11 @@ class SourceGate:
                  warmup: int = 32, probe_every: int = 16):
         self.required = [bool(r) for r in required]
         self.min_rate, self.decay, self.warmup, self.probe_every = min_rate, decay, warmup, probe_every
-        self.added = torch.zeros(len(self.required), dtype=torch.float64)  # decayed tokens each source added
-        self.judged = torch.zeros_like(self.added)  # decayed rows each source was judged on
+        self.added = [0.0] * len(self.required)  # decayed tokens each source added
+        self.judged = [0.0] * len(self.required)  # decayed rows each source was judged on
         self.seen = [0] * len(self.required)  # rows each source was judged on, in all
         self.steps = 0
-        self._last = None  # the last step's lengths [B] (host) and each source's TokenTree (None: not asked)
+        self._last = None  # the last step's lengths [B] and each source's (tokens, parents) [B, T] (numpy; None: not asked)
 
     def cost_twin(self) -> "SourceGate":
         """The gate of a drafter's cost twin: fresh counts, and the optional sources asked at
@@ -603,17 +591,16 @@ class SourceGate:
         return SourceGate(self.required, min_rate=float("inf"), decay=self.decay, warmup=0,
                           probe_every=self.probe_every)
 
-    def rates(self) -> torch.Tensor:
-        """float64 [sources]: each source's added tokens per row and step (decayed)."""
-        return self.added / self.judged.clamp(min=1e-9)
+    def rates(self) -> list:
+        """Each source's added tokens per row and step (decayed)."""
+        return [added / max(judged, 1e-9) for added, judged in zip(self.added, self.judged)]
 
     def asked(self) -> list:
         """Which sources to ask at this step (one call per step)."""
         self.steps += 1
         probe = self.steps % self.probe_every == 0
-        rates = self.rates().tolist()
         return [required or probe or seen < self.warmup or rate >= self.min_rate
-                for required, seen, rate in zip(self.required, self.seen, rates)]
+                for required, seen, rate in zip(self.required, self.seen, self.rates())]
 
     def start(self) -> None:
         """A new call: its first step has nothing to judge (the counts stay)."""
@@ -622,48 +609,51 @@ class SourceGate:
     def keep_rows(self, rows: torch.Tensor) -> None:
         if self._last is not None:
             lengths, trees = self._last
-            rows = rows.cpu()
-            self._last = (lengths[rows], [None if t is None else TokenTree._from_op(t.tokens[rows], t.parents[rows])
-                                          for t in trees])
+            rows = rows.cpu().numpy()
+            self._last = (lengths[rows], [None if t is None else (t[0][rows], t[1][rows]) for t in trees])
 
     def observe(self, trees: Sequence[Optional[TokenTree]], history: torch.Tensor, lengths: torch.Tensor) -> None:
         """Judge the last step's trees against what the rows emitted since, then keep `trees`
-        (this step's, host copies; None for a source not asked) for the next step."""
-        lengths = lengths.long().cpu()
+        (this step's; None for a source not asked) for the next step."""
+        lengths = lengths.cpu().numpy().astype(np.int64)
         self._judge(history, lengths)
-        self._last = (lengths, [None if t is None else TokenTree._from_op(t.tokens.cpu(), t.parents.cpu())
+        self._last = (lengths, [None if t is None else (t.tokens.cpu().numpy(), t.parents.cpu().numpy())
                                 for t in trees])
 
-    def _judge(self, history: torch.Tensor, lengths: torch.Tensor) -> None:
+    def _judge(self, history: torch.Tensor, lengths: np.ndarray) -> None:
         if self._last is None:
             return
         before, trees = self._last
-        count = (lengths - before).clamp(min=0)  # tokens each row emitted since
-        width = int(count.max()) if count.numel() else 0
+        count = np.maximum(lengths - before, 0)  # tokens each row emitted since
+        width = int(count.max()) if count.size else 0
         if width == 0:
             return
-        at = (before[:, None] + torch.arange(width)).clamp(max=history.shape[1] - 1)
-        emitted = history.gather(1, at.to(history.device)).cpu()  # [B, width]
-        reached = {}  # source -> bool [B, width]: its nodes follow the emitted tokens to depth d + 1
+        at = np.minimum(before[:, None] + np.arange(width), history.shape[1] - 1)
+        emitted = history.gather(1, torch.from_numpy(at).to(history.device)).cpu().numpy()  # [B, width]
+        reach = {}
         for source, tree in enumerate(trees):
             if tree is None:
                 continue
-            depths = tree.depths
-            match = (depths >= 1) & (depths <= count[:, None]) & \
-                (tree.tokens == emitted.gather(1, (depths - 1).clamp(0, width - 1)))
-            on_path = match & (path_products(tree.parents, match.double()) > 0)  # the node and its ancestors
-            depth_reached = torch.zeros(count.shape[0], 1 + width).scatter_reduce(
-                1, torch.where(on_path, depths, 0), on_path.float(), "amax")
-            reached[source] = depth_reached[:, 1:] > 0
-        if not reached:
-            return
-        sources = torch.stack(list(reached.values()))  # [S, B, width]
-        alone = sources & (sources.sum(0) == 1)
-        rows = float((count > 0).sum())
-        for i, source in enumerate(reached):
-            self.added[source] = self.added[source] * self.decay + float(alone[i].sum())
-            self.judged[source] = self.judged[source] * self.decay + rows
-            self.seen[source] += int(rows)
+            tokens, parents = tree
+            node = np.zeros(count.shape[0], dtype=np.int64)  # where each row's walk stands (the root)
+            walking = count > 0
+            reached = np.zeros(count.shape[0], dtype=np.int64)
+            for depth in range(width):  # one emitted token deeper per round
+                child = (parents == node[:, None]) & (tokens == emitted[:, depth : depth + 1])
+                found = walking & (depth < count) & child.any(1)
+                if not found.any():
+                    break
+                node = np.where(found, child.argmax(1), node)
+                reached += found
+                walking = found
+            reach[source] = reached
+        judged_rows = float((count > 0).sum())
+        for source, reached in reach.items():
+            others = [r for s, r in reach.items() if s != source]
+            best_other = np.maximum.reduce(others) if others else np.zeros_like(reached)
+            self.added[source] = self.added[source] * self.decay + float(np.maximum(reached - best_other, 0).sum())
+            self.judged[source] = self.judged[source] * self.decay + judged_rows
+            self.seen[source] += int(judged_rows)
 
 
 class MergedDrafter(Drafter):
