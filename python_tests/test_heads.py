@@ -520,9 +520,9 @@ def test_default_drafter_finds_a_saved_head_by_identity(target, tmp_path, monkey
     drafter = default_drafter(target)
     assert isinstance(drafter, HeadNgramDrafter) and drafter.needs_hidden_states
     assert drafter.head_drafter.head.draft_vocab.numel() == read_head(folder)[1]["draft_vocab"].numel()
-    # One merge of the head, the n-gram drafter and the suffix cache (the cache gated).
+    # One merge of the head, the n-gram drafter and the suffix cache (the cache merged while it pays).
     assert drafter.context == drafter.ngram.drafters == [drafter.ngram.drafters[0], drafter.suffix_cache]
-    assert drafter.gate.required == [True, True, False]
+    assert drafter.judge.required == [True, True, False]
     for batch in (1, 3):
         ids, mask = left_pad(repetitive_prompts(batch))
         drafter = default_drafter(target)
@@ -530,7 +530,7 @@ def test_default_drafter_finds_a_saved_head_by_identity(target, tmp_path, monkey
                           adaptive=free_planner(target, drafter))  # drafting whatever the head costs here
         assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 20))
         assert out.stats.tokens_per_step > 1.0  # repetitive prompts: the n-gram part is accepted
-        assert drafter.gate.seen[2] > 0  # the suffix cache was asked, and judged
+        assert drafter.judge.seen[2] > 0  # the suffix cache was asked, and judged
     # head=: a given head directory instead of the lookup (still checked against the target)
     other = tmp_path / "cache" / "heads" / "another-target"
     chosen = default_drafter(target, head=tmp_path / "cache" / "heads" / "tiny-eagle")

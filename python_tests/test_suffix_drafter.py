@@ -228,11 +228,13 @@ def test_bench_best_of_n_and_stream(target, tmp_path):
     assert stream.plot_stream(results, tmp_path / "s.png", "t") is not None
 
 
-# ----------------------------------------------------------------------------- SourceGate
+# ----------------------------------------------------------------------------- SourceJudge
 
 
-def chain_tree(root, tokens_per_row):
-    """A TokenTree of one chain per row (ragged, -1 padded)."""
+def chain_draft(root, tokens_per_row, scores=None):
+    """A Draft of one chain per row (ragged, -1 padded), scored `scores[b]` per node (path
+    score scores[b] ** depth) or unscored."""
+    from specdec_kernels.loop.drafters import Draft
     from specdec_kernels.ops.tree import TokenTree
 
     width = 1 + max(len(t) for t in tokens_per_row)
@@ -242,68 +244,84 @@ def chain_tree(root, tokens_per_row):
         tokens[b, 0] = root[b]
         for i, token in enumerate(row):
             tokens[b, i + 1], parents[b, i + 1] = token, i
-    return TokenTree(tokens, parents)
+    tree = TokenTree(tokens, parents)
+    if scores is None:
+        return Draft(tree)
+    depth = tree.depths.clamp(min=0).float()
+    return Draft(tree, None, torch.tensor(scores, dtype=torch.float32)[:, None] ** depth)
 
 
-def test_source_gate_counts_what_only_one_source_drafted():
-    """A source adds the emitted tokens its nodes reach and no other asked source's do; a
-    source not asked is not judged; rows that emitted nothing are not judged."""
-    from specdec_kernels.loop.drafters import SourceGate
+def test_source_judge_counts_what_only_one_source_drafted_and_first_picks():
+    """A source adds the emitted tokens its tree reaches and no other asked source's does; its
+    first pick is judged against the first emitted token; a source not asked is not judged;
+    rows that emitted nothing are not judged."""
+    from specdec_kernels.loop.drafters import MERGE, PROBE, SourceJudge
 
-    gate = SourceGate([True, False, False, False])
+    judge = SourceJudge([True, False, False, False], prior=1.0)
     history = torch.tensor([[1, 2, 3, 10, 11, 12, 0], [1, 2, 3, 20, 21, 22, 0], [1, 2, 3, 30, 0, 0, 0]])
-    before = torch.tensor([3, 3, 3])
     root = [3, 3, 3]
-    trees = [chain_tree(root, [[10], [20], [30]]),  # the first token everywhere
-             chain_tree(root, [[10, 11, 12], [20, 21], [30, 31]]),  # two more in row 0, one in row 1
-             chain_tree(root, [[99], [98], [97]]),  # always wrong
-             None]  # not asked
-    assert gate.asked() == [True, True, True, True]  # warming up
-    gate.observe(trees, history, before)
-    gate.observe(trees, history, torch.tensor([6, 5, 3]))  # row 2 emitted nothing
-    assert gate.added == [0.0, 3.0, 0.0, 0.0]
-    assert gate.judged == [2.0, 2.0, 2.0, 0.0] and gate.seen == [2, 2, 2, 0]
-    assert gate.rates()[1] == 1.5
+    drafts = [chain_draft(root, [[10], [20], [30]], [0.5, 0.5, 0.5]),  # the first token everywhere
+              chain_draft(root, [[10, 11, 12], [20, 21], [30, 31]], [0.9, 0.9, 0.9]),  # two more in row 0, one in row 1
+              chain_draft(root, [[99], [98], [97]], [0.8, 0.8, 0.8]),  # always wrong
+              None]  # not asked
+    assert judge.plan() == [MERGE, PROBE, PROBE, PROBE]  # optional sources are probed while warming up
+    judge.observe(drafts, history, torch.tensor([3, 3, 3]))
+    judge.observe([None] * 4, history, torch.tensor([6, 5, 3]))  # row 2 emitted nothing
+    assert judge.added == [0.0, 3.0, 0.0, 0.0]
+    assert judge.judged == [2.0, 2.0, 2.0, 0.0] and judge.seen == [2, 2, 2, 0]
+    assert judge.rates()[1] == 1.5
+    assert judge.first_hits == [2.0, 2.0, 0.0, 0.0]
+    assert [round(x, 5) for x in judge.first_scores] == [1.0, 1.8, 1.6, 0.0]
+    factors = judge.factors()  # (hits + 1) / (scores + 1)
+    assert abs(factors[0] - 1.5) < 1e-6 and abs(factors[2] - 1 / 2.6) < 1e-6 and factors[3] == 1.0
+    # Scores scale by the factor, first-level scores capped at 1.
+    scaled = judge.scaled(0, drafts[0])
+    assert torch.allclose(scaled[:, 1], torch.full((3,), 0.75)) and torch.all(scaled[:, 0] == 1.0)
+    scaled = judge.scaled(1, drafts[1])  # factor 3 / 2.8
+    assert torch.allclose(scaled[0, 1:], torch.tensor([0.9, 0.81, 0.729]) * 3 / 2.8, atol=1e-6)
+    scaled = judge.scaled(0, chain_draft(root, [[10, 11, 12]] * 3, [0.9] * 3))  # 0.9 * 1.5 would exceed 1
+    assert torch.allclose(scaled[:, 1:], torch.tensor([1.0, 0.9, 0.81]).expand(3, -1), atol=1e-6)
 
 
-def test_source_gate_skips_a_source_that_adds_nothing_and_probes_it():
-    from specdec_kernels.loop.drafters import SourceGate
+def test_source_judge_merges_a_source_that_adds_and_probes_one_that_does_not():
+    from specdec_kernels.loop.drafters import MERGE, PROBE, SKIP, SourceJudge
 
-    gate = SourceGate([True, False, False], warmup=4, probe_every=5, min_rate=0.05)
+    judge = SourceJudge([True, False, False], warmup=4, probe_every=5, min_rate=0.05)
     history = torch.arange(200)[None, :]
-    asked_log = []
+    plans = []
     for step in range(40):
-        asked = gate.asked()
-        asked_log.append(asked)
+        plan = judge.plan()
+        plans.append(plan)
         length = 10 + 2 * step  # two tokens emitted per step: history[length], history[length + 1]
-        trees = [chain_tree([length - 1], [[length]]) if asked[0] else None,
-                 chain_tree([length - 1], [[length, length + 1]]) if asked[1] else None,  # adds the second token
-                 chain_tree([length - 1], [[7]]) if asked[2] else None]  # never right
-        gate.observe(trees, history, torch.tensor([length]))
-    assert all(a[0] and a[1] for a in asked_log)
-    skipped = [i for i, a in enumerate(asked_log) if not a[2]]
-    assert skipped and min(skipped) >= 4  # judged on 4 rows first
-    assert all(asked_log[i][2] for i in range(len(asked_log)) if (i + 1) % 5 == 0)  # probes
-    assert gate.rates()[2] == 0.0 and gate.rates()[1] > 0.5
-    twin = gate.cost_twin()  # a cost twin asks the optional sources at probes only
-    assert [twin.asked() for _ in range(4)] == [[True, False, False]] * 4
+        drafts = [chain_draft([length - 1], [[length]]),
+                  None if plan[1] == SKIP else chain_draft([length - 1], [[length, length + 1]]),  # adds the second
+                  None if plan[2] == SKIP else chain_draft([length - 1], [[7]])]  # never right
+        judge.observe(drafts, history, torch.tensor([length]))
+    assert all(p[0] == MERGE for p in plans)
+    assert all(p[1] == PROBE for p in plans[:5]) and all(p[1] == MERGE for p in plans[6:])
+    assert all(p[2] == PROBE for p in plans[:5])
+    assert all(p[2] == (PROBE if (i + 1) % 5 == 0 else SKIP) for i, p in enumerate(plans[6:], start=6))
+    assert judge.rates()[2] == 0.0 and judge.rates()[1] > 0.5
+    twin = judge.cost_twin()  # a cost twin probes optional sources only
+    assert [twin.plan() for _ in range(5)] == [[MERGE, SKIP, SKIP]] * 4 + [[MERGE, PROBE, PROBE]]
 
 
-
-def test_source_gate_walks_trees_along_the_emitted_tokens():
-    """A tree's reach follows the emitted tokens through any branch: here the second child of
-    the root, then its second child."""
-    from specdec_kernels.loop.drafters import SourceGate
+def test_source_judge_walks_trees_along_the_emitted_tokens():
+    """A tree's reach follows the emitted tokens through any branch; a first pick is the
+    highest-scored depth-1 node."""
+    from specdec_kernels.loop.drafters import Draft, SourceJudge
     from specdec_kernels.ops.tree import TokenTree
 
-    gate = SourceGate([True, False])
+    judge = SourceJudge([True, False])
     history = torch.tensor([[5, 6, 7, 8, 9]])
-    tree = TokenTree(torch.tensor([[5, 1, 6, 2, 3, 7, 8]]), torch.tensor([[-1, 0, 0, 2, 2, 4, 4]]))
-    # root 5 -> {1, 6}; 6 -> {2, 3}; 3 -> {7, 8}: no path 6, 7 ... (7 hangs under 3)
-    fixed = TokenTree(torch.tensor([[5, 6, 7, 9]]), torch.tensor([[-1, 0, 1, 2]]))  # 6, 7, then wrong
-    gate.observe([TokenTree(torch.tensor([[5]]), torch.tensor([[-1]])), tree], history, torch.tensor([1]))
-    gate.observe([None, None], history, torch.tensor([4]))  # emitted 6, 7, 8
-    assert gate.added == [0.0, 1.0]  # the tree holds 6 only
-    gate.observe([TokenTree(torch.tensor([[5]]), torch.tensor([[-1]])), fixed], history, torch.tensor([1]))
-    gate.observe([None, None], history, torch.tensor([4]))
-    assert gate.added[1] == 1.0 * gate.decay + 2.0  # 6, 7
+    # root 5 -> {1, 6}; 6 -> {2, 3}; 3 -> {7, 8}: the path 6, 7 is not there (7 hangs under 3)
+    tree = Draft(TokenTree(torch.tensor([[5, 1, 6, 2, 3, 7, 8]]), torch.tensor([[-1, 0, 0, 2, 2, 4, 4]])), None,
+                 torch.tensor([[1.0, 0.2, 0.7, 0.3, 0.3, 0.1, 0.1]]))
+    fixed = Draft(TokenTree(torch.tensor([[5, 6, 7, 9]]), torch.tensor([[-1, 0, 1, 2]])))  # 6, 7, then wrong
+    root_only = Draft(TokenTree(torch.tensor([[5]]), torch.tensor([[-1]])))
+    judge.observe([root_only, tree], history, torch.tensor([1]))
+    judge.observe([None, None], history, torch.tensor([4]))  # emitted 6, 7, 8
+    assert judge.added == [0.0, 1.0] and judge.first_hits == [0.0, 1.0] and abs(judge.first_scores[1] - 0.7) < 1e-6
+    judge.observe([root_only, fixed], history, torch.tensor([1]))
+    judge.observe([None, None], history, torch.tensor([4]))
+    assert judge.added[1] == 1.0 * judge.decay + 2.0  # 6, 7

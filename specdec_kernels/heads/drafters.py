@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..loop.cost_model import shapes_digest
-from ..loop.drafters import (Draft, Drafter, MergedDrafter, ScoredMergedDrafter, SourceGate, merge_drafts,
+from ..loop.drafters import (SKIP, Draft, Drafter, MergedDrafter, ScoredMergedDrafter, SourceJudge, merge_judged,
                              root_tokens)
 from ..ops.small_linear import choose_small_linear_rows, linear_weights, routed_linear, small_linears
 from ..ops.sampling import target_probs
@@ -534,14 +534,15 @@ class HeadNgramDrafter(MergedDrafter):
     sampling too); the head proposes its greedy best-first tree.
 
     Each merged node carries a score, the higher of its sources' (the head's path
-    probability, the n-gram's match odds: both estimate the chance the path is accepted), so
-    the adaptive planner keeps the nodes most likely accepted from either source. With a
-    budget the head drafts at most that many nodes (a head forward costs compute; none at all
-    when no row may draft) while the n-gram continuation, free to find, is always proposed
-    whole and left to the planner. When `ngram` is a `ScoredMergedDrafter` (the n-gram drafter
-    and a suffix cache, as `default_drafter` builds it), its drafters join this one merge
-    directly (one trie instead of two), its first one asked at every step and the others while
-    they add accepted tokens the head and the rest do not (`SourceGate`).
+    probability, the n-gram's match odds: both estimate the chance the path is accepted, each
+    scaled by how often its source's first picks were right, `SourceJudge`), so the adaptive
+    planner keeps the nodes most likely accepted from either source. With a budget the head
+    drafts at most that many nodes (a head forward costs compute; none at all when no row may
+    draft) while the n-gram continuation, free to find, is always proposed whole and left to
+    the planner. When `ngram` is a `ScoredMergedDrafter` (the n-gram drafter and a suffix
+    cache, as `default_drafter` builds it), its drafters join this one merge directly (one
+    trie instead of two), its first one merged at every step and the others while they add
+    accepted tokens the head and the rest do not (`SourceJudge`).
 
     Args:
         head_drafter: an `EagleDrafter`, `MedusaDrafter` or `MtpDrafter`.
@@ -562,15 +563,15 @@ class HeadNgramDrafter(MergedDrafter):
         super().__init__([head_drafter, ngram])
         self.head_drafter, self.ngram, self.confident = head_drafter, ngram, confident
         self.context = list(ngram.drafters) if isinstance(ngram, ScoredMergedDrafter) else [ngram]
-        self.gate = SourceGate([True, True] + [False] * (len(self.context) - 1))  # the head, the first context drafter
+        self.judge = SourceJudge([True, True] + [False] * (len(self.context) - 1))  # the head, the first context drafter
 
     def start(self, history, lengths, capacity):
         super().start(history, lengths, capacity)
-        self.gate.start()
+        self.judge.start()
 
     def keep_rows(self, rows):
         super().keep_rows(rows)
-        self.gate.keep_rows(rows)
+        self.judge.keep_rows(rows)
 
     def observe(self, hidden_states, accepted_nodes=None, num_accepted=None):
         self.head_drafter.observe(hidden_states, accepted_nodes, num_accepted)
@@ -582,7 +583,7 @@ class HeadNgramDrafter(MergedDrafter):
         twin = super().cost_twin()
         twin.head_drafter, twin.ngram = twin.drafters
         twin.context = list(twin.ngram.drafters) if isinstance(twin.ngram, ScoredMergedDrafter) else [twin.ngram]
-        twin.gate = self.gate.cost_twin()
+        twin.judge = self.judge.cost_twin()
         return twin
 
     @property
@@ -597,16 +598,15 @@ class HeadNgramDrafter(MergedDrafter):
     def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
         """The head's tree (within `budget`) merged with the asked context drafters'
         proposals, with scores."""
-        asked = self.gate.asked()
-        context = [d.propose(history, lengths, None) if ask else None for d, ask in zip(self.context, asked[1:])]
+        plan = self.judge.plan()
+        context = [None if what == SKIP else d.propose(history, lengths, None) for d, what in zip(self.context, plan[1:])]
         ngram = context[0]
         if budget is not None and self.confident is not None and ngram.scores is not None \
                 and ngram.scores.shape[1] > 1:
             sure = ngram.scores[:, 1].to(budget.device) >= self.confident
             budget = torch.where(sure, 0, budget)
         drafts = [self.head_drafter.propose(history, lengths, None, budget)] + context
-        self.gate.observe([None if d is None else d.tree for d in drafts], history, lengths)
-        return merge_drafts(history, lengths, [d for d in drafts if d is not None], self.max_nodes)
+        return merge_judged(self.judge, plan, drafts, history, lengths, self.max_nodes)
 
 
 def _head_dirs():

@@ -541,66 +541,98 @@ class DraftModelDrafter(Drafter):
         return keep_nodes(draft, keep)[0]
 
 
-class SourceGate:
-    """Which sources a merged drafter asks for drafts at each step.
+MERGE, PROBE, SKIP = "merge", "probe", "skip"  # what a merged drafter does with a source at a step (`SourceJudge`)
 
-    A source that rarely adds an accepted token the other sources did not also draft costs
-    its lookup, and its share of the merge, at every step for nothing (a suffix cache of
-    unrelated requests, say); the adaptive planner can prune its nodes, not its cost. So a
-    source that adds too little is skipped until a probe shows it pays again.
 
-    What is measured: at each step, the trees every asked source proposed at the step before
-    are walked along the tokens each row emitted since, whether or not the planner verified
-    them: a source's *reach* is how many of those tokens its tree holds as a path from the
-    root. The sources' paths along the emitted tokens are prefixes of one path, so a source
-    adds max(0, its reach - the largest other asked source's reach) tokens. Per source,
-    decayed counts of added tokens and of rows judged give its rate of added tokens per row
-    and step.
+class SourceJudge:
+    """Judges a merged drafter's sources by what the rows emitted after their drafts: which
+    sources to merge at each step, and how much each source's scores are worth.
 
-    The rule: `required` sources are always asked; another is asked while its rate is at least
-    `min_rate`, until it has been judged on `warmup` rows, and every `probe_every`-th step (a
-    cache that starts matching is noticed). Skipping loses nothing: the incremental drafters
-    (n-gram index, suffix cache) take every token appended since they were last asked. Which
-    sources are asked depends on past outcomes only, so verification stays exact. The counts
-    belong to the drafter object (kept across `generate` calls, like a suffix cache's
-    contents; a seed reproduces a sampled output with a fresh drafter, or the same state).
+    Why: a source that rarely adds an accepted token the others did not also draft costs its
+    lookup, its share of the merge and the planner's attention at every step for nothing (a
+    suffix cache of unrelated requests); and sources score on their own scales (a head's path
+    probability; a suffix cache's continuation counts times match-length odds, which overrate
+    a sibling's sampled token against the target's likelier one), so the best raw score may
+    not be the likeliest node.
+
+    What is measured: each step, every source asked at the step before is judged against the
+    tokens each row emitted since, whether or not the planner verified its nodes.
+    - Its *reach*: how many of those tokens its tree holds as a path from the root. The
+      sources' paths along the emitted tokens are prefixes of one path, so a source adds
+      max(0, its reach - the largest other asked source's reach) tokens; decayed counts of
+      added tokens and of rows judged give its rate (added tokens per row and step).
+    - Its first pick: the depth-1 node it scored highest, a hit when that is the first emitted
+      token; decayed sums of hits and of those nodes' scores give its factor (hits + prior) /
+      (scores + prior), by which its scores are multiplied before merging (a row's first-level
+      scores kept <= 1).
+
+    What is done (`plan`): `required` sources are always merged. Another is asked without being
+    merged (a probe: its drafts are judged, never verified, so the planner's acceptance
+    history only sees merged nodes) for its first `warmup` judged rows and every
+    `probe_every`-th step after, merged while its rate is at least `min_rate`, and otherwise
+    skipped. A skipped source loses nothing: the incremental drafters (n-gram index, suffix
+    cache) take every token appended since they were last asked. What is merged and how it is
+    scored depend on past outcomes only, so verification stays exact. The counts belong to the
+    drafter object (kept across `generate` calls, like a suffix cache's contents; a seed
+    reproduces a sampled output with a fresh drafter, or the same state).
 
     Args:
-        required: per source, whether it is always asked.
-        min_rate: added tokens per row and step below which an optional source is skipped
+        required: per source, whether it is always merged.
+        min_rate: added tokens per row and step at or above which an optional source is merged
             (0.02: one token in 50 row-steps, about what a lookup costs at batch 1 on a CPU).
         decay: multiplies the counts at each judged step (0.97: about the last 30 steps count).
-        warmup: rows a source is judged on before it may be skipped.
-        probe_every: an optional source is asked at every probe_every-th step whatever its rate.
+        warmup: rows an optional source is judged on (as a probe) before it may be merged.
+        probe_every: a source not merged is probed at every probe_every-th step.
+        prior: weight of the factor's prior of 1, in first picks' scores.
     """
 
     def __init__(self, required: Sequence[bool], *, min_rate: float = 0.02, decay: float = 0.97,
-                 warmup: int = 32, probe_every: int = 16):
+                 warmup: int = 32, probe_every: int = 16, prior: float = 2.0):
         self.required = [bool(r) for r in required]
-        self.min_rate, self.decay, self.warmup, self.probe_every = min_rate, decay, warmup, probe_every
-        self.added = [0.0] * len(self.required)  # decayed tokens each source added
-        self.judged = [0.0] * len(self.required)  # decayed rows each source was judged on
-        self.seen = [0] * len(self.required)  # rows each source was judged on, in all
+        self.min_rate, self.decay, self.warmup, self.probe_every, self.prior = min_rate, decay, warmup, probe_every, prior
+        sources = len(self.required)
+        self.added, self.judged = [0.0] * sources, [0.0] * sources  # decayed tokens added, rows judged
+        self.first_hits, self.first_scores = [0.0] * sources, [0.0] * sources  # decayed first picks' hits, scores
+        self.seen = [0] * sources  # rows each source was judged on, in all
         self.steps = 0
-        self._last = None  # the last step's lengths [B] and each source's (tokens, parents) [B, T] (numpy; None: not asked)
+        # The last step's lengths [B] and per source (None: not asked) its tree (tokens,
+        # parents [B, T]) and first pick (token, score [B]; token -1: none), numpy.
+        self._last = None
 
-    def cost_twin(self) -> "SourceGate":
-        """The gate of a drafter's cost twin: fresh counts, and the optional sources asked at
-        probes only (made-up rows match nothing, and a source skipped on real rows costs
-        nothing: the calibrated cost is that of the steps where only the required ones run)."""
-        return SourceGate(self.required, min_rate=float("inf"), decay=self.decay, warmup=0,
-                          probe_every=self.probe_every)
+    def cost_twin(self) -> "SourceJudge":
+        """The judge of a drafter's cost twin: fresh counts, optional sources probed only (made-up
+        rows match nothing; the calibrated cost is that of steps where they are not merged)."""
+        return SourceJudge(self.required, min_rate=float("inf"), decay=self.decay, warmup=0,
+                           probe_every=self.probe_every, prior=self.prior)
 
     def rates(self) -> list:
         """Each source's added tokens per row and step (decayed)."""
         return [added / max(judged, 1e-9) for added, judged in zip(self.added, self.judged)]
 
-    def asked(self) -> list:
-        """Which sources to ask at this step (one call per step)."""
+    def factors(self) -> list:
+        """Each source's score factor (its first picks' hits over their scores, with the prior)."""
+        return [(hits + self.prior) / (scores + self.prior) for hits, scores in zip(self.first_hits, self.first_scores)]
+
+    def plan(self) -> list:
+        """What to do with each source at this step (one call per step): MERGE, PROBE or SKIP."""
         self.steps += 1
         probe = self.steps % self.probe_every == 0
-        return [required or probe or seen < self.warmup or rate >= self.min_rate
-                for required, seen, rate in zip(self.required, self.seen, self.rates())]
+        out = []
+        for required, seen, rate in zip(self.required, self.seen, self.rates()):
+            if required or (seen >= self.warmup and rate >= self.min_rate):
+                out.append(MERGE)
+            else:
+                out.append(PROBE if probe or seen < self.warmup else SKIP)
+        return out
+
+    def scaled(self, source: int, draft: Draft) -> torch.Tensor:
+        """float32 [B, T]: `draft`'s path scores (unscored: 0.5 ** depth) times the source's
+        factor, capped per row so that no first-level score exceeds 1."""
+        depths = draft.tree.depths
+        scores = draft.scores.float() if draft.scores is not None else 0.5 ** depths.clamp(min=0).float()
+        first = torch.where(depths == 1, scores, 0.0).amax(1, keepdim=True)
+        factor = torch.minimum(torch.full_like(first, self.factors()[source]), 1.0 / first.clamp(min=1e-9))
+        return torch.where(depths >= 1, scores * factor, scores)
 
     def start(self) -> None:
         """A new call: its first step has nothing to judge (the counts stay)."""
@@ -608,36 +640,47 @@ class SourceGate:
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         if self._last is not None:
-            lengths, trees = self._last
+            lengths, drafts = self._last
             rows = rows.cpu().numpy()
-            self._last = (lengths[rows], [None if t is None else (t[0][rows], t[1][rows]) for t in trees])
+            self._last = (lengths[rows], [None if d is None else tuple(a[rows] for a in d) for d in drafts])
 
-    def observe(self, trees: Sequence[Optional[TokenTree]], history: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Judge the last step's trees against what the rows emitted since, then keep `trees`
-        (this step's; None for a source not asked) for the next step."""
+    def observe(self, drafts: Sequence[Optional[Draft]], history: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Judge the last step's drafts against what the rows emitted since, then keep `drafts`
+        (this step's, raw scores; None for a source not asked) for the next step."""
         lengths = lengths.cpu().numpy().astype(np.int64)
         self._judge(history, lengths)
-        self._last = (lengths, [None if t is None else (t.tokens.cpu().numpy(), t.parents.cpu().numpy())
-                                for t in trees])
+        kept = []
+        for draft in drafts:
+            if draft is None:
+                kept.append(None)
+                continue
+            tokens, parents = draft.tree.tokens.cpu().numpy(), draft.tree.parents.cpu().numpy()
+            scores = draft.scores.float().cpu().numpy() if draft.scores is not None else np.full(tokens.shape, 0.5)
+            first_level = np.where(parents == 0, scores, -1.0)
+            pick = first_level.argmax(1)
+            picked = first_level[np.arange(tokens.shape[0]), pick] >= 0
+            kept.append((tokens, parents, np.where(picked, tokens[np.arange(tokens.shape[0]), pick], -1),
+                         np.where(picked, scores[np.arange(tokens.shape[0]), pick], 0.0)))
+        self._last = (lengths, kept)
 
     def _judge(self, history: torch.Tensor, lengths: np.ndarray) -> None:
         if self._last is None:
             return
-        before, trees = self._last
+        before, drafts = self._last
         count = np.maximum(lengths - before, 0)  # tokens each row emitted since
         width = int(count.max()) if count.size else 0
         if width == 0:
             return
         at = np.minimum(before[:, None] + np.arange(width), history.shape[1] - 1)
         emitted = history.gather(1, torch.from_numpy(at).to(history.device)).cpu().numpy()  # [B, width]
+        judged = count > 0
         reach = {}
-        for source, tree in enumerate(trees):
-            if tree is None:
+        for source, draft in enumerate(drafts):
+            if draft is None:
                 continue
-            tokens, parents = tree
+            tokens, parents, pick, pick_score = draft
             node = np.zeros(count.shape[0], dtype=np.int64)  # where each row's walk stands (the root)
-            walking = count > 0
-            reached = np.zeros(count.shape[0], dtype=np.int64)
+            walking, reached = judged.copy(), np.zeros(count.shape[0], dtype=np.int64)
             for depth in range(width):  # one emitted token deeper per round
                 child = (parents == node[:, None]) & (tokens == emitted[:, depth : depth + 1])
                 found = walking & (depth < count) & child.any(1)
@@ -647,13 +690,16 @@ class SourceGate:
                 reached += found
                 walking = found
             reach[source] = reached
-        judged_rows = float((count > 0).sum())
+            picked = judged & (pick >= 0)
+            self.first_hits[source] = self.first_hits[source] * self.decay + float((picked & (pick == emitted[:, 0])).sum())
+            self.first_scores[source] = self.first_scores[source] * self.decay + float(pick_score[picked].sum())
+        rows = float(judged.sum())
         for source, reached in reach.items():
             others = [r for s, r in reach.items() if s != source]
             best_other = np.maximum.reduce(others) if others else np.zeros_like(reached)
             self.added[source] = self.added[source] * self.decay + float(np.maximum(reached - best_other, 0).sum())
-            self.judged[source] = self.judged[source] * self.decay + judged_rows
-            self.seen[source] += int(judged_rows)
+            self.judged[source] = self.judged[source] * self.decay + rows
+            self.seen[source] += int(rows)
 
 
 class MergedDrafter(Drafter):
@@ -865,9 +911,10 @@ class SuffixDrafter(Drafter):
 class ScoredMergedDrafter(MergedDrafter):
     """Several drafters' deterministic proposals merged into one tree per row, each node
     scored by the best of its sources' scores (an unscored proposal counts each node as
-    0.5 ** depth), so the adaptive planner keeps the nodes most likely accepted from any
-    source. The first drafter is asked at every step; the others while they add accepted
-    tokens the rest do not (`SourceGate`). Used by `default_drafter` to put a row's own
+    0.5 ** depth), each source's scaled by how often its first picks were right
+    (`SourceJudge`), so the adaptive planner keeps the nodes most likely accepted from any
+    source. The first drafter is merged at every step, the others while they add accepted
+    tokens the rest do not (`SourceJudge`). Used by `default_drafter` to put a row's own
     n-gram drafts and the suffix cache into one tree.
 
     Args:
@@ -877,32 +924,42 @@ class ScoredMergedDrafter(MergedDrafter):
     def __init__(self, drafters: Sequence[Drafter]):
         super().__init__(drafters)
         self.drafts_for_free = all(d.drafts_for_free for d in self.drafters)
-        self.gate = SourceGate([i == 0 for i in range(len(self.drafters))])
+        self.judge = SourceJudge([i == 0 for i in range(len(self.drafters))])
 
     def start(self, history, lengths, capacity):
         super().start(history, lengths, capacity)
-        self.gate.start()
+        self.judge.start()
 
     def keep_rows(self, rows):
         super().keep_rows(rows)
-        self.gate.keep_rows(rows)
+        self.judge.keep_rows(rows)
 
     def cost_twin(self):
         twin = super().cost_twin()
-        twin.gate = self.gate.cost_twin()
+        twin.judge = self.judge.cost_twin()
         return twin
 
     def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
-        """Merge the asked drafters' proposals with scores (`sampling` is not used); with a
-        `budget`, each drafter gets its share (`MergedDrafter.split_budget`)."""
+        """Merge the drafters' proposals with scores, as the judge plans (`sampling` is not
+        used); with a `budget`, each drafter gets its share (`MergedDrafter.split_budget`)."""
         shares = [None] * len(self.drafters) if budget is None else self.split_budget(budget)
-        drafts = [d.propose(history, lengths, None, share) if asked else None
-                  for d, share, asked in zip(self.drafters, shares, self.gate.asked())]
-        self.gate.observe([None if d is None else d.tree for d in drafts], history, lengths)
-        draft = merge_drafts(history, lengths, [d for d in drafts if d is not None], self.max_nodes)
+        plan = self.judge.plan()
+        drafts = [None if what == SKIP else d.propose(history, lengths, None, share)
+                  for d, share, what in zip(self.drafters, shares, plan)]
+        draft = merge_judged(self.judge, plan, drafts, history, lengths, self.max_nodes)
         if budget is not None:
             draft = first_nodes(draft, budget.to(draft.tree.tokens.device))
         return draft
+
+
+def merge_judged(judge: SourceJudge, plan: Sequence[str], drafts: Sequence[Optional[Draft]], history: torch.Tensor,
+                 lengths: torch.Tensor, max_nodes: int) -> Draft:
+    """The drafts `plan` merges, scored as `judge` scales them (`merge_drafts`), after the
+    judge has seen every asked draft (merged or probed)."""
+    merged = [(source, d) for source, (d, what) in enumerate(zip(drafts, plan)) if what == MERGE]
+    scores = [judge.scaled(source, d) for source, d in merged]
+    judge.observe(drafts, history, lengths)
+    return merge_drafts(history, lengths, [Draft(d.tree, None, s) for (_, d), s in zip(merged, scores)], max_nodes)
 
 
 def merge_drafts(history: torch.Tensor, lengths: torch.Tensor, drafts: Sequence[Draft], max_nodes: int) -> Draft:
