@@ -565,14 +565,6 @@ class HeadNgramDrafter(MergedDrafter):
         self.context = list(ngram.drafters) if isinstance(ngram, ScoredMergedDrafter) else [ngram]
         self.judge = SourceJudge([True, True] + [False] * (len(self.context) - 1))  # the head, the first context drafter
 
-    def start(self, history, lengths, capacity):
-        super().start(history, lengths, capacity)
-        self.judge.start()
-
-    def keep_rows(self, rows):
-        super().keep_rows(rows)
-        self.judge.keep_rows(rows)
-
     def observe(self, hidden_states, accepted_nodes=None, num_accepted=None):
         self.head_drafter.observe(hidden_states, accepted_nodes, num_accepted)
 
@@ -583,7 +575,6 @@ class HeadNgramDrafter(MergedDrafter):
         twin = super().cost_twin()
         twin.head_drafter, twin.ngram = twin.drafters
         twin.context = list(twin.ngram.drafters) if isinstance(twin.ngram, ScoredMergedDrafter) else [twin.ngram]
-        twin.judge = self.judge.cost_twin()
         return twin
 
     @property

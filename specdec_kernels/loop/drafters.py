@@ -727,13 +727,19 @@ class MergedDrafter(Drafter):
         self.hidden_layers = layers.pop() if layers else None
         self.learning = any(getattr(d, "learning", False) for d in self.drafters)
 
+    judge: Optional[SourceJudge] = None  # set by merged drafters that judge their sources
+
     def start(self, history, lengths, capacity):
         for d in self.drafters:
             d.start(history, lengths, capacity)
+        if self.judge is not None:
+            self.judge.start()
 
     def keep_rows(self, rows):
         for d in self.drafters:
             d.keep_rows(rows)
+        if self.judge is not None:
+            self.judge.keep_rows(rows)
 
     def finish(self):
         for d in self.drafters:
@@ -748,6 +754,8 @@ class MergedDrafter(Drafter):
     def cost_twin(self):
         twin = copy.copy(self)
         twin.drafters = [cost_twin(d) for d in self.drafters]
+        if self.judge is not None:
+            twin.judge = self.judge.cost_twin()
         return twin
 
     def observe(self, hidden_states, accepted_nodes=None, num_accepted=None):
@@ -925,19 +933,6 @@ class ScoredMergedDrafter(MergedDrafter):
         super().__init__(drafters)
         self.drafts_for_free = all(d.drafts_for_free for d in self.drafters)
         self.judge = SourceJudge([i == 0 for i in range(len(self.drafters))])
-
-    def start(self, history, lengths, capacity):
-        super().start(history, lengths, capacity)
-        self.judge.start()
-
-    def keep_rows(self, rows):
-        super().keep_rows(rows)
-        self.judge.keep_rows(rows)
-
-    def cost_twin(self):
-        twin = super().cost_twin()
-        twin.judge = self.judge.cost_twin()
-        return twin
 
     def propose(self, history, lengths, sampling=None, budget=None) -> Draft:
         """Merge the drafters' proposals with scores, as the judge plans (`sampling` is not
