@@ -73,6 +73,8 @@ def vllm_method(method: str, default_k: int):
         return "plain", None
     k = int(match.group(2) or match.group(3) or default_k)
     return ("ngram" if match.group(2) else "ours", k) if k >= 1 else None
+
+
 SHORT = dict(prompts=2, max_new_tokens=64, concurrency=(1, 8, 32))
 SMOKE = dict(prompts=1, max_new_tokens=16, concurrency=(1, 2), workloads=("code_edit",))
 

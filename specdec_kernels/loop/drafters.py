@@ -656,11 +656,9 @@ class SourceJudge:
                 continue
             tokens, parents = draft.tree.tokens.cpu().numpy(), draft.tree.parents.cpu().numpy()
             scores = draft.scores.float().cpu().numpy() if draft.scores is not None else np.full(tokens.shape, 0.5)
-            first_level = np.where(parents == 0, scores, -1.0)
-            pick = first_level.argmax(1)
-            picked = first_level[np.arange(tokens.shape[0]), pick] >= 0
-            kept.append((tokens, parents, np.where(picked, tokens[np.arange(tokens.shape[0]), pick], -1),
-                         np.where(picked, scores[np.arange(tokens.shape[0]), pick], 0.0)))
+            rows, pick = np.arange(tokens.shape[0]), np.where(parents == 0, scores, -1.0).argmax(1)
+            picked = parents[rows, pick] == 0  # the row has a depth-1 node
+            kept.append((tokens, parents, np.where(picked, tokens[rows, pick], -1), np.where(picked, scores[rows, pick], 0.0)))
         self._last = (lengths, kept)
 
     def _judge(self, history: torch.Tensor, lengths: np.ndarray) -> None:
@@ -949,23 +947,16 @@ class ScoredMergedDrafter(MergedDrafter):
 
 def merge_judged(judge: SourceJudge, plan: Sequence[str], drafts: Sequence[Optional[Draft]], history: torch.Tensor,
                  lengths: torch.Tensor, max_nodes: int) -> Draft:
-    """The drafts `plan` merges, scored as `judge` scales them (`merge_drafts`), after the
-    judge has seen every asked draft (merged or probed)."""
+    """The drafts `plan` merges, in one trie per row (`merge_scored_trees`, at most `max_nodes`
+    drafted nodes), each node scored by the best of its drafts' scores as `judge` scales them,
+    trimmed, on history's device; the judge sees every asked draft (merged or probed) first."""
     merged = [(source, d) for source, (d, what) in enumerate(zip(drafts, plan)) if what == MERGE]
-    scores = [judge.scaled(source, d) for source, d in merged]
+    scores = [judge.scaled(source, d).cpu() for source, d in merged]
     judge.observe(drafts, history, lengths)
-    return merge_drafts(history, lengths, [Draft(d.tree, None, s) for (_, d), s in zip(merged, scores)], max_nodes)
-
-
-def merge_drafts(history: torch.Tensor, lengths: torch.Tensor, drafts: Sequence[Draft], max_nodes: int) -> Draft:
-    """Deterministic drafts merged into one trie per row (`merge_scored_trees`, at most
-    `max_nodes` drafted nodes), each node scored by the best of its drafts' scores (an
-    unscored draft counts each node as 0.5 ** depth), trimmed, on history's device."""
-    scores = [d.scores if d.scores is not None else 0.5 ** d.tree.depths.clamp(min=0).float() for d in drafts]
-    tokens, parents, merged = merge_scored_trees(root_tokens(history, lengths).tolist(),
-                                                 [(d.tree.tokens.cpu(), d.tree.parents.cpu()) for d in drafts],
-                                                 [s.cpu() for s in scores], max_nodes)
+    tokens, parents, best = merge_scored_trees(root_tokens(history, lengths).tolist(),
+                                               [(d.tree.tokens.cpu(), d.tree.parents.cpu()) for _, d in merged],
+                                               scores, max_nodes)
     tree = trimmed(TokenTree._from_op(tokens, parents))
     device = history.device
     return Draft(TokenTree._from_op(tree.tokens.to(device), tree.parents.to(device)), None,
-                 merged[:, : tree.tokens.shape[1]].to(device))
+                 best[:, : tree.tokens.shape[1]].to(device))
