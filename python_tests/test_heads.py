@@ -476,6 +476,41 @@ def test_draft_scores_and_budget(target, heads):
             assert len({int(tree.tokens[b, j]) for j in siblings}) == len(siblings)  # distinct (greedy)
 
 
+def extend_rows(target, history, lengths, new_tokens):
+    """Appends new_tokens[b] tokens to row b of `history` (its first ones again), as accepted
+    tokens would be; returns the new lengths and the target's features of the longer rows."""
+    lengths = lengths.clone()
+    for b, n in enumerate(new_tokens):
+        history[b, lengths[b] : lengths[b] + n] = history[b, :n]
+        lengths[b] += n
+    with torch.no_grad():
+        return lengths, target.model(history[:, : int(lengths.max()) - 1]).last_hidden_state
+
+
+def test_fused_layer_drafts_as_the_modules(target, heads, monkeypatch):
+    """On a CPU an EAGLE head's layer runs as one `decoder_layer` op (`fused_block`): its
+    trees equal the torch modules' over a ragged batch and two steps (the second catches up
+    3, 1 and 0 new entries: a row that fed nothing re-feeds its last), scores to rounding."""
+    fused, plain = (EagleDrafter(target, heads["eagle"], max_nodes=10, depth=3, top_k=3, min_score=0.0,
+                                 dtype=torch.float32) for _ in range(2))
+    monkeypatch.setattr(plain, "fused_block", lambda: None)
+    for drafter in (fused, plain):  # a few training steps leave attention's share tiny: make it matter
+        with torch.no_grad():
+            drafter.head.o_proj.weight.mul_(40.0)
+    history, lengths = start_on_prompts(fused, target, 3)
+    start_on_prompts(plain, target, 3)
+    if fused.fused_block() is None:
+        pytest.skip("no compiled decoder_layer kernel")
+    for step in range(2):
+        a, b = fused.propose(history, lengths), plain.propose(history, lengths)
+        assert torch.equal(a.tree.tokens, b.tree.tokens) and torch.equal(a.tree.parents, b.tree.parents), step
+        assert torch.allclose(a.scores, b.scores, atol=1e-5), step
+        assert int(a.tree.num_nodes.min()) == 11  # every row drafted a full tree
+        lengths, hidden = extend_rows(target, history, lengths, [3, 1, 0])
+        fused.observe(hidden)
+        plain.observe(hidden)
+
+
 # ----------------------------------------------------------------------------- sampling
 
 

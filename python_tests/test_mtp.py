@@ -468,6 +468,38 @@ def test_paged_target_cache_and_bf16(checkpoints):
     assert torch.equal(out.sequences, hf_greedy(half, ids, mask, 12))
 
 
+def test_fused_block_drafts_as_the_modules(checkpoints):
+    """A one-layer MTP head whose block is a Llama-family layer (MiMo's Qwen2 block here) runs
+    as one `decoder_layer` op on a CPU: its trees equal the torch modules' over a ragged batch
+    and two steps (the second catches up 3, 1 and 0 new entries), scores to rounding. MoE and
+    MLA blocks keep the modules."""
+    target, _, _ = checkpoints["mimo"]
+    fused, plain = (MtpDrafter(target, max_nodes=10, depth=3, top_k=3, min_score=0.0) for _ in range(2))
+    plain._fused = None
+    for drafter in (fused, plain):  # (separate copies of the block; in place, so the fused weights follow)
+        with torch.no_grad():
+            drafter.head.layers[0].block.self_attn.o_proj.weight.mul_(20.0)
+    assert MtpDrafter(checkpoints["glm"][0]).fused_block() is None
+    assert MtpDrafter(checkpoints["deepseek_v3"][0]).fused_block() is None
+    if fused.fused_block() is None:
+        pytest.skip("no compiled decoder_layer kernel")
+    prompts = [[5, 17, 3, 9, 44, 2, 8, 5, 17], [7, 1, 30, 12, 7, 1], [9, 9, 4, 2, 11, 9, 9, 4]]
+    history, lengths = start_drafter(fused, target, prompts)
+    start_drafter(plain, target, prompts)
+    for step in range(2):
+        a, b = fused.propose(history, lengths), plain.propose(history, lengths)
+        assert torch.equal(a.tree.tokens, b.tree.tokens) and torch.equal(a.tree.parents, b.tree.parents), step
+        assert torch.allclose(a.scores, b.scores, atol=1e-5), step
+        assert int(a.tree.num_nodes.min()) == 11
+        for row, n in enumerate([3, 1, 0]):
+            history[row, lengths[row] : lengths[row] + n] = history[row, :n]
+        lengths = lengths + torch.tensor([3, 1, 0])
+        with torch.no_grad():
+            hidden = target.model(history[:, : int(lengths.max()) - 1]).last_hidden_state
+        fused.observe(hidden)
+        plain.observe(hidden)
+
+
 def test_reduced_draft_vocabulary(checkpoints):
     """draft_vocab= restricts the drafts to those ids (a copy of those LM-head rows); the
     scores are the MTP layer's softmax over them; output stays the target's."""

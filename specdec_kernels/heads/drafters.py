@@ -31,14 +31,16 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .. import config
 from ..loop.cost_model import shapes_digest
 from ..loop.drafters import (SKIP, Draft, Drafter, MergedDrafter, ScoredMergedDrafter, SourceJudge, merge_judged,
                              root_tokens)
+from ..ops import decoder_layer as fused_op
 from ..ops.small_linear import choose_small_linear_rows, linear_weights, routed_linear, small_linears
 from ..ops.sampling import target_probs
 from ..ops.tree import TokenTree
 from .common import check_target, input_embedding, lm_head_weight, read_head, text_config
-from .modules import EagleHead, MedusaHeads
+from .modules import EagleHead, MedusaHeads, rope
 from .online import OnlineLearner, OnlineOptions, training_copy
 
 _TIE = 1e-6  # per-depth penalty on log scores: a parent always outranks its children
@@ -84,6 +86,13 @@ def _no_draft(history, lengths) -> Draft:
     root = root_tokens(history, lengths)
     return Draft(TokenTree.chain(root, history.new_zeros(history.shape[0], 0)), None,
                  torch.ones(history.shape[0], 1, device=history.device))
+
+
+def fuses_block(dtype, device) -> bool:
+    """Whether a head's decoder block in `dtype` on `device` can run as one `decoder_layer` op
+    (the compiled CPU kernel, fp32 or bf16, `config.fused_layers` on)."""
+    return (config.fused_layers and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and fused_op.has_kernel())
 
 
 class _HeadDrafter(Drafter):
@@ -226,6 +235,77 @@ class _HeadDrafter(Drafter):
     def _logits(self, g):
         """Draft-vocabulary logits of head outputs g [..., H] (our kernel where measured faster)."""
         return routed_linear(g, self.w_draft, None, self.small_linear_rows)
+
+    # -- the fused block (CPU) -----------------------------------------------------------
+    # A drafter whose head is one Llama-family decoder block between an input projection and
+    # a final norm (EAGLE, a one-layer MTP head) drafts with the block as one `decoder_layer`
+    # op per forward on a CPU: no Python or torch dispatch inside the block (the torch-module
+    # path spent most of a 1-2 row forward there). The op attends each row's cache prefix in
+    # full and its new entries under a tree mask, so a tree depth re-feeds every node fed so
+    # far with the new frontier (a few rows, which cost little more than one on a CPU: the
+    # weights are read once) and each node sees its own ancestors only. Subclasses provide
+    # `fused_block()` (weights, eps, scale or None), `_block_inputs`, `_block_outputs`,
+    # `_cos_sin` and the block's caches.
+
+    def _fused_tree(self, history, lengths, sampling, budget, block, cached, k_cache, v_cache) -> Draft:
+        """Catch up the block's cache, then draft a best-first tree with the fused block. The
+        cache holds entry i (feature i, token i + 1) at slot i for i < cached[b]; the caller
+        sets cached to lengths - 1 afterwards. Tree node n (creation order) goes to slot
+        prefix + n, at position prefix - 1 + its depth."""
+        weights, eps, scale = block
+        device = history.device
+        batch = history.shape[0]
+        lengths = lengths.long()
+        prefix = lengths - 1  # entries 0 .. L-2 exist once caught up
+        can_draft = prefix > 0
+        if not bool(can_draft.any()):
+            return _no_draft(history, lengths)
+        size = k_cache.shape[1]
+
+        def run(x, positions, mask, seqlens):
+            cos, sin = self._cos_sin(x, positions)
+            out = torch.ops.specdec.decoder_layer(x.contiguous(), cos, sin, weights, k_cache, v_cache, mask,
+                                                  seqlens.to(torch.int32), scale, eps)
+            return self._block_outputs(out)
+
+        # Feed the entries since the last step, and at least the last one (its output drafts
+        # the root's children): re-fed entries write the same keys and values again. Rows
+        # with fewer entries pad theirs with scratch past their prefix (overwritten later);
+        # a row whose window would pass the cache's end starts earlier instead.
+        last = (prefix - 1).clamp(min=0)
+        base = torch.minimum(cached, last)
+        count = int((prefix - base).clamp(min=1).max())
+        start = torch.minimum(base, torch.full_like(last, size - count)).clamp(min=0)
+        j = torch.arange(count, device=device)
+        positions = start[:, None] + j
+        idx = torch.minimum(positions, last[:, None])
+        feats = self.features.gather(1, idx[:, :, None].expand(-1, -1, self.features.shape[-1]))
+        x = self._block_inputs(feats, history.gather(1, idx + 1), positions)
+        causal = torch.ones(count, count, dtype=torch.bool, device=device).tril()
+        feed, g = run(x, positions, causal, start)
+        at = (last - start).clamp(max=count - 1)[:, None, None]
+        feed_root = feed.gather(1, at.expand(-1, 1, feed.shape[-1]))
+        g_root = g.gather(1, at.expand(-1, 1, g.shape[-1]))[:, 0]
+        state = {"x": x[:, :0], "pos": positions[:, :0], "anc": torch.zeros(batch, 0, 0, dtype=torch.bool, device=device),
+                 "front_anc": torch.zeros(batch, 1, 0, dtype=torch.bool, device=device), "feed": feed_root}
+
+        def expand(level, parent_pos, tokens):
+            fed, n_new = state["x"].shape[1], tokens.shape[1]
+            feed_parent = state["feed"].gather(1, parent_pos[:, :, None].expand(-1, -1, state["feed"].shape[-1]))
+            pos_new = (prefix - 1 + level)[:, None].expand(-1, n_new)
+            x_new = self._block_inputs(feed_parent, tokens, pos_new)
+            # Ancestors among the fed nodes: the parent's (the parent included), then itself.
+            front = state["front_anc"].gather(1, parent_pos[:, :, None].expand(-1, -1, fed))
+            own = torch.eye(n_new, dtype=torch.bool, device=device)[None].expand(batch, -1, -1)
+            front = torch.cat([front, own], dim=2)  # [B, n_new, fed + n_new]
+            old = torch.cat([state["anc"], front.new_zeros(batch, fed, n_new)], dim=2)
+            anc = torch.cat([old, front], dim=1)
+            xs, pos = torch.cat([state["x"], x_new], 1), torch.cat([state["pos"], pos_new], 1)
+            feed, g = run(xs, pos, anc, prefix)
+            state.update(x=xs, pos=pos, anc=anc, front_anc=front, feed=feed[:, fed:])
+            return self._logits(g[:, fed:])
+
+        return self._build(history, lengths, self._logits(g_root), expand, sampling, budget, can_draft)
 
     # -- trees -------------------------------------------------------------------------
     def _warped(self, logits, sampling):
@@ -426,9 +506,37 @@ class EagleDrafter(_HeadDrafter):
             return out.transpose(1, 2)
         return attend
 
+    def fused_block(self):
+        """(weights in `decoder_layer.WEIGHT_NAMES` order, eps, scale) to run the head's layer as
+        one `decoder_layer` op, or None where it cannot (another device or dtype, no kernel).
+        Read at every step: an online head's parameters change."""
+        h = self.head
+        if self.k_cache is None or not fuses_block(self.dtype, self.k_cache.device):
+            return None
+        weights = [h.input_norm.weight, h.q_proj.weight, None, h.k_proj.weight, None, h.v_proj.weight, None, None, None,
+                   h.o_proj.weight, None, h.post_norm.weight, h.gate_proj.weight, h.up_proj.weight, h.down_proj.weight]
+        return [w if w is None else w.detach() for w in weights], float(h.input_norm.eps), h.head_dim ** -0.5
+
+    def _block_inputs(self, features, tokens, positions):
+        """fc(concat(feature, embedding of the token)): the decoder layer's input."""
+        return self.head.fc(torch.cat([features.to(self.dtype), self.embed(tokens).to(self.dtype)], dim=-1))
+
+    def _block_outputs(self, out):
+        """(fed deeper, logits' input): both g, the final norm of the layer's output."""
+        g = self.head.norm(out)
+        return g, g
+
+    def _cos_sin(self, x, positions):
+        return rope(positions, self.head.head_dim, self.head.theta, self.dtype)
+
     @torch.inference_mode()
     def _propose(self, history, lengths, sampling=None, budget=None) -> Draft:
         """Catch up the head's cache, then draft a best-first tree (see the class docstring)."""
+        block = self.fused_block()
+        if block is not None:
+            draft = self._fused_tree(history, lengths, sampling, budget, block, self.cached, self.k_cache, self.v_cache)
+            self.cached = (lengths.long() - 1).clamp(min=0)
+            return draft
         device = history.device
         batch = history.shape[0]
         lengths = lengths.long()

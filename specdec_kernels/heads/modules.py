@@ -63,13 +63,19 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def rope(positions: torch.Tensor, dim: int, theta: float, dtype=torch.float32):
+    """(cos, sin) [B, T, dim] of RoPE (HF Llama's rotate-half layout) at positions [B, T]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, D/2]
+    angles = torch.cat([angles, angles], -1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """RoPE (the rotate-half layout of HF Llama) on x [B, T, heads, D] at positions [B, T]."""
     dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim))
-    angles = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, D/2]
-    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, :, None, :].to(x.dtype)
-    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, :, None, :].to(x.dtype)
+    cos, sin = rope(positions, dim, theta, x.dtype)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     half = dim // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
     return x * cos + rotated * sin

@@ -60,10 +60,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..loop.drafters import Draft
+from ..ops.small_linear import routed_linear
 from .common import additive_block_mask, block_config as _block_config, block_mask, cache_kwarg, decoder_layer_class
 from .common import input_embedding, lm_head_weight, text_config
 from .common import target_norm as _norm
-from .drafters import _HeadDrafter
+from ..loop.hf.lean import fused_layer
+from .drafters import _HeadDrafter, _small_linear_rows, fuses_block
 
 LAYOUTS = ("deepseek", "mimo", "qwen3_next")
 # (embedding norm, hidden norm, projection, final norm) key names per layout; the projection's
@@ -389,14 +391,21 @@ class MtpDrafter(_HeadDrafter):
             arguments.
         max_nodes, depth, top_k, min_score: the best-first tree, as `EagleDrafter` takes
             them (same defaults: 4 nodes, depth 3, top_k 2 on a CPU; 24, 6, 6 on a GPU).
-        dtype: compute dtype of the MTP layers (default: the target's, so the drafts follow
-            the published forward; another dtype makes a converted copy of the LM head).
+        dtype: compute dtype of the MTP layers. Default: the target's for a checkpoint's own
+            layers (the drafts follow the published forward), bfloat16 for a trained head (as
+            `EagleDrafter`: half the weight bytes per depth; drafts are proposals, so outputs
+            stay exact). A dtype other than the target's makes a converted copy of the LM-head
+            rows it drafts from.
         draft_vocab: None (default): the whole vocabulary for a model's own MTP layers, and
             a trained head's own draft vocabulary (its N most frequent tokens, as EAGLE
             heads have); or a 1D tensor of token ids the drafts are restricted to. A reduced
             vocabulary keeps a copy of those LM-head rows and makes each depth's logits
             cheaper (on a small target the full-vocabulary LM head is most of the MTP
             layer's cost), at the price of never proposing the other tokens.
+
+    On a CPU, one MTP layer whose block is a Llama / Mistral / Qwen2 / Qwen3 decoder layer (a
+    trained head for such a target) runs as one `decoder_layer` op per forward
+    (`_HeadDrafter._fused_tree`); other blocks (MoE, MLA, several layers) run as torch modules.
 
     Raises ValueError naming what was looked for when the checkpoint has no MTP layers or
     they are in a layout this loader does not know.
@@ -418,7 +427,8 @@ class MtpDrafter(_HeadDrafter):
         for name, value in (("max_nodes", max_nodes), ("depth", depth), ("top_k", top_k)):
             if int(value) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        dtype = weight.dtype if dtype is None else dtype
+        if dtype is None:
+            dtype = torch.bfloat16 if module.draft_vocab is not None else weight.dtype
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be torch.float32, bfloat16 or float16, got {dtype}")
         # (_HeadDrafter.__init__ is not called: its draft vocabulary, small-linear timing and
@@ -441,14 +451,19 @@ class MtpDrafter(_HeadDrafter):
                                  f"in [{int(vocab.min()) if vocab.numel() else '-'}, {int(vocab.max()) if vocab.numel() else '-'}]")
             self.vocab, self.w_draft = vocab, weight.detach()[vocab].to(dtype)  # those rows, copied
         self.embed = input_embedding(target)
-        self.small_linear_rows = (0, 0)
+        # One layer of a Llama-family block on a CPU: the fused path (`fused_block`), with the
+        # LM-head rows through our few-row kernel where measured faster.
+        block = module.layers[0].block
+        self._fused = fused_layer(block, text_config(target)) if len(module.layers) == 1 else None
+        if self._fused is not None and not fuses_block(dtype, weight.device):
+            self._fused = None
+        self.small_linear_rows = _small_linear_rows(self.head, self.w_draft) if self._fused is not None else (0, 0)
         self.feature_layers, self.with_labels, self.hidden_layers = (), False, None
         self.features = self.labels = None
         self.source, self.online = module.dir, None
         self.rotary = getattr(target.get_decoder(), "rotary_emb", None)
         if self.rotary is None:
             raise ValueError(f"target: {type(target).__name__}'s decoder has no rotary_emb to give the MTP block its positions")
-        block = module.layers[0].block
         self._cache_kwarg = cache_kwarg(block)
         self._additive = additive_block_mask(target)
         self.cache = self.outs = self.cached = None
@@ -510,10 +525,44 @@ class MtpDrafter(_HeadDrafter):
         """Logits [..., N] over the draft vocabulary (`self.vocab`, all V tokens by default) of
         layer k's output `out` (its final norm, then the LM head)."""
         layer = self.head.layers[k]
-        g = out if _FEED_NORMED[layer.layout] else layer.final_norm(out)
-        if layer.own_head is None:
-            return F.linear(g, self.w_draft)
-        return F.linear(g, layer.own_head if self.vocab.numel() == self.vocab_size else layer.own_head[self.vocab])
+        return self._logits(out if _FEED_NORMED[layer.layout] else layer.final_norm(out), k)
+
+    def _logits(self, g, k: int = 0):
+        """Draft-vocabulary logits of layer k's normed output g (its LM head: the target's, or
+        the layer's own copy where the checkpoint's differs)."""
+        own = self.head.layers[k].own_head
+        if own is None:
+            return routed_linear(g, self.w_draft, None, self.small_linear_rows)
+        return F.linear(g, own if self.vocab.numel() == self.vocab_size else own[self.vocab])
+
+    # -- the fused block (one Llama-family layer on a CPU) --------------------------------
+    def fused_block(self):
+        """(weights, eps, scale) to run the MTP layer's block as one `decoder_layer` op, or None
+        (see the class docstring)."""
+        if self._fused is None:
+            return None
+        weights, eps = self._fused
+        return weights, eps, float(self.head.layers[0].block.self_attn.scaling)
+
+    def _block_inputs(self, hidden, tokens, positions):
+        """proj(concat of the normed embedding and hidden state): the block's input (layer 0)."""
+        layer = self.head.layers[0]
+        embeds = F.embedding(tokens, layer.own_embed) if layer.own_embed is not None else self.embed(tokens)
+        embeds = embeds.to(self.dtype)
+        if _ZERO_FIRST[layer.layout]:
+            embeds = embeds.masked_fill((positions == 0)[..., None], 0.0)
+        e, h = layer.embed_norm(embeds), layer.hidden_norm(hidden.to(self.dtype))
+        return layer.proj(torch.cat([h, e] if _HIDDEN_FIRST[layer.layout] else [e, h], dim=-1))
+
+    def _block_outputs(self, out):
+        """(fed deeper: the block's output, or its final norm for MiMo / Qwen3-Next; the final norm)."""
+        layer = self.head.layers[0]
+        normed = layer.final_norm(out)
+        return (normed if _FEED_NORMED[layer.layout] else out), normed
+
+    def _cos_sin(self, x, positions):
+        cos, sin = self.rotary(x, positions)
+        return cos.contiguous(), sin.contiguous()
 
     # -- drafting ----------------------------------------------------------------------
     def _catch_up(self, history, prefix):
@@ -544,6 +593,17 @@ class MtpDrafter(_HeadDrafter):
     @torch.inference_mode()
     def _propose(self, history, lengths, sampling=None, budget=None) -> Draft:
         """Catch up the MTP caches, then draft a best-first tree (see the class docstring)."""
+        block = self.fused_block()
+        if block is not None:
+            if self.cache.k[0] is None:  # [B, S, Hkv, D] buffers the op writes
+                attn = self.head.layers[0].block.self_attn
+                shape = (history.shape[0], self.cache.size, attn.k_proj.out_features // attn.head_dim, attn.head_dim)
+                self.cache.k[0] = torch.zeros(shape, dtype=self.dtype, device=history.device)
+                self.cache.v[0] = torch.zeros_like(self.cache.k[0])
+            draft = self._fused_tree(history, lengths, sampling, budget, block, self.cached[0], self.cache.k[0],
+                                     self.cache.v[0])
+            self.cached[0] = (lengths.long() - 1).clamp(min=0)
+            return draft
         device = history.device
         batch = history.shape[0]
         lengths = lengths.long()

@@ -117,6 +117,31 @@ def unsupported_reason(model) -> Optional[str]:
     return None
 
 
+def fused_layer(layer, cfg) -> Optional[tuple]:
+    """(weights, eps) to run `layer`, one decoder layer of a model whose config is `cfg`, as one
+    `decoder_layer` op (a learned head's block built from the target's layer class: heads.mtp),
+    or None where it is not exactly a Llama / Mistral / Qwen2 / Qwen3 layer the op computes
+    (transformers' own attention, SiLU MLP without biases and RMSNorms; full attention; plain
+    linears; fp32 or bf16 contiguous weights; one epsilon)."""
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in FAMILIES or getattr(cfg, "hidden_act", None) != "silu" or getattr(cfg, "mlp_bias", False):
+        return None
+    _, layer_cls, attn_cls, mlp_cls, norm_cls = FAMILIES[model_type]
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if type(layer).__name__ != layer_cls or type(attn).__name__ != attn_cls or type(mlp).__name__ != mlp_cls:
+        return None
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if model_type in QK_NORM:
+        norms += [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+    if any(type(norm).__name__ != norm_cls for norm in norms) or getattr(attn, "sliding_window", None):
+        return None
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if any(type(m) is not torch.nn.Linear for m in linears) or _has_hooks(layer):
+        return None
+    weights, eps = _layer_weights(layer), _norm_eps(layer)
+    return None if weights is None or eps is None else (weights, eps)
+
+
 def _layer_weights(layer) -> Optional[List[Optional[torch.Tensor]]]:
     """`layer`'s parameters in `decoder_layer.WEIGHT_NAMES` order, or None where the fused op
     cannot take them (dtypes other than the layer's fp32/bf16, non-contiguous weights)."""
