@@ -148,6 +148,7 @@ class _HeadDrafter(Drafter):
 
     # -- state -------------------------------------------------------------------------
     def start(self, history, lengths, capacity):
+        self._rotary_table = None
         hidden = self.w_draft.shape[1]
         self.features = torch.zeros(history.shape[0], capacity, hidden, device=history.device, dtype=self.dtype)
         self.labels = torch.zeros_like(self.features) if self.with_labels else None
@@ -245,7 +246,7 @@ class _HeadDrafter(Drafter):
     # far with the new frontier (a few rows, which cost little more than one on a CPU: the
     # weights are read once) and each node sees its own ancestors only. Subclasses provide
     # `fused_block()` (weights, eps, scale or None), `_block_inputs`, `_block_outputs`,
-    # `_cos_sin` and the block's caches.
+    # `_rotary` (the block's cos / sin at positions [1, S]) and the block's caches.
 
     def _fused_tree(self, history, lengths, sampling, budget, block, cached, k_cache, v_cache) -> Draft:
         """Catch up the block's cache, then draft a best-first tree with the fused block. The
@@ -261,11 +262,14 @@ class _HeadDrafter(Drafter):
         if not bool(can_draft.any()):
             return _no_draft(history, lengths)
         size = k_cache.shape[1]
+        table = getattr(self, "_rotary_table", None)
+        if table is None or table[0].shape[0] < size:  # cos / sin of every cache slot, once per generate call
+            cos, sin = self._rotary(torch.arange(size, device=device)[None])
+            table = self._rotary_table = (cos[0].contiguous(), sin[0].contiguous())
 
         def run(x, positions, mask, seqlens):
-            cos, sin = self._cos_sin(x, positions)
-            out = torch.ops.specdec.decoder_layer(x.contiguous(), cos, sin, weights, k_cache, v_cache, mask,
-                                                  seqlens.to(torch.int32), scale, eps)
+            out = torch.ops.specdec.decoder_layer(x.contiguous(), table[0][positions], table[1][positions], weights,
+                                                  k_cache, v_cache, mask, seqlens.to(torch.int32), scale, eps)
             return self._block_outputs(out)
 
         # Feed the entries since the last step, and at least the last one (its output drafts
@@ -526,7 +530,7 @@ class EagleDrafter(_HeadDrafter):
         g = self.head.norm(out)
         return g, g
 
-    def _cos_sin(self, x, positions):
+    def _rotary(self, positions):
         return rope(positions, self.head.head_dim, self.head.theta, self.dtype)
 
     @torch.inference_mode()

@@ -560,9 +560,8 @@ class MtpDrafter(_HeadDrafter):
         normed = layer.final_norm(out)
         return (normed if _FEED_NORMED[layer.layout] else out), normed
 
-    def _cos_sin(self, x, positions):
-        cos, sin = self.rotary(x, positions)
-        return cos.contiguous(), sin.contiguous()
+    def _rotary(self, positions):
+        return self.rotary(self.w_draft[:1], positions)  # (the module reads its input's dtype and device only)
 
     # -- drafting ----------------------------------------------------------------------
     def _catch_up(self, history, prefix):
