@@ -65,7 +65,7 @@ import torch
 # the identity's "forward": "lean" where `generate` runs loop.hf.lean's forward (cheaper steps),
 # "lean+fused" where its layers run as `decoder_layer` ops (cheaper still)
 FORMAT = 6
-DRAFT_FORMAT = 2  # of `DraftCost` files (their key holds the target's identity, FORMAT included); 2: merged drafters judge their sources (SourceJudge), one merge in HeadNgramDrafter
+DRAFT_FORMAT = 3  # of `DraftCost` files (their key holds the target's identity, FORMAT included); 2: merged drafters judge their sources (SourceJudge), one merge in HeadNgramDrafter; 3: head layers as one decoder_layer op on a CPU
 ROWS = (1, 2, 4, 8)  # batch sizes timed at calibration (the target's forward and the drafter)
 MAX_TOKENS = 128  # the target's tables: widths 1, 2, 4, ... while rows * width <= MAX_TOKENS
 CAL_PREFIX = 64  # prefix length of the tables' forwards and of the drafter's made-up rows
