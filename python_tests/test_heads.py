@@ -476,6 +476,31 @@ def test_draft_scores_and_budget(target, heads):
             assert len({int(tree.tokens[b, j]) for j in siblings}) == len(siblings)  # distinct (greedy)
 
 
+def test_chain_budget_and_confidence_cut(target, heads):
+    """Chains (top_k 1) take `_greedy_chain`: a row keeps the first budget[b] nodes of its full
+    chain, and without a planner the confidence cut keeps the prefix scored >= min_score."""
+    drafter = EagleDrafter(target, heads["eagle"], max_nodes=4, depth=4, top_k=1, min_score=0.0)
+    history, lengths = start_on_prompts(drafter, target, 3)
+    full = drafter.propose(history, lengths)
+    assert full.tree.num_nodes.tolist() == [5, 5, 5]
+    assert torch.equal(full.tree.parents, torch.arange(-1, 4).expand(3, -1))
+    assert torch.all(full.scores[:, 1:] <= full.scores[:, :-1])
+    cut = drafter.propose(history, lengths, budget=torch.tensor([0, 2, 10]))
+    assert cut.tree.num_nodes.tolist() == [1, 3, 5]
+    for b, n in enumerate([1, 3, 5]):
+        assert torch.equal(cut.tree.tokens[b, :n], full.tree.tokens[b, :n])
+        assert torch.equal(cut.scores[b, :n], full.scores[b, :n])
+        assert torch.all(cut.tree.parents[b, n:] == -1) and torch.all(cut.scores[b, n:] == 0)
+    threshold = float(full.scores[:, 1:].median())
+    drafter.min_score = threshold
+    sure = drafter.propose(history, lengths)
+    expected = 1 + (full.scores[:, 1:] >= threshold).sum(1)
+    assert torch.equal(sure.tree.num_nodes, expected) and int(expected.min()) < 5
+    for b in range(3):
+        n = int(expected[b])
+        assert torch.equal(sure.tree.tokens[b, :n], full.tree.tokens[b, :n])
+
+
 def extend_rows(target, history, lengths, new_tokens):
     """Appends new_tokens[b] tokens to row b of `history` (its first ones again), as accepted
     tokens would be; returns the new lengths and the target's features of the longer rows."""

@@ -312,6 +312,22 @@ class _HeadDrafter(Drafter):
         return self._build(history, lengths, self._logits(g_root), expand, sampling, budget, can_draft)
 
     # -- trees -------------------------------------------------------------------------
+    def _greedy_chain(self, tokens, scores, root, limit, budget) -> Draft:
+        """`_build`'s greedy selection when every depth has one candidate (top_k 1): the
+        general selection keeps the first limit[b] nodes of the chain (scores fall along it),
+        and the confidence cut a prefix of those; the same tree from a few ops."""
+        depth = torch.arange(1, tokens.shape[1], device=tokens.device)
+        probs = scores[:, 1:].exp()
+        keep = depth[None, :] <= limit[:, None]
+        if self.min_score > 0 and budget is None:
+            keep &= probs >= self.min_score
+        num = int(keep.sum(1).max()) + 1
+        node_tokens = torch.cat([root[:, None], torch.where(keep, self.vocab[tokens[:, 1:]], -1)], 1)
+        node_parents = torch.where(keep, depth - 1, -1)
+        node_parents = torch.cat([torch.full_like(node_parents[:, :1], -1), node_parents], 1)
+        node_scores = torch.cat([torch.ones_like(probs[:, :1]), torch.where(keep, probs, 0.0)], 1)
+        return Draft(TokenTree(node_tokens[:, :num], node_parents[:, :num]), None, node_scores[:, :num])
+
     def _warped(self, logits, sampling):
         """Draft distribution [n, N] the children are drawn from (the target's warping)."""
         n = logits.shape[0]
@@ -377,8 +393,10 @@ class _HeadDrafter(Drafter):
             frontier_score = scores.gather(1, top)
             logits = expand(level, frontier_parent_pos, self.vocab[idx.gather(1, top)])
         tokens = torch.cat(cand_tok, 1)
-        parents = torch.cat(cand_par, 1)
         scores = torch.cat(cand_score, 1)
+        if sampling is None and width == 1:
+            return self._greedy_chain(tokens, scores, root, limit, budget)
+        parents = torch.cat(cand_par, 1)
         depths = torch.tensor(cand_depth, device=device)
         total = tokens.shape[1]
         if sampling is None:

@@ -64,7 +64,7 @@ from ..ops.small_linear import routed_linear
 from .common import additive_block_mask, block_config as _block_config, block_mask, cache_kwarg, decoder_layer_class
 from .common import input_embedding, lm_head_weight, text_config
 from .common import target_norm as _norm
-from ..loop.hf.lean import fused_layer
+from ..loop.hf.lean import FAMILIES, fused_layer
 from .drafters import _HeadDrafter, _small_linear_rows, fuses_block
 
 LAYOUTS = ("deepseek", "mimo", "qwen3_next")
@@ -457,6 +457,15 @@ class MtpDrafter(_HeadDrafter):
         self._fused = fused_layer(block, text_config(target)) if len(module.layers) == 1 else None
         if self._fused is not None and not fuses_block(dtype, weight.device):
             self._fused = None
+        if self._fused is not None:  # the input norms, stacked in the projection's order (_block_inputs)
+            layer = module.layers[0]
+            norms = [layer.hidden_norm, layer.embed_norm] if _HIDDEN_FIRST[layer.layout] else [layer.embed_norm, layer.hidden_norm]
+            eps = {float(getattr(n, "variance_epsilon", getattr(n, "eps", -1.0))) for n in norms}
+            family_norm = FAMILIES[text_config(target).model_type][4]
+            if len(eps) != 1 or any(type(n).__name__ != family_norm for n in norms):
+                self._fused = None
+            else:
+                self._pair_norm = (torch.stack([n.weight.detach() for n in norms]), eps.pop())
         self.small_linear_rows = _small_linear_rows(self.head, self.w_draft) if self._fused is not None else (0, 0)
         self.feature_layers, self.with_labels, self.hidden_layers = (), False, None
         self.features = self.labels = None
@@ -545,14 +554,18 @@ class MtpDrafter(_HeadDrafter):
         return weights, eps, float(self.head.layers[0].block.self_attn.scaling)
 
     def _block_inputs(self, hidden, tokens, positions):
-        """proj(concat of the normed embedding and hidden state): the block's input (layer 0)."""
+        """proj(concat of the normed embedding and hidden state): the block's input (layer 0).
+        The two RMSNorms (the target family's, one epsilon) run as one over the stacked pair,
+        the same sums per vector with half the ops (`fused_block` checked they qualify)."""
         layer = self.head.layers[0]
         embeds = F.embedding(tokens, layer.own_embed) if layer.own_embed is not None else self.embed(tokens)
         embeds = embeds.to(self.dtype)
         if _ZERO_FIRST[layer.layout]:
             embeds = embeds.masked_fill((positions == 0)[..., None], 0.0)
-        e, h = layer.embed_norm(embeds), layer.hidden_norm(hidden.to(self.dtype))
-        return layer.proj(torch.cat([h, e] if _HIDDEN_FIRST[layer.layout] else [e, h], dim=-1))
+        first, second = (hidden.to(self.dtype), embeds) if _HIDDEN_FIRST[layer.layout] else (embeds, hidden.to(self.dtype))
+        x = torch.stack([first, second], dim=-2).float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self._pair_norm[1])
+        return layer.proj((self._pair_norm[0] * x.to(self.dtype)).flatten(-2))
 
     def _block_outputs(self, out):
         """(fed deeper: the block's output, or its final norm for MiMo / Qwen3-Next; the final norm)."""
