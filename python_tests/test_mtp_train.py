@@ -80,8 +80,10 @@ def test_train_mtp_head_any_family(tmp_path, family):
     assert config["training"]["unroll"] == 1
     head = module_of(target, out)  # strict load: every block weight was written, under the loader's names
     embed = target.get_input_embeddings()
+    assert MtpDrafter(target, out).dtype == torch.bfloat16  # a trained head drafts in bf16 by default (as EAGLE's)
+    # fp32 here: the drafts must equal the training module's forward to fp32 rounding.
     drafter = MtpDrafter(target, out, max_nodes=VOCAB, depth=1, top_k=VOCAB, min_score=0.0,
-                         draft_vocab=torch.arange(VOCAB))
+                         draft_vocab=torch.arange(VOCAB), dtype=torch.float32)
     prompt = [5, 17, 3, 9, 44, 2, 8]
     history, lengths = start_drafter(drafter, target, [prompt])
     draft = drafter.propose(history, lengths)
@@ -98,7 +100,7 @@ def test_train_mtp_head_any_family(tmp_path, family):
 
     # Depth 2 of a greedy chain: the unrolled training pass 1 at the last position, fed the
     # drafted first token.
-    chain = MtpDrafter(target, out, num_tokens=2, min_score=0.0, draft_vocab=torch.arange(VOCAB))
+    chain = MtpDrafter(target, out, num_tokens=2, min_score=0.0, draft_vocab=torch.arange(VOCAB), dtype=torch.float32)
     history, lengths = start_drafter(chain, target, [prompt])
     draft = chain.propose(history, lengths)
     t1, t2 = (int(t) for t in draft.tree.tokens[0, 1:3])

@@ -64,7 +64,6 @@ from ..ops.small_linear import routed_linear
 from .common import additive_block_mask, block_config as _block_config, block_mask, cache_kwarg, decoder_layer_class
 from .common import input_embedding, lm_head_weight, text_config
 from .common import target_norm as _norm
-from ..loop.hf.lean import FAMILIES, fused_layer
 from .drafters import _HeadDrafter, _small_linear_rows, fuses_block
 
 LAYOUTS = ("deepseek", "mimo", "qwen3_next")
@@ -453,6 +452,8 @@ class MtpDrafter(_HeadDrafter):
         self.embed = input_embedding(target)
         # One layer of a Llama-family block on a CPU: the fused path (`fused_block`), with the
         # LM-head rows through our few-row kernel where measured faster.
+        from ..loop.hf.lean import FAMILIES, fused_layer  # (transformers: imported when a drafter is built)
+
         block = module.layers[0].block
         self._fused = fused_layer(block, text_config(target)) if len(module.layers) == 1 else None
         if self._fused is not None and not fuses_block(dtype, weight.device):
