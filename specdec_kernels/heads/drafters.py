@@ -470,10 +470,10 @@ class EagleDrafter(_HeadDrafter):
             every node (dropping a sampled child by its own probability would bias the sample).
         dtype: the head's compute dtype. bfloat16 (default) halves the weight traffic
             (one depth reads ~36 MB in fp32: the layer and 8192 LM-head rows, ~7% of a target
-            forward): ~3x faster than fp32 on the AMD EPYC development machine, but on an
-            Intel Xeon with AMX the small bf16 matmuls ran slower and fp32 drafted ~10-30%
-            faster (3.4 against 4.1 ms per one-node step). Drafts are proposals only, so
-            outputs stay exact in any dtype.
+            forward). With the layer as one `decoder_layer` op on a CPU (fp32 or bf16) bf16
+            drafted faster on the Intel Xeon too (a 3-node tree 4.0 against 5.6 ms, best of
+            40; with torch's modules its small bf16 matmuls had been the slower ones). Drafts
+            are proposals only, so outputs stay exact in any dtype.
         online: False (a frozen head), True, a dict of `heads.online.OnlineOptions` settings,
             or an `OnlineOptions`: the head keeps learning from the target's verified
             features while it serves (`self.online`, an `OnlineLearner`: stats, `update`;
