@@ -262,7 +262,7 @@ class _HeadDrafter(Drafter):
         if not bool(can_draft.any()):
             return _no_draft(history, lengths)
         size = k_cache.shape[1]
-        table = getattr(self, "_rotary_table", None)
+        table = self._rotary_table  # (reset by start)
         if table is None or table[0].shape[0] < size:  # cos / sin of every cache slot, once per generate call
             cos, sin = self._rotary(torch.arange(size, device=device)[None])
             table = self._rotary_table = (cos[0].contiguous(), sin[0].contiguous())

@@ -494,9 +494,17 @@ class MtpDrafter(_HeadDrafter):
         size = capacity + max(self.depth * self.top_k, self.max_nodes) + 2  # tree nodes past the prefix
         self.cache = _MtpCache(self.num_layers, batch, size)
         hidden = self.w_draft.shape[1]
-        # outs[k][b, i]: what layer k returned at entry i (fed to layer k + 1, and the root's
-        # children come from outs[0] at the last entry).
-        self.outs = [torch.zeros(batch, size, hidden, device=history.device, dtype=self.dtype) for _ in range(self.num_layers)]
+        if self._fused is not None:  # the op writes [B, S, Hkv, D] buffers; the layer's outputs are not kept
+            attn = self.head.layers[0].block.self_attn
+            shape = (batch, size, attn.k_proj.out_features // attn.head_dim, attn.head_dim)
+            self.cache.k[0] = torch.zeros(shape, dtype=self.dtype, device=history.device)
+            self.cache.v[0] = torch.zeros_like(self.cache.k[0])
+            self.outs = []
+        else:
+            # outs[k][b, i]: what layer k returned at entry i (fed to layer k + 1, and the root's
+            # children come from outs[0] at the last entry).
+            self.outs = [torch.zeros(batch, size, hidden, device=history.device, dtype=self.dtype)
+                         for _ in range(self.num_layers)]
         self.cached = torch.zeros(self.num_layers, batch, dtype=torch.int64, device=history.device)
 
     def keep_rows(self, rows):
@@ -608,11 +616,6 @@ class MtpDrafter(_HeadDrafter):
         """Catch up the MTP caches, then draft a best-first tree (see the class docstring)."""
         block = self.fused_block()
         if block is not None:
-            if self.cache.k[0] is None:  # [B, S, Hkv, D] buffers the op writes
-                attn = self.head.layers[0].block.self_attn
-                shape = (history.shape[0], self.cache.size, attn.k_proj.out_features // attn.head_dim, attn.head_dim)
-                self.cache.k[0] = torch.zeros(shape, dtype=self.dtype, device=history.device)
-                self.cache.v[0] = torch.zeros_like(self.cache.k[0])
             draft = self._fused_tree(history, lengths, sampling, budget, block, self.cached[0], self.cache.k[0],
                                      self.cache.v[0])
             self.cached[0] = (lengths.long() - 1).clamp(min=0)

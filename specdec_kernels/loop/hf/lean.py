@@ -71,7 +71,7 @@ def unsupported_reason(model) -> Optional[str]:
     model_type = getattr(cfg, "model_type", None)
     if model_type not in FAMILIES:
         return f"model_type {model_type!r} (takes {sorted(FAMILIES)})"
-    lm_cls, layer_cls, attn_cls, mlp_cls, norm_cls = FAMILIES[model_type]
+    lm_cls, layer_cls, _, _, norm_cls = FAMILIES[model_type]
     if type(model).__name__ != lm_cls:
         return f"{type(model).__name__} is not {lm_cls}"
     param = next(model.parameters(), None)
@@ -91,16 +91,9 @@ def unsupported_reason(model) -> Optional[str]:
     if len(layers) != cfg.num_hidden_layers or any(type(layer).__name__ != layer_cls for layer in layers):
         return f"decoder layers are not all {layer_cls}"
     for layer in layers:
-        norms = [layer.input_layernorm, layer.post_attention_layernorm]
-        if model_type in QK_NORM:
-            norms += [getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)]
-        if (type(layer.self_attn).__name__ != attn_cls or type(layer.mlp).__name__ != mlp_cls
-                or any(type(norm).__name__ != norm_cls for norm in norms)):
-            return "a layer's attention, MLP or norms are not transformers' own"
-        linears = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
-        if any(type(m) is not torch.nn.Linear for m in linears):
-            return "a projection is not a torch.nn.Linear (quantized or sharded)"
+        reason = _layer_reason(layer, model_type)
+        if reason is not None:
+            return reason
     if type(inner.norm).__name__ != norm_cls or type(model.lm_head) is not torch.nn.Linear:
         return "the final norm or the LM head is not transformers' own"
     if _has_hooks(model) or _global_hooks():
@@ -117,6 +110,24 @@ def unsupported_reason(model) -> Optional[str]:
     return None
 
 
+def _layer_reason(layer, model_type: str) -> Optional[str]:
+    """Why a decoder layer of family `model_type` is not one the lean forward computes: its
+    attention, MLP or norms are not the family's own classes, or a projection is not a plain
+    linear (None: it is)."""
+    _, _, attn_cls, mlp_cls, norm_cls = FAMILIES[model_type]
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if model_type in QK_NORM:
+        norms += [getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)]
+    if (type(layer.self_attn).__name__ != attn_cls or type(layer.mlp).__name__ != mlp_cls
+            or any(type(norm).__name__ != norm_cls for norm in norms)):
+        return "a layer's attention, MLP or norms are not transformers' own"
+    linears = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+               layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
+    if any(type(m) is not torch.nn.Linear for m in linears):
+        return "a projection is not a torch.nn.Linear (quantized or sharded)"
+    return None
+
+
 def fused_layer(layer, cfg) -> Optional[tuple]:
     """(weights, eps) to run `layer`, one decoder layer of a model whose config is `cfg`, as one
     `decoder_layer` op (a learned head's block built from the target's layer class: heads.mtp),
@@ -126,17 +137,9 @@ def fused_layer(layer, cfg) -> Optional[tuple]:
     model_type = getattr(cfg, "model_type", None)
     if model_type not in FAMILIES or getattr(cfg, "hidden_act", None) != "silu" or getattr(cfg, "mlp_bias", False):
         return None
-    _, layer_cls, attn_cls, mlp_cls, norm_cls = FAMILIES[model_type]
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if type(layer).__name__ != layer_cls or type(attn).__name__ != attn_cls or type(mlp).__name__ != mlp_cls:
+    if type(layer).__name__ != FAMILIES[model_type][1] or _layer_reason(layer, model_type) is not None:
         return None
-    norms = [layer.input_layernorm, layer.post_attention_layernorm]
-    if model_type in QK_NORM:
-        norms += [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
-    if any(type(norm).__name__ != norm_cls for norm in norms) or getattr(attn, "sliding_window", None):
-        return None
-    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    if any(type(m) is not torch.nn.Linear for m in linears) or _has_hooks(layer):
+    if getattr(layer.self_attn, "sliding_window", None) or _has_hooks(layer):
         return None
     weights, eps = _layer_weights(layer), _norm_eps(layer)
     return None if weights is None or eps is None else (weights, eps)
