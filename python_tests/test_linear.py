@@ -146,14 +146,14 @@ def _tiny_llama(seed=0):
 
 @needs_kernel
 @pytest.mark.parametrize("outcomes,expected", [
-    ("WWWWWW", (1, 32)),
-    ("WWLWWW", (1, 2)),  # a loss ends the run: later wins do not count
-    ("WWTWWW", (1, 32)),  # a tie (within the margin) does not
-    ("WWSWWW", (1, 32)),  # nor a small loss (up to 10%: noise at a near-tie)
-    ("TTWWWT", (4, 16)),  # ties at either end stay with F.linear
-    ("LWWWLW", (2, 8)),  # the run starts at the first win
-    ("TTTTTT", (0, 0)),
-    ("LLLLLL", (0, 0)),
+    ("WWWWWWW", (1, 64)),
+    ("WWLWWWW", (1, 2)),  # a loss ends the run: later wins do not count
+    ("WWTWWWW", (1, 64)),  # a tie (within the margin) does not
+    ("WWSWWWW", (1, 64)),  # nor a small loss (up to 10%: noise at a near-tie)
+    ("TTWWWTT", (4, 16)),  # ties at either end stay with F.linear
+    ("LWWWLWW", (2, 8)),  # the run starts at the first win
+    ("TTTTTTT", (0, 0)),
+    ("LLLLLLL", (0, 0)),
 ])
 def test_choose_small_linear_rows_takes_the_first_run_of_wins(monkeypatch, outcomes, expected):
     """W: ours 2x faster, T: the same time, S: ours 6% slower, L: ours 20% slower (a win needs

@@ -64,7 +64,7 @@ import torch
 # 6: a table per row count (steps of R rows timed as such, not read from 1-row chains);
 # the identity's "forward": "lean" where `generate` runs loop.hf.lean's forward (cheaper steps),
 # "lean+fused" where its layers run as `decoder_layer` ops (cheaper still); 7: small_linear passes share
-# out the weight prefetches (products of 8+ rows 1.2-1.7x faster)
+# out the weight prefetches (products of 8+ rows 1.2-1.7x faster), small_linear_rows measured up to 64 rows
 FORMAT = 7
 DRAFT_FORMAT = 3  # of `DraftCost` files (their key holds the target's identity, FORMAT included); 2: merged drafters judge their sources (SourceJudge), one merge in HeadNgramDrafter; 3: head layers as one decoder_layer op on a CPU
 ROWS = (1, 2, 4, 8)  # batch sizes timed at calibration (the target's forward and the drafter)
