@@ -103,6 +103,21 @@ def _net():
 needs_kernel = pytest.mark.skipif(not linear.has_kernel(), reason="needs the compiled extension")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routed_linear_outside_the_range_takes_strided_inputs_as_one_product(monkeypatch, gen, dtype):
+    """A strided [B, T, K] slice outside the kernel's range goes to F.linear as one [B*T, K]
+    product (F.linear alone would run bmm on a per-row copy of the weight), same values."""
+    x = torch.randn(4, 5, 24, generator=gen).to(dtype)[:, 1:3]  # [4, 2, 24], not contiguous
+    w = torch.randn(40, 24, generator=gen).to(dtype)
+    b = torch.randn(40, generator=gen).to(dtype)
+    shapes = []
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: shapes.append(tuple(x.shape)) or real(x, w, b))
+    got = linear.routed_linear(x, w, b, (0, 0))
+    assert shapes == [(8, 24)] and got.shape == (4, 2, 40)
+    torch.testing.assert_close(got, real(x.contiguous(), w, b))
+
+
 @needs_kernel
 def test_small_linears_patches_plain_fp32_linears_for_the_range_and_restores(monkeypatch):
     net = _net()

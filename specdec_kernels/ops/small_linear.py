@@ -69,6 +69,11 @@ def routed_linear(x: torch.Tensor, weight: torch.Tensor, bias, rows_range: Tuple
     if (rows_range[0] <= rows <= rows_range[1] and x.dtype == weight.dtype and x.dtype in DTYPES
             and (bias is None or bias.dtype == x.dtype)):
         return small_linear(x, weight, bias)
+    if x.dim() > 2 and not x.is_contiguous():
+        # F.linear folds a contiguous [..., K] input into one matrix product, but a strided one
+        # (a slice of a tree's nodes) goes through bmm with the weight expanded and copied per
+        # batch row: 33 ms for a [4, 2, 576] x 8192-row bf16 LM head, against 1 ms this way.
+        return F.linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
