@@ -5,7 +5,7 @@
 //
 // The element-wise ops (include/specdec/decoder_layer.h) round where transformers' modules do;
 // the SiLU is torch's own; the products are small_linear's kernel (the q/k/v products in one
-// parallel region, gate/up in another); the attention is tree_attention's CPU kernel, through
+// parallel region, gate/up in another), or torch's BLAS from `blas_rows` rows on; the attention is tree_attention's CPU kernel, through
 // the dispatcher; the tree's keys and values are copied into the dense caches at
 // cache_seqlens[b] + j. The result equals LeanForward's layer with every linear routed to
 // small_linear up to the order of RMSNorm's sum of squares (python_tests/test_decoder_layer.py).
@@ -44,12 +44,32 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_cache, const 
   return op.call(q, k_cache, v_cache, tree_mask, cache_seqlens, scale, 0, 0.0);
 }
 
+// y = x @ weight^T (+ bias) for each product: small_linear's kernel, or torch's BLAS (oneDNN /
+// MKL: AMX tiles for bf16 where the CPU has them) for x of blas_rows rows or more (0: never),
+// where the caller measured torch's faster (a bf16 head at 16+ rows: VDPBF16PS tops out at
+// ~100 GFLOP/s on 2 Xeon cores, AMX ran the same products 2-4x faster).
+void products(const at::Tensor& x, c10::ArrayRef<LinearProduct> list, int64_t blas_rows) {
+  if (blas_rows <= 0 || x.size(0) < blas_rows) {
+    small_linear_many(x, list);
+    return;
+  }
+  for (const LinearProduct& p : list) {
+    at::Tensor y = p.y->view({x.size(0), p.weight->size(0)});
+    if (p.bias != nullptr) {
+      at::addmm_out(y, *p.bias, x, p.weight->t());
+    } else {
+      at::mm_out(y, x, p.weight->t());
+    }
+  }
+}
+
 // The layer, once checked. Storage is the kernels' element type, TorchScalar the torch type it
 // matches bit for bit.
 template <typename Storage, typename TorchScalar>
 at::Tensor run_layer(const at::Tensor& hidden, const at::Tensor& cos_in, const at::Tensor& sin_in, const at::Tensor* w,
                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& tree_mask,
-                     const at::Tensor& cache_seqlens, double scale, double eps_in, int64_t num_heads) {
+                     const at::Tensor& cache_seqlens, double scale, double eps_in, int64_t num_heads,
+                     int64_t blas_rows) {
   auto data = [](const at::Tensor& t) { return reinterpret_cast<const Storage*>(t.const_data_ptr<TorchScalar>()); };
   auto mutable_data = [](at::Tensor& t) { return reinterpret_cast<Storage*>(t.mutable_data_ptr<TorchScalar>()); };
   const int64_t batch = hidden.size(0), num_nodes = hidden.size(1), width = hidden.size(2);
@@ -66,7 +86,7 @@ at::Tensor run_layer(const at::Tensor& hidden, const at::Tensor& cos_in, const a
   at::Tensor q = at::empty({rows, q_width}, options);
   at::Tensor k = at::empty({rows, kv_width}, options);
   at::Tensor v = at::empty({rows, kv_width}, options);
-  small_linear_many(x, {{&w[kQ], bias(kQBias), &q}, {&w[kK], bias(kKBias), &k}, {&w[kV], bias(kVBias), &v}});
+  products(x, {{&w[kQ], bias(kQBias), &q}, {&w[kK], bias(kKBias), &k}, {&w[kV], bias(kVBias), &v}}, blas_rows);
   if (w[kQNorm].defined()) {
     cpu::rms_norm_rows(data(q), head_dim, data(w[kQNorm]), mutable_data(q), head_dim, rows * num_heads, head_dim, eps);
   }
@@ -87,7 +107,7 @@ at::Tensor run_layer(const at::Tensor& hidden, const at::Tensor& cos_in, const a
   const at::Tensor attended = tree_attention(q.view({batch, num_nodes, num_heads, head_dim}), k_cache, v_cache,
                                              tree_mask, cache_seqlens, scale);
   at::Tensor h = at::empty({batch, num_nodes, width}, options);  // hidden + o_proj(attention)
-  small_linear_many(attended.view({rows, q_width}), {{&w[kO], bias(kOBias), &h}});
+  products(attended.reshape({rows, q_width}), {{&w[kO], bias(kOBias), &h}}, blas_rows);
   cpu::add_elements(data(hidden), data(h), mutable_data(h), rows * width);
 
   // ---- MLP: h + down(silu(gate(y)) * up(y)), y = norm(h)
@@ -95,18 +115,19 @@ at::Tensor run_layer(const at::Tensor& hidden, const at::Tensor& cos_in, const a
   const int64_t inner = w[kGate].size(0);
   at::Tensor gate = at::empty({rows, inner}, options);
   at::Tensor up = at::empty({rows, inner}, options);
-  small_linear_many(x, {{&w[kGate], nullptr, &gate}, {&w[kUp], nullptr, &up}});
+  products(x, {{&w[kGate], nullptr, &gate}, {&w[kUp], nullptr, &up}}, blas_rows);
   at::silu_(gate);  // torch's own (vectorised exp), as the model's act_fn
   cpu::mul_elements(data(gate), data(up), mutable_data(gate), rows * inner);
   at::Tensor out = at::empty({batch, num_nodes, width}, options);
-  small_linear_many(gate, {{&w[kDown], nullptr, &out}});
+  products(gate, {{&w[kDown], nullptr, &out}}, blas_rows);
   cpu::add_elements(data(h), data(out), mutable_data(out), rows * width);
   return out;
 }
 
 at::Tensor decoder_layer_cpu(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                              c10::List<std::optional<at::Tensor>> weights, at::Tensor& k_cache, at::Tensor& v_cache,
-                             const at::Tensor& tree_mask, const at::Tensor& cache_seqlens, double scale, double eps) {
+                             const at::Tensor& tree_mask, const at::Tensor& cache_seqlens, double scale, double eps,
+                             int64_t blas_rows) {
   // ---- checks (metadata only)
   TORCH_CHECK(hidden.dim() == 3 && hidden.is_contiguous(), kOp, ": hidden must be a contiguous [B, T, hidden] tensor, got shape ",
               hidden.sizes(), " strides ", hidden.strides());
@@ -186,9 +207,9 @@ at::Tensor decoder_layer_cpu(const at::Tensor& hidden, const at::Tensor& cos, co
   }
 
   if (dtype == at::kFloat) return run_layer<float, float>(hidden, cos, sin, w, k_cache, v_cache, tree_mask,
-                                                           cache_seqlens, scale, eps, num_heads);
+                                                           cache_seqlens, scale, eps, num_heads, blas_rows);
   return run_layer<cpu::BFloat16Bits, at::BFloat16>(hidden, cos, sin, w, k_cache, v_cache, tree_mask, cache_seqlens,
-                                                     scale, eps, num_heads);
+                                                     scale, eps, num_heads, blas_rows);
 }
 
 }  // namespace

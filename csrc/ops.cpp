@@ -78,7 +78,7 @@ TORCH_LIBRARY(specdec, m) {
   // A Llama-family decoder layer's tree step on the CPU (specdec_kernels/ops/decoder_layer.py); csrc/decoder_layer.cpp.
   m.def(
       "decoder_layer(Tensor hidden, Tensor cos, Tensor sin, Tensor?[] weights, Tensor(a!) k_cache, "
-      "Tensor(b!) v_cache, Tensor tree_mask, Tensor cache_seqlens, float scale, float eps) -> Tensor");
+      "Tensor(b!) v_cache, Tensor tree_mask, Tensor cache_seqlens, float scale, float eps, int blas_rows=0) -> Tensor");
   // Paged KV caches: k/v (every cache) [num_pages, page_size, H, D], block_table int32 [B, P].
   m.def(
       "tree_attention_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tree_mask, Tensor cache_seqlens, "

@@ -56,12 +56,12 @@ def make_case(seed: int, dtype=torch.float32, batch=3, nodes=5, width=64, heads=
                 tree_mask=mask, cache_seqlens=seqlens, scale=head_dim ** -0.5, eps=1e-6)
 
 
-def run(case, backend):
+def run(case, backend, blas_rows=0):
     case = {k: ([w if w is None else w.clone() for w in v] if k == "weights" else
                 v.clone() if torch.is_tensor(v) else v) for k, v in case.items()}
     out = op.decoder_layer(case["hidden"], case["cos"], case["sin"], case["weights"], case["k_cache"],
                            case["v_cache"], case["tree_mask"], case["cache_seqlens"], scale=case["scale"],
-                           eps=case["eps"], backend=backend)
+                           eps=case["eps"], blas_rows=blas_rows, backend=backend)
     return out, case["k_cache"], case["v_cache"]
 
 
@@ -75,12 +75,16 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("blas", (False, True), ids=("small_linear", "blas"))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_matches_the_reference(name, dtype):
+def test_matches_the_reference(name, dtype, blas):
+    """The op against the plain-torch reference, its products by small_linear's kernel or (blas:
+    `blas_rows` at the step's row count, so the boundary itself takes torch's BLAS) by torch.mm."""
     for seed in range(2):
         case = make_case(seed * 1000 + hash(name) % 1000, dtype, **CASES[name])
-        got, got_k, got_v = run(case, "cpu")
+        rows = case["hidden"].shape[0] * case["hidden"].shape[1]
+        got, got_k, got_v = run(case, "cpu", blas_rows=rows if blas else rows + 1)
         want, want_k, want_v = run(case, "reference")
         tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
         assert got.shape == want.shape and got.dtype == dtype
@@ -112,6 +116,13 @@ def test_the_values_are_written_exactly():
     v = small_linear(x, case["weights"][5]).view(3, 5, 2, 16)
     for b, start in enumerate(case["cache_seqlens"].tolist()):
         torch.testing.assert_close(v_cache[b, start:start + 5], v[b], atol=1e-6, rtol=1e-6)
+    # blas_rows at or below the step's 15 rows: the product is torch's (torch.mm) instead
+    _, _, v_cache = run(case, "cpu", blas_rows=15)
+    v_blas = (x.reshape(15, -1) @ case["weights"][5].t()).view(3, 5, 2, 16)
+    assert not torch.equal(v_blas, v)  # (the two kernels sum in different orders)
+    for b, start in enumerate(case["cache_seqlens"].tolist()):
+        torch.testing.assert_close(v_cache[b, start:start + 5], v_blas[b], atol=1e-6, rtol=1e-6)
+        assert (v_cache[b, start:start + 5] - v_blas[b]).abs().max() < (v_cache[b, start:start + 5] - v[b]).abs().max()
 
 
 def test_opcheck():
@@ -119,6 +130,9 @@ def test_opcheck():
     args = (case["hidden"], case["cos"], case["sin"], case["weights"], case["k_cache"], case["v_cache"],
             case["tree_mask"], case["cache_seqlens"], case["scale"], case["eps"])
     torch.library.opcheck(torch.ops.specdec.decoder_layer, args)
+    torch.library.opcheck(torch.ops.specdec.decoder_layer, args + (1,))  # products on torch's BLAS
+    with pytest.raises(ValueError, match="blas_rows"):
+        run(case, "cpu", blas_rows=-1)
 
 
 def test_bad_input_is_named():

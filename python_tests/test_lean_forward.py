@@ -186,8 +186,8 @@ def test_generate_runs_it_and_matches_hf(monkeypatch, lean_on):
 def test_fused_layers_match_the_lean_forward(name):
     """With the linears routed to small_linear, the fused `decoder_layer` steps agree with the
     op-by-op lean forward to rounding (only RMSNorm's sum of squares runs in another order),
-    every `return_hidden` form and the cache writes included; paged caches and row counts
-    outside the range run op by op."""
+    every `return_hidden` form and the cache writes included, and so do steps past the range
+    (their products on torch's BLAS); paged caches and steps below it run op by op."""
     model = build(name)
     fused = LeanForward.for_model(model, (1, 32))
     assert fused.fused_layers is not None
@@ -198,8 +198,16 @@ def test_fused_layers_match_the_lean_forward(name):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got_cache, want_cache, atol=1e-5, rtol=1e-5)
     assert fused.fuses(21, hf.TreeKVCache.for_model(model, 3, 8))
-    assert not fused.fuses(33, hf.TreeKVCache.for_model(model, 3, 8))
+    assert fused.fuses(33, hf.TreeKVCache.for_model(model, 3, 8))  # past hi: its products on torch's BLAS
+    assert not LeanForward.for_model(model, (4, 32)).fuses(3, hf.TreeKVCache.for_model(model, 3, 8))
     assert not fused.fuses(21, hf.TreeKVCache.for_model(model, 3, 8, page_size=4))
+    # A step past hi (21 rows > 2): fused layers with BLAS products, against the lean forward
+    # whose linears are all F.linear (the same products; RMSNorm's order aside).
+    blas = LeanForward.for_model(model, (1, 2))
+    got, got_cache = one_step(model, blas.forward, 4, rows=(1, 2))
+    want, want_cache = one_step(model, lean.forward, 4, rows=(0, 0))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_cache, want_cache, atol=1e-5, rtol=1e-5)
     assert_identical(one_step(model, fused.forward, 3, page_size=8)[0], one_step(model, lean.forward, 3, page_size=8)[0])
     assert LeanForward.for_model(model, (0, 0)).fused_layers is None
 

@@ -269,7 +269,8 @@ class _HeadDrafter(Drafter):
 
         def run(x, positions, mask, seqlens):
             out = torch.ops.specdec.decoder_layer(x.contiguous(), table[0][positions], table[1][positions], weights,
-                                                  k_cache, v_cache, mask, seqlens.to(torch.int32), scale, eps)
+                                                  k_cache, v_cache, mask, seqlens.to(torch.int32), scale, eps,
+                                                  self.small_linear_rows[1] + 1)  # (BLAS where measured faster)
             return self._block_outputs(out)
 
         # Feed the entries since the last step, and at least the last one (its output drafts

@@ -71,5 +71,6 @@ if hasattr(torch.ops.specdec, "small_linear"):  # (an extension built before the
 if hasattr(torch.ops.specdec, "decoder_layer"):  # (an extension built before the op existed lacks it)
 
     @torch.library.register_fake("specdec::decoder_layer")
-    def _decoder_layer_fake(hidden, cos, sin, weights, k_cache, v_cache, tree_mask, cache_seqlens, scale, eps):
+    def _decoder_layer_fake(hidden, cos, sin, weights, k_cache, v_cache, tree_mask, cache_seqlens, scale, eps,
+                            blas_rows=0):
         return torch.empty_like(hidden)

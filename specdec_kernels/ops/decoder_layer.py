@@ -34,7 +34,7 @@ def has_kernel() -> bool:
 def decoder_layer(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   weights: Sequence[Optional[torch.Tensor]], k_cache: torch.Tensor, v_cache: torch.Tensor,
                   tree_mask: torch.Tensor, cache_seqlens: torch.Tensor, *, scale: float, eps: float,
-                  backend: Optional[str] = None) -> torch.Tensor:
+                  blas_rows: int = 0, backend: Optional[str] = None) -> torch.Tensor:
     """One decoder layer of a Llama-family model (Llama, Mistral without sliding windows, Qwen2,
     Qwen3) over a token tree: writes the tree's keys and values into the caches and returns the
     layer's output hidden states.
@@ -52,6 +52,10 @@ def decoder_layer(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         tree_mask: bool [B, T, T] / [T, T], or packed int64 (`tree_attention`'s forms).
         cache_seqlens: int32 [B], each row's prefix length.
         scale: the attention's softmax scale; eps: every RMSNorm's epsilon.
+        blas_rows: the products of B x T >= blas_rows rows run on torch's BLAS (`torch.mm`:
+            oneDNN / MKL, AMX for bf16 where the CPU has it) instead of `small_linear`'s kernel;
+            0 (default): never. Callers pass where they measured torch's faster
+            (`small_linear.choose_small_linear_rows`). The reference ignores it.
         backend: None or "cpu" (the compiled kernel), or "reference" (plain torch).
 
     Returns:
@@ -66,5 +70,7 @@ def decoder_layer(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         raise ValueError(f"backend: expected None, 'cpu' or 'reference', got {backend!r}")
     if not has_kernel():
         raise RuntimeError("decoder_layer: the compiled extension specdec_kernels._C lacks this op (rebuild it)")
+    if blas_rows < 0:
+        raise ValueError(f"blas_rows: expected >= 0 (0: never), got {blas_rows}")
     return torch.ops.specdec.decoder_layer(hidden, cos, sin, list(weights), k_cache, v_cache, tree_mask,
-                                           cache_seqlens, float(scale), float(eps))
+                                           cache_seqlens, float(scale), float(eps), int(blas_rows))

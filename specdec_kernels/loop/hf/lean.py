@@ -174,10 +174,11 @@ class LeanForward:
     """`hf.forward` for tree steps of one model (see the module docstring); build with `for_model`.
 
     `linear_rows` (lo, hi): the row counts (B x T) at which `generate` routes the target's
-    linears to `small_linear` (the cost model's choice). Steps of that many rows on a dense
+    linears to `small_linear` (the cost model's choice). Steps of lo rows or more on a dense
     cache run each layer as one `decoder_layer` op (C++: the same steps without the Python
     between them; equal to this forward with those linears routed up to the order of
-    RMSNorm's sum of squares); other steps run the layers op by op here."""
+    RMSNorm's sum of squares), its products on torch's BLAS past hi rows (`blas_rows`); other
+    steps run the layers op by op here."""
 
     def __init__(self, model, linear_rows=(0, 0)):
         self.model = model
@@ -204,8 +205,7 @@ class LeanForward:
 
     def fuses(self, rows: int, cache) -> bool:
         """Whether a step of `rows` rows (B x T) on `cache` runs the fused `decoder_layer` op."""
-        return (self.fused_layers is not None and self.linear_rows[0] <= rows <= self.linear_rows[1]
-                and cache.block_table is None)
+        return self.fused_layers is not None and self.linear_rows[0] <= rows and cache.block_table is None
 
     def forward(self, model, cache, tokens, position_ids, tree_mask=None, logits_to_keep=0, return_hidden=False):
         """`hf.forward(model, cache, tokens, position_ids, tree_mask, logits_to_keep, return_hidden)`
@@ -224,7 +224,8 @@ class LeanForward:
             for index, (layer, (weights, eps)) in enumerate(zip(self.layers, self.fused_layers)):
                 cache_layer = cache.layers[index]
                 h = torch.ops.specdec.decoder_layer(h, cos, sin, weights, cache_layer.k_buf, cache_layer.v_buf,
-                                                    tree_mask, cache.seqlens, layer.self_attn.scaling, eps)
+                                                    tree_mask, cache.seqlens, layer.self_attn.scaling, eps,
+                                                    self.linear_rows[1] + 1)
                 if layers_wanted and index + 1 < len(self.layers):
                     states.append(h)
             return self._finish(model, h, states, logits_to_keep, return_hidden)
