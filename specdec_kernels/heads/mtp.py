@@ -562,6 +562,9 @@ class MtpDrafter(_HeadDrafter):
         weights, eps = self._fused
         return weights, eps, float(self.head.layers[0].block.self_attn.scaling)
 
+    def fuses_now(self) -> bool:
+        return self._fused is not None
+
     def _block_inputs(self, hidden, tokens, positions):
         """proj(concat of the normed embedding and hidden state): the block's input (layer 0).
         The two RMSNorms (the target family's, one epsilon) run as one over the stacked pair,
@@ -574,7 +577,8 @@ class MtpDrafter(_HeadDrafter):
         first, second = (hidden.to(self.dtype), embeds) if _HIDDEN_FIRST[layer.layout] else (embeds, hidden.to(self.dtype))
         x = torch.stack([first, second], dim=-2).float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self._pair_norm[1])
-        return layer.proj((self._pair_norm[0] * x.to(self.dtype)).flatten(-2))
+        return routed_linear((self._pair_norm[0] * x.to(self.dtype)).flatten(-2), layer.proj.weight, layer.proj.bias,
+                             self.small_linear_rows)
 
     def _block_outputs(self, out):
         """(fed deeper: the block's output, or its final norm for MiMo / Qwen3-Next; the final norm)."""
