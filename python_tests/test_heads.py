@@ -476,11 +476,25 @@ def test_draft_scores_and_budget(target, heads):
             assert len({int(tree.tokens[b, j]) for j in siblings}) == len(siblings)  # distinct (greedy)
 
 
-def test_chain_budget_and_confidence_cut(target, heads):
-    """Chains (top_k 1) take `_greedy_chain`: a row keeps the first budget[b] nodes of its full
-    chain, and without a planner the confidence cut keeps the prefix scored >= min_score."""
+def test_chain_budget_and_confidence_cut(target, heads, monkeypatch):
+    """Chains (top_k 1) take `_greedy_chain`, which drafts the trees the general best-first
+    selection drafts: a row keeps the first budget[b] nodes of its full chain, and without a
+    planner the confidence cut keeps the prefix scored >= min_score."""
     drafter = EagleDrafter(target, heads["eagle"], max_nodes=4, depth=4, top_k=1, min_score=0.0)
     history, lengths = start_on_prompts(drafter, target, 3)
+    cases = [(None, 0.0), (torch.tensor([0, 2, 10]), 0.0), (None, 0.3)]
+    fast = []
+    for budget, min_score in cases:
+        drafter.min_score = min_score
+        fast.append(drafter.propose(history.clone(), lengths, budget=budget))
+    monkeypatch.setattr(EagleDrafter, "_chains_greedily", staticmethod(lambda sampling, width: False))
+    for (budget, min_score), got in zip(cases, fast):
+        drafter.min_score = min_score
+        want = drafter.propose(history.clone(), lengths, budget=budget)  # the general selection
+        assert torch.equal(got.tree.tokens, want.tree.tokens) and torch.equal(got.tree.parents, want.tree.parents)
+        torch.testing.assert_close(got.scores, want.scores)
+    monkeypatch.undo()
+    drafter.min_score = 0.0
     full = drafter.propose(history, lengths)
     assert full.tree.num_nodes.tolist() == [5, 5, 5]
     assert torch.equal(full.tree.parents, torch.arange(-1, 4).expand(3, -1))
