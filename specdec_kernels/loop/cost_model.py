@@ -64,7 +64,8 @@ import torch
 # 6: a table per row count (steps of R rows timed as such, not read from 1-row chains);
 # the identity's "forward": "lean" where `generate` runs loop.hf.lean's forward (cheaper steps),
 # "lean+fused" where its layers run as `decoder_layer` ops (cheaper still); 7: small_linear passes share
-# out the weight prefetches (products of 8+ rows 1.2-1.7x faster), small_linear_rows measured up to 64 rows
+# out the weight prefetches (products of 8+ rows 1.2-1.7x faster), small_linear_rows measured up to 64 rows,
+# the fused layers past that range with their products on torch's BLAS (`blas_rows`)
 FORMAT = 7
 DRAFT_FORMAT = 4  # of `DraftCost` files (their key holds the target's identity, FORMAT included); 2: merged drafters judge their sources (SourceJudge), one merge in HeadNgramDrafter; 3: head layers as one decoder_layer op on a CPU
 # 4: a head's strided logits as one product (batches of 4+ rows drafted 4-10x faster)
