@@ -236,8 +236,8 @@ class _HeadDrafter(Drafter):
         return draft
 
     def fuses_now(self) -> bool:
-        """Whether this step drafts through the fused block (`fused_block()` is not None;
-        cheaper to ask). Medusa heads have no block."""
+        """Whether this step drafts through the fused block (the condition `fused_block()`
+        checks, without gathering the weights). Medusa heads have no block."""
         return False
 
     def _logits(self, g):
@@ -557,7 +557,7 @@ class EagleDrafter(_HeadDrafter):
         one `decoder_layer` op, or None where it cannot (another device or dtype, no kernel).
         Read at every step: an online head's parameters change."""
         h = self.head
-        if self.k_cache is None or not fuses_block(self.dtype, self.k_cache.device):
+        if not self.fuses_now():
             return None
         weights = [h.input_norm.weight, h.q_proj.weight, None, h.k_proj.weight, None, h.v_proj.weight, None, None, None,
                    h.o_proj.weight, None, h.post_norm.weight, h.gate_proj.weight, h.up_proj.weight, h.down_proj.weight]

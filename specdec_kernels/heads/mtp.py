@@ -557,7 +557,7 @@ class MtpDrafter(_HeadDrafter):
     def fused_block(self):
         """(weights, eps, scale) to run the MTP layer's block as one `decoder_layer` op, or None
         (see the class docstring)."""
-        if self._fused is None:
+        if not self.fuses_now():
             return None
         weights, eps = self._fused
         return weights, eps, float(self.head.layers[0].block.self_attn.scaling)
