@@ -6,9 +6,10 @@
 // The element-wise ops (include/specdec/decoder_layer.h) round where transformers' modules do;
 // the SiLU is torch's own; the products are small_linear's kernel (the q/k/v products in one
 // parallel region, gate/up in another), or torch's BLAS from `blas_rows` rows on; the
-// attention is tree_attention's CPU kernel, through the dispatcher; the tree's keys and values are copied into the dense caches at
-// cache_seqlens[b] + j. The result equals LeanForward's layer with every linear routed to
-// small_linear up to the order of RMSNorm's sum of squares (python_tests/test_decoder_layer.py).
+// attention is tree_attention's CPU kernel, through the dispatcher; the tree's keys and values
+// are copied into the dense caches at cache_seqlens[b] + j. The result equals LeanForward's
+// layer with every linear routed to small_linear up to the order of RMSNorm's sum of squares
+// (python_tests/test_decoder_layer.py).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
