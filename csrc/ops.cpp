@@ -75,6 +75,8 @@ TORCH_LIBRARY(specdec, m) {
       .def("append_and_draft", &specdec::SuffixIndex::append_and_draft);
   // Few-row linear products on the CPU (specdec_kernels/small_linear.py): y = x @ weight^T (+ bias), fp32; csrc/small_linear.cpp.
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  // RMSNorm over the last dim, weight covering x's trailing dims, on the CPU (specdec_kernels/ops/rms_norm.py); csrc/rms_norm.cpp.
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   // A Llama-family decoder layer's tree step on the CPU (specdec_kernels/ops/decoder_layer.py); csrc/decoder_layer.cpp.
   m.def(
       "decoder_layer(Tensor hidden, Tensor cos, Tensor sin, Tensor?[] weights, Tensor(a!) k_cache, "

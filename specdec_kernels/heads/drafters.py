@@ -25,6 +25,9 @@ verified features while it serves (`heads.online.OnlineLearner`, hooked into `st
 """
 
 import copy
+import functools
+import itertools
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -36,6 +39,7 @@ from ..loop.cost_model import shapes_digest
 from ..loop.drafters import (SKIP, Draft, Drafter, MergedDrafter, ScoredMergedDrafter, SourceJudge, merge_judged,
                              root_tokens)
 from ..ops import decoder_layer as fused_op
+from ..ops import rms_norm as norm_op
 from ..ops.small_linear import choose_small_linear_rows, linear_weights, routed_linear, small_linears
 from ..ops.sampling import target_probs
 from ..ops.tree import TokenTree
@@ -88,11 +92,23 @@ def _no_draft(history, lengths) -> Draft:
                  torch.ones(history.shape[0], 1, device=history.device))
 
 
+@functools.lru_cache(maxsize=None)
+def _causal_mask(n: int) -> torch.Tensor:
+    """bool [n, n], lower triangular (read only: shared between calls)."""
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+@functools.lru_cache(maxsize=None)
+def _eye_mask(n: int) -> torch.Tensor:
+    """bool [1, n, n] identity (read only: shared between calls)."""
+    return torch.eye(n, dtype=torch.bool)[None]
+
+
 def fuses_block(dtype, device) -> bool:
-    """Whether a head's decoder block in `dtype` on `device` can run as one `decoder_layer` op
-    (the compiled CPU kernel, fp32 or bf16, `config.fused_layers` on)."""
+    """Whether a head's decoder block in `dtype` on `device` can run as one `decoder_layer` op,
+    its norms as `rms_norm` ops (the compiled CPU kernels, fp32 or bf16, `config.fused_layers` on)."""
     return (config.fused_layers and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and fused_op.has_kernel())
+            and fused_op.has_kernel() and norm_op.has_kernel())
 
 
 class _HeadDrafter(Drafter):
@@ -255,28 +271,36 @@ class _HeadDrafter(Drafter):
     # `fused_block()` (weights, eps, scale or None), `_block_inputs`, `_block_outputs`,
     # `_rotary` (the block's cos / sin at positions [1, S]) and the block's caches.
 
-    def _fused_tree(self, history, lengths, sampling, budget, block, cached, k_cache, v_cache) -> Draft:
+    def _fused_tree(self, history, lengths, sampling, budget, block, cached, k_cache, v_cache):
         """Catch up the block's cache, then draft a best-first tree with the fused block. The
-        cache holds entry i (feature i, token i + 1) at slot i for i < cached[b]; the caller
-        sets cached to lengths - 1 afterwards. Tree node n (creation order) goes to slot
-        prefix + n, at position prefix - 1 + its depth."""
+        cache holds entry i (feature i, token i + 1) at slot i for i < cached[b]. Tree node n
+        (creation order) goes to slot prefix + n, at position prefix - 1 + its depth.
+
+        Returns (the Draft, the new `cached`: lengths - 1, at least 0).
+
+        The fused path runs on the CPU only, so the catch-up's index math is done on Python
+        ints (a few per row): inside the loop every tiny tensor op costs 5-10 us (the target's
+        forward has just evicted the dispatcher from the caches), and a one-depth draft is
+        otherwise mostly such ops."""
         weights, eps, scale = block
-        device = history.device
-        batch = history.shape[0]
-        lengths = lengths.long()
-        prefix = lengths - 1  # entries 0 .. L-2 exist once caught up
-        can_draft = prefix > 0
-        if not bool(can_draft.any()):
-            return _no_draft(history, lengths)
+        batch, width = history.shape
+        hidden = self.features.shape[-1]
+        prefix = [n - 1 for n in lengths.tolist()]  # entries 0 .. L-2 exist once caught up
+        now_cached = torch.tensor([max(p, 0) for p in prefix])
+        can_draft = [p > 0 for p in prefix]
+        if not any(can_draft):
+            return _no_draft(history, lengths), now_cached
         size = k_cache.shape[1]
         table = self._rotary_table  # (reset by start)
         if table is None or table[0].shape[0] < size:  # cos / sin of every cache slot, once per generate call
-            cos, sin = self._rotary(torch.arange(size, device=device)[None])
+            cos, sin = self._rotary(torch.arange(size)[None])
             table = self._rotary_table = (cos[0].contiguous(), sin[0].contiguous())
 
         def run(x, positions, mask, seqlens):
-            out = torch.ops.specdec.decoder_layer(x.contiguous(), table[0][positions], table[1][positions], weights,
-                                                  k_cache, v_cache, mask, seqlens.to(torch.int32), scale, eps,
+            out = torch.ops.specdec.decoder_layer(x.contiguous(), F.embedding(positions, table[0]),
+                                                  F.embedding(positions, table[1]), weights, k_cache, v_cache,
+                                                  mask.contiguous(),
+                                                  seqlens, scale, eps,
                                                   self.small_linear_rows[1] + 1)  # (BLAS where measured faster)
             return self._block_outputs(out)
 
@@ -284,40 +308,47 @@ class _HeadDrafter(Drafter):
         # the root's children): re-fed entries write the same keys and values again. Rows
         # with fewer entries pad theirs with scratch past their prefix (overwritten later);
         # a row whose window would pass the cache's end starts earlier instead.
-        last = (prefix - 1).clamp(min=0)
-        base = torch.minimum(cached, last)
-        count = int((prefix - base).clamp(min=1).max())
-        start = torch.minimum(base, torch.full_like(last, size - count)).clamp(min=0)
-        j = torch.arange(count, device=device)
-        positions = start[:, None] + j
-        idx = torch.minimum(positions, last[:, None])
-        feats = self.features.gather(1, idx[:, :, None].expand(-1, -1, self.features.shape[-1]))
-        x = self._block_inputs(feats, history.gather(1, idx + 1), positions)
-        causal = torch.ones(count, count, dtype=torch.bool, device=device).tril()
-        feed, g = run(x, positions, causal, start)
-        at = (last - start).clamp(max=count - 1)[:, None, None]
-        feed_root = feed.gather(1, at.expand(-1, 1, feed.shape[-1]))
-        g_root = g.gather(1, at.expand(-1, 1, g.shape[-1]))[:, 0]
-        state = {"x": x[:, :0], "pos": positions[:, :0], "anc": torch.zeros(batch, 0, 0, dtype=torch.bool, device=device),
-                 "front_anc": torch.zeros(batch, 1, 0, dtype=torch.bool, device=device), "feed": feed_root}
+        last = [max(p - 1, 0) for p in prefix]
+        base = [min(c, n) for c, n in zip(cached.tolist(), last)]
+        count = max(max(p - b, 1) for p, b in zip(prefix, base))
+        start = [max(min(b, size - count), 0) for b in base]
+        positions = torch.tensor([[s + j for j in range(count)] for s in start])
+        # Row b's entries idx = min(position, last) as flat indices into the feature buffer
+        # and (idx + 1) into the history.
+        idx = [[min(s + j, n) for j in range(count)] for s, n in zip(start, last)]
+        capacity = self.features.shape[1]
+        feats = self.features.view(-1, hidden)[torch.tensor([b * capacity + i for b, row in enumerate(idx) for i in row])]
+        tokens = torch.take(history, torch.tensor([[b * width + i + 1 for i in row] for b, row in enumerate(idx)]))
+        x = self._block_inputs(feats.view(batch, count, hidden), tokens, positions if min(start) == 0 else None)
+        feed, g = run(x, positions, _causal_mask(count), torch.tensor(start, dtype=torch.int32))
+        # The root's children come from the output at the last entry.
+        at = torch.tensor([b * count + min(n - s, count - 1) for b, (s, n) in enumerate(zip(start, last))])
+        g_root = g.reshape(batch * count, -1)[at]
+        state = {"x": None, "feed": feed.reshape(batch * count, -1)[at][:, None] if feed is not g else g_root[:, None]}
 
         def expand(level, parent_pos, tokens):
-            fed, n_new = state["x"].shape[1], tokens.shape[1]
+            n_new = tokens.shape[1]
             feed_parent = state["feed"].gather(1, parent_pos[:, :, None].expand(-1, -1, state["feed"].shape[-1]))
-            pos_new = (prefix - 1 + level)[:, None].expand(-1, n_new)
-            x_new = self._block_inputs(feed_parent, tokens, pos_new)
-            # Ancestors among the fed nodes: the parent's (the parent included), then itself.
-            front = state["front_anc"].gather(1, parent_pos[:, :, None].expand(-1, -1, fed))
-            own = torch.eye(n_new, dtype=torch.bool, device=device)[None].expand(batch, -1, -1)
-            front = torch.cat([front, own], dim=2)  # [B, n_new, fed + n_new]
-            old = torch.cat([state["anc"], front.new_zeros(batch, fed, n_new)], dim=2)
-            anc = torch.cat([old, front], dim=1)
-            xs, pos = torch.cat([state["x"], x_new], 1), torch.cat([state["pos"], pos_new], 1)
-            feed, g = run(xs, pos, anc, prefix)
+            pos_new = torch.tensor([p - 1 + level for p in prefix])[:, None].expand(-1, n_new)
+            x_new = self._block_inputs(feed_parent, tokens, pos_new if min(prefix) - 1 + level <= 0 else None)
+            own = _eye_mask(n_new).expand(batch, -1, -1)
+            if state["x"] is None:  # the first depth: the new nodes see themselves only
+                xs, pos, anc, front = x_new, pos_new, own, own
+            else:
+                # Ancestors among the fed nodes: the parent's (the parent included), then itself.
+                fed = state["x"].shape[1]
+                front = state["front_anc"].gather(1, parent_pos[:, :, None].expand(-1, -1, fed))
+                front = torch.cat([front, own], dim=2)  # [B, n_new, fed + n_new]
+                old = torch.cat([state["anc"], front.new_zeros(batch, fed, n_new)], dim=2)
+                anc = torch.cat([old, front], dim=1)
+                xs, pos = torch.cat([state["x"], x_new], 1), torch.cat([state["pos"], pos_new], 1)
+            feed, g = run(xs, pos, anc, now_cached.to(torch.int32))
+            fed = xs.shape[1] - n_new
             state.update(x=xs, pos=pos, anc=anc, front_anc=front, feed=feed[:, fed:])
             return self._logits(g[:, fed:])
 
-        return self._build(history, lengths, self._logits(g_root), expand, sampling, budget, can_draft)
+        can_draft = torch.tensor(can_draft)
+        return self._build(history, lengths, self._logits(g_root), expand, sampling, budget, can_draft), now_cached
 
     # -- trees -------------------------------------------------------------------------
     @staticmethod
@@ -327,30 +358,35 @@ class _HeadDrafter(Drafter):
 
     def _greedy_chain(self, root, logits, expand, depth, limit, budget) -> Draft:
         """`_build` when every depth has one candidate (top_k 1, greedy): the chain of the
-        argmaxes, node d scored by its path probability. The general selection would keep the
-        first limit[b] nodes of the chain (scores fall along it) and the confidence cut a
-        prefix of those; the same tree from a few ops a depth (small ops are most of a
-        one-layer MTP chain's ~2 ms of drafting on a CPU)."""
-        batch = root.shape[0]
-        parent = torch.zeros(batch, 1, dtype=torch.int64, device=root.device)
+        argmaxes, node d scored by its path probability, cut to the row's limit[b] (a list)
+        and, without a budget, to the nodes scored at least min_score (scores fall along the
+        chain, so both cuts keep a prefix). The general selection keeps the same nodes; this
+        takes two ops a depth and lays the chain's few numbers out on the host (small ops are
+        most of a one-layer MTP chain's ~2 ms of drafting on a CPU)."""
         picks, logq = [], []
         for level in range(1, depth + 1):
-            lq, idx = torch.log_softmax(logits.float(), -1).topk(1, dim=-1)  # [B, 1] each
+            lq, idx = torch.log_softmax(logits, -1, dtype=torch.float32).topk(1, dim=-1)  # [B, 1] each
             picks.append(idx)
             logq.append(lq)
             if level == depth:
                 break
-            logits = expand(level, parent, self.vocab[idx])[:, 0]
-        probs = torch.cat(logq, 1).cumsum(1).exp()
-        steps = torch.arange(1, depth + 1, device=root.device)
-        keep = steps[None, :] <= limit[:, None]
-        if self.min_score > 0 and budget is None:
-            keep &= probs >= self.min_score
-        num = int(keep.sum(1).max()) + 1
-        node_tokens = torch.cat([root[:, None], torch.where(keep, self.vocab[torch.cat(picks, 1)], -1)], 1)
-        node_parents = torch.cat([torch.full_like(root[:, None], -1), torch.where(keep, steps - 1, -1)], 1)
-        node_scores = torch.cat([torch.ones_like(probs[:, :1]), torch.where(keep, probs, 0.0)], 1)
-        return Draft(TokenTree(node_tokens[:, :num], node_parents[:, :num]), None, node_scores[:, :num])
+            logits = expand(level, torch.zeros_like(idx), self.vocab[idx])[:, 0]
+        tokens = self.vocab[torch.cat(picks, 1) if depth > 1 else idx].tolist()
+        logq = (torch.cat(logq, 1) if depth > 1 else lq).tolist()
+        cut = self.min_score if budget is None else 0.0
+        node_tokens, node_parents, node_scores = [], [], []
+        for r, t, lq, n in zip(root.tolist(), tokens, logq, limit):
+            scores = [math.exp(s) for s in itertools.accumulate(lq[: min(n, depth)])]
+            kept = next((d for d, p in enumerate(scores) if p < cut), len(scores))
+            node_tokens.append([r] + t[:kept])
+            node_parents.append(list(range(-1, kept)))
+            node_scores.append([1.0] + scores[:kept])
+        num = max(len(t) for t in node_tokens)
+        pad = lambda rows, value: [row + [value] * (num - len(row)) for row in rows]  # noqa: E731
+        device = root.device
+        tree = TokenTree._from_op(torch.tensor(pad(node_tokens, -1), device=device),
+                                  torch.tensor(pad(node_parents, -1), device=device))
+        return Draft(tree, None, torch.tensor(pad(node_scores, 0.0), device=device))
 
     def _warped(self, logits, sampling):
         """Draft distribution [n, N] the children are drawn from (the target's warping)."""
@@ -367,18 +403,19 @@ class _HeadDrafter(Drafter):
         Returns a Draft whose rows hold at most budget[b] drafted nodes."""
         device = history.device
         batch = history.shape[0]
-        limit = torch.full((batch,), self.max_nodes, dtype=torch.int64, device=device)
-        if budget is not None:
-            limit = torch.minimum(limit, budget.to(device=device, dtype=torch.int64).clamp(min=0))
-        limit = torch.where(can_draft, limit, 0)
-        max_budget = int(limit.max()) if batch else 0
-        root = root_tokens(history, lengths)
+        # Each row's node limit, on the host (one sync; the sizes below need it anyway).
+        limits = [self.max_nodes] * batch if budget is None else \
+            [min(self.max_nodes, max(int(b), 0)) for b in budget.tolist()]
+        limits = [n if ok else 0 for n, ok in zip(limits, can_draft.tolist())]
+        max_budget = max(limits, default=0)
         if max_budget == 0:
             return _no_draft(history, lengths)
+        root = root_tokens(history, lengths)
         width = min(self.top_k, self.vocab.numel())
         depth = min(self.depth, max_budget)
         if self._chains_greedily(sampling, width):
-            return self._greedy_chain(root, first_logits, expand, depth, limit, budget)
+            return self._greedy_chain(root, first_logits, expand, depth, limits, budget)
+        limit = torch.tensor(limits, device=device)
         # Candidates (root = 0): token (draft-vocab index), parent candidate, log score, depth.
         cand_tok = [torch.zeros(batch, 1, dtype=torch.int64, device=device)]
         cand_par = [torch.full((batch, 1), -1, dtype=torch.int64, device=device)]
@@ -567,14 +604,16 @@ class EagleDrafter(_HeadDrafter):
         return self.k_cache is not None and fuses_block(self.dtype, self.k_cache.device)
 
     def _block_inputs(self, features, tokens, positions):
-        """fc(concat(feature, embedding of the token)): the decoder layer's input."""
+        """fc(concat(feature, embedding of the token)): the decoder layer's input (positions:
+        unused)."""
         fc = self.head.fc
         return routed_linear(torch.cat([features.to(self.dtype), self.embed(tokens).to(self.dtype)], dim=-1),
                              fc.weight, fc.bias, self.small_linear_rows)
 
     def _block_outputs(self, out):
         """(fed deeper, logits' input): both g, the final norm of the layer's output."""
-        g = self.head.norm(out)
+        norm = self.head.norm
+        g = norm_op.rms_norm(out, norm.weight.detach(), norm.eps)
         return g, g
 
     def _rotary(self, positions):
@@ -585,8 +624,8 @@ class EagleDrafter(_HeadDrafter):
         """Catch up the head's cache, then draft a best-first tree (see the class docstring)."""
         block = self.fused_block()
         if block is not None:
-            draft = self._fused_tree(history, lengths, sampling, budget, block, self.cached, self.k_cache, self.v_cache)
-            self.cached = (lengths.long() - 1).clamp(min=0)
+            draft, self.cached = self._fused_tree(history, lengths, sampling, budget, block, self.cached, self.k_cache,
+                                                  self.v_cache)
             return draft
         device = history.device
         batch = history.shape[0]

@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..loop.drafters import Draft
+from ..ops import rms_norm as norm_op
 from ..ops.small_linear import routed_linear
 from .common import additive_block_mask, block_config as _block_config, block_mask, cache_kwarg, decoder_layer_class
 from .common import input_embedding, lm_head_weight, text_config
@@ -461,12 +462,15 @@ class MtpDrafter(_HeadDrafter):
         if self._fused is not None:  # the input norms, stacked in the projection's order (_block_inputs)
             layer = module.layers[0]
             norms = [layer.hidden_norm, layer.embed_norm] if _HIDDEN_FIRST[layer.layout] else [layer.embed_norm, layer.hidden_norm]
-            eps = {float(getattr(n, "variance_epsilon", getattr(n, "eps", -1.0))) for n in norms}
             family_norm = FAMILIES[text_config(target).model_type][4]
+            norms.append(layer.final_norm)
+            eps = {float(getattr(n, "variance_epsilon", getattr(n, "eps", -1.0))) for n in norms}
             if len(eps) != 1 or any(type(n).__name__ != family_norm for n in norms):
                 self._fused = None
-            else:
-                self._pair_norm = (torch.stack([n.weight.detach() for n in norms]), eps.pop())
+            else:  # the three norms as `rms_norm` ops: the input pair as one, then the final one
+                self._pair_norm = torch.stack([n.weight.detach() for n in norms[:2]])
+                self._final_norm = layer.final_norm.weight.detach()
+                self._norm_eps = eps.pop()
         self.small_linear_rows = _small_linear_rows(self.head, self.w_draft) if self._fused is not None else (0, 0)
         self.feature_layers, self.with_labels, self.hidden_layers = (), False, None
         self.features = self.labels = None
@@ -567,24 +571,22 @@ class MtpDrafter(_HeadDrafter):
 
     def _block_inputs(self, hidden, tokens, positions):
         """proj(concat of the normed embedding and hidden state): the block's input (layer 0).
-        The two RMSNorms (the target family's, one epsilon) run as one over the stacked pair,
-        the same sums per vector with half the ops (`fused_block` checked they qualify)."""
+        The two RMSNorms (the target family's, one epsilon) run as one `rms_norm` op over the
+        stacked pair (`fused_block` checked they qualify). positions: None where none is 0."""
         layer = self.head.layers[0]
         embeds = F.embedding(tokens, layer.own_embed) if layer.own_embed is not None else self.embed(tokens)
         embeds = embeds.to(self.dtype)
-        if _ZERO_FIRST[layer.layout]:
+        if _ZERO_FIRST[layer.layout] and positions is not None:
             embeds = embeds.masked_fill((positions == 0)[..., None], 0.0)
-        first, second = (hidden.to(self.dtype), embeds) if _HIDDEN_FIRST[layer.layout] else (embeds, hidden.to(self.dtype))
-        x = torch.stack([first, second], dim=-2).float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self._pair_norm[1])
-        return routed_linear((self._pair_norm[0] * x.to(self.dtype)).flatten(-2), layer.proj.weight, layer.proj.bias,
-                             self.small_linear_rows)
+        hidden = hidden.to(self.dtype)
+        x = torch.stack([hidden, embeds] if _HIDDEN_FIRST[layer.layout] else [embeds, hidden], dim=-2)
+        x = norm_op.rms_norm(x, self._pair_norm, self._norm_eps).flatten(-2)
+        return routed_linear(x, layer.proj.weight, layer.proj.bias, self.small_linear_rows)
 
     def _block_outputs(self, out):
         """(fed deeper: the block's output, or its final norm for MiMo / Qwen3-Next; the final norm)."""
-        layer = self.head.layers[0]
-        normed = layer.final_norm(out)
-        return (normed if _FEED_NORMED[layer.layout] else out), normed
+        normed = norm_op.rms_norm(out, self._final_norm, self._norm_eps)
+        return (normed if _FEED_NORMED[self.head.layers[0].layout] else out), normed
 
     def _rotary(self, positions):
         return self.rotary(self.w_draft[:1], positions)  # (the module reads its input's dtype and device only)
@@ -620,9 +622,8 @@ class MtpDrafter(_HeadDrafter):
         """Catch up the MTP caches, then draft a best-first tree (see the class docstring)."""
         block = self.fused_block()
         if block is not None:
-            draft = self._fused_tree(history, lengths, sampling, budget, block, self.cached[0], self.cache.k[0],
-                                     self.cache.v[0])
-            self.cached[0] = (lengths.long() - 1).clamp(min=0)
+            draft, self.cached[0] = self._fused_tree(history, lengths, sampling, budget, block, self.cached[0],
+                                                     self.cache.k[0], self.cache.v[0])
             return draft
         device = history.device
         batch = history.shape[0]

@@ -74,3 +74,10 @@ if hasattr(torch.ops.specdec, "decoder_layer"):  # (an extension built before th
     def _decoder_layer_fake(hidden, cos, sin, weights, k_cache, v_cache, tree_mask, cache_seqlens, scale, eps,
                             blas_rows=0):
         return torch.empty_like(hidden)
+
+
+if hasattr(torch.ops.specdec, "rms_norm"):  # (an extension built before the op existed lacks it)
+
+    @torch.library.register_fake("specdec::rms_norm")
+    def _rms_norm_fake(x, weight, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)

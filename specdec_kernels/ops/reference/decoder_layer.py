@@ -7,12 +7,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from .rms_norm import rms_norm as _rms_norm
 from .tree_attention import tree_attention
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.to(torch.float32)
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
