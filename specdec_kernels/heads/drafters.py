@@ -31,6 +31,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -90,6 +91,11 @@ def _no_draft(history, lengths) -> Draft:
     root = root_tokens(history, lengths)
     return Draft(TokenTree.chain(root, history.new_zeros(history.shape[0], 0)), None,
                  torch.ones(history.shape[0], 1, device=history.device))
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """t's values as a numpy array (a view on a CPU; a copy from another device)."""
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
 
 
 @functools.lru_cache(maxsize=None)
@@ -415,96 +421,105 @@ class _HeadDrafter(Drafter):
         depth = min(self.depth, max_budget)
         if self._chains_greedily(sampling, width):
             return self._greedy_chain(root, first_logits, expand, depth, limits, budget)
-        limit = torch.tensor(limits, device=device)
-        # Candidates (root = 0): token (draft-vocab index), parent candidate, log score, depth.
-        cand_tok = [torch.zeros(batch, 1, dtype=torch.int64, device=device)]
-        cand_par = [torch.full((batch, 1), -1, dtype=torch.int64, device=device)]
-        cand_score = [torch.zeros(batch, 1, device=device)]
+        # The candidates' bookkeeping runs in numpy on the host: a best-first tree is a few
+        # dozen numbers per row, and a numpy op on them costs ~1 us where a torch op costs
+        # 5-10 us inside the decode loop on a CPU (on a GPU: one small copy per depth).
+        limit = np.array(limits)
+        rows = np.arange(batch)[:, None]
+        # Candidates (root = 0): token (draft-vocab index), parent candidate, log score (fp32), depth.
+        cand_tok = [np.zeros((batch, 1), dtype=np.int64)]
+        cand_par = [np.full((batch, 1), -1, dtype=np.int64)]
+        cand_score = [np.zeros((batch, 1), dtype=np.float32)]
         cand_depth = [0]
-        probs_of = []  # (candidate index tensor [B, F], probs [B, F, N]) for expanded nodes
-        frontier = torch.zeros(batch, 1, dtype=torch.int64, device=device)  # candidate ids
-        frontier_score = torch.zeros(batch, 1, device=device)
+        probs_of = []  # (candidate ids [B, F], probs [B, F, N] tensor) for expanded nodes
+        frontier = np.zeros((batch, 1), dtype=np.int64)  # candidate ids
+        frontier_score = np.zeros((batch, 1), dtype=np.float32)
         logits = first_logits[:, None, :]
         count = 1
         for level in range(1, depth + 1):
             fcount = frontier.shape[1]
-            flat = logits.reshape(batch * fcount, -1).float()
+            flat = logits.reshape(batch * fcount, -1)
             if sampling is None:
-                logq = torch.log_softmax(flat, -1)
-                lq, idx = logq.topk(width, dim=-1)
+                lq, idx = torch.log_softmax(flat, -1, dtype=torch.float32).topk(width, dim=-1)
             else:
-                probs = self._warped(flat, sampling)
+                probs = self._warped(flat.float(), sampling)
                 idx = torch.multinomial(probs, width, replacement=True, generator=sampling.generator)
                 lq = probs.gather(1, idx).clamp(min=1e-30).log()
                 probs_of.append((frontier, probs.reshape(batch, fcount, -1)))
-            idx, lq = idx.reshape(batch, fcount * width), lq.reshape(batch, fcount * width)
-            parents = frontier.repeat_interleave(width, dim=1)
-            scores = frontier_score.repeat_interleave(width, dim=1) + lq
+            idx = _numpy(idx.reshape(batch, fcount * width))
+            scores = np.repeat(frontier_score, width, axis=1) + _numpy(lq.reshape(batch, fcount * width))
             cand_tok.append(idx)
-            cand_par.append(parents)
+            cand_par.append(np.repeat(frontier, width, axis=1))
             cand_score.append(scores)
             cand_depth += [level] * idx.shape[1]
             first_new = count
             count += idx.shape[1]
             if level == depth or (sampling is not None and count - 1 >= max_budget):
                 break
-            # Next frontier: the top_k best new candidates (their children come next).
+            # Next frontier: the top_k best new candidates (their children come next), in
+            # creation order (ties: the earlier candidate).
             keep = min(width, idx.shape[1])
-            top = scores.topk(keep, dim=-1).indices.sort(dim=-1).values  # creation order among them
-            frontier_parent_pos = top // width  # which previous-frontier node each one hangs off
+            top = np.sort(np.argsort(-scores, axis=1, kind="stable")[:, :keep], axis=1)
             frontier = first_new + top
-            frontier_score = scores.gather(1, top)
-            logits = expand(level, frontier_parent_pos, self.vocab[idx.gather(1, top)])
-        tokens = torch.cat(cand_tok, 1)
-        scores = torch.cat(cand_score, 1)
-        parents = torch.cat(cand_par, 1)
-        depths = torch.tensor(cand_depth, device=device)
+            frontier_score = scores[rows, top]
+            logits = expand(level, torch.from_numpy(top // width).to(device),
+                            self.vocab[torch.from_numpy(idx[rows, top]).to(device)])
+        tokens = np.concatenate(cand_tok, 1)
+        scores = np.concatenate(cand_score, 1)
+        parents = np.concatenate(cand_par, 1)
         total = tokens.shape[1]
+        n_keep = int(min(max_budget, total - 1)) + 1
         if sampling is None:
-            # Greedy: the limit[b] best candidates (ties: shallower first), in creation order.
-            key = scores - _TIE * depths[None, :]
-            key[:, 0] = float("inf")
-            n_keep = int(min(max_budget, total - 1)) + 1
-            chosen = key.topk(n_keep, dim=-1).indices.sort(dim=-1).values
+            # Greedy: the limit[b] best candidates (ties: shallower, then earlier, first), in
+            # creation order.
+            key = scores - np.float32(_TIE) * np.array(cand_depth, dtype=np.float32)[None, :]
+            key[:, 0] = np.inf
+            ranked = np.argsort(-key, axis=1, kind="stable")[:, :n_keep]
+            chosen = np.sort(ranked, axis=1)
             # Rows with a smaller limit drop their lowest-ranked picks (never an ancestor of a kept one).
-            order_rank = key.gather(1, chosen).argsort(dim=-1, descending=True).argsort(dim=-1)
+            order_rank = np.argsort(np.argsort(-key[rows, chosen], axis=1, kind="stable"), axis=1, kind="stable")
             real = order_rank <= limit[:, None]
             if self.min_score > 0 and budget is None:
                 # Confidence cut: nodes the head itself rates unlikely to be accepted cost a
                 # target forward slot for little gain (scores fall along paths: closure kept).
-                real &= (scores.gather(1, chosen).exp() >= self.min_score) | (chosen == 0)
+                real &= (np.exp(scores[rows, chosen]) >= self.min_score) | (chosen == 0)
         else:
             # Sampling: a prefix of the creation order, as long as the row's limit.
-            n_keep = int(min(max_budget, total - 1)) + 1
-            chosen = torch.arange(n_keep, device=device).expand(batch, -1)
+            chosen = np.broadcast_to(np.arange(n_keep), (batch, n_keep))
             real = chosen <= limit[:, None]
         # Re-index: the kept candidates become nodes 0 .. kept - 1 in creation order (parents
-        # first), padding after them.
-        new_id = torch.where(real, real.long().cumsum(1) - 1, -1)
-        node_of = torch.full((batch, total), -1, dtype=torch.int64, device=device)
-        node_of.scatter_(1, chosen, new_id)
-        slot = torch.where(real, new_id, n_keep)  # padding goes to a spare column, cut below
-        rows = torch.arange(batch, device=device)[:, None].expand(-1, n_keep)
-        node_tokens = torch.full((batch, n_keep + 1), -1, dtype=torch.int64, device=device)
-        node_parent = torch.full((batch, n_keep + 1), -1, dtype=torch.int64, device=device)
-        node_scores = torch.zeros(batch, n_keep + 1, device=device)
-        node_tokens[rows, slot] = self.vocab[tokens.gather(1, chosen)]
-        node_parent[rows, slot] = node_of.gather(1, parents.gather(1, chosen).clamp(min=0))
-        node_scores[rows, slot] = scores.gather(1, chosen).exp()
-        node_tokens[:, 0], node_parent[:, 0], node_scores[:, 0] = root, -1, 1.0
+        # first), padding after them (a spare column, cut below).
+        new_id = np.where(real, np.cumsum(real, axis=1) - 1, -1)
+        node_of = np.full((batch, total), -1, dtype=np.int64)
+        node_of[rows, chosen] = new_id
+        slot = np.where(real, new_id, n_keep)
+        node_tokens = np.full((batch, n_keep + 1), -1, dtype=np.int64)
+        node_parent = np.full((batch, n_keep + 1), -1, dtype=np.int64)
+        node_scores = np.zeros((batch, n_keep + 1), dtype=np.float32)
+        node_tokens[rows, slot] = self._vocab_host()[tokens[rows, chosen]]
+        node_parent[rows, slot] = node_of[rows, np.maximum(parents[rows, chosen], 0)]
+        node_scores[rows, slot] = np.exp(scores[rows, chosen])
+        node_tokens[:, 0], node_parent[:, 0], node_scores[:, 0] = _numpy(root), -1, 1.0
         num = int(real.sum(1).max())
         draft_probs = None
         if sampling is not None:
             small = torch.zeros(batch, n_keep + 1, self.vocab.numel(), device=device)
             for cand_ids, probs in probs_of:
-                nodes = node_of.gather(1, cand_ids)
-                ok = nodes >= 0
-                r = torch.arange(batch, device=device)[:, None].expand_as(nodes)
-                small[r[ok], nodes[ok]] = probs[ok]
+                nodes = node_of[rows, cand_ids]
+                r, c = np.nonzero(nodes >= 0)
+                small[torch.from_numpy(r).to(device), torch.from_numpy(nodes[r, c]).to(device)] = \
+                    probs[torch.from_numpy(r).to(device), torch.from_numpy(c).to(device)]
             draft_probs = torch.zeros(batch, num, self.vocab_size, device=device)
             draft_probs.index_copy_(2, self.vocab, small[:, :num])
-        tree = TokenTree(node_tokens[:, :num], node_parent[:, :num])
-        return Draft(tree, draft_probs, node_scores[:, :num])
+        host = lambda a: torch.from_numpy(np.ascontiguousarray(a[:, :num])).to(device)  # noqa: E731
+        return Draft(TokenTree._from_op(host(node_tokens), host(node_parent)), draft_probs, host(node_scores))
+
+    def _vocab_host(self) -> np.ndarray:
+        """The draft vocabulary's target ids, as a numpy array (the tree bookkeeping's)."""
+        cached = getattr(self, "_vocab_np", None)
+        if cached is None or cached[0] is not self.vocab:
+            cached = self._vocab_np = (self.vocab, _numpy(self.vocab))
+        return cached[1]
 
 
 class EagleDrafter(_HeadDrafter):
