@@ -149,18 +149,23 @@ def test_bench_e2e_mtp_methods_and_split(tmp_path, monkeypatch):
     requests = {"code_edit": short_requests()["code_edit"]}
     kw = dict(batch_sizes=(1,), temperatures=(0.0,), max_new_tokens=6, prompts_per_workload=1, profile_kernels=False,
               progress=False)
-    rows = e2e.run(target, WordTokenizer(VOCAB), requests, methods=("hf", "ours_mtp", "ours_default_mtp"), **kw)
+    rows = e2e.run(target, WordTokenizer(VOCAB), requests, methods=("hf", "ours_mtp", "ours_default_mtp", "ours_mtp_fixed"),
+                   **kw)
     assert all(r["skipped"] == "no MTP layers or trained MTP head for this target" for r in rows[1:])
     assert e2e.mtp_source(target) is None and not set(e2e.MTP_METHODS) & set(e2e.default_methods("cpu", target))
     train_draft_head(target, random_prompts(4, VOCAB, seed=1), kind="mtp", out_dir=tmp_path / "heads" / "mtp", steps=2,
                      max_new_tokens=4, batch_tokens=128, eval_fraction=0.0, draft_vocab_size=VOCAB, progress=False)
     assert e2e.mtp_source(target) == ("head", tmp_path / "heads" / "mtp")
     assert set(e2e.MTP_METHODS) <= set(e2e.default_methods("cpu", target))
-    rows = e2e.run(target, WordTokenizer(VOCAB), requests, methods=("hf", "ours_ngram", "ours_mtp", "ours_default_mtp"),
+    rows = e2e.run(target, WordTokenizer(VOCAB), requests,
+                   methods=("hf", "ours_ngram", "ours_mtp", "ours_default_mtp", "ours_mtp_fixed", "ours_mtp_fixed:3/3/1"),
                    **kw)
     assert all("skipped" not in r and r.get("greedy_identical") for r in rows[1:])
+    assert "ours_mtp_fixed" not in e2e.default_methods("cpu", target)
+    fixed = {r["config"]["method"]: r for r in rows if r["config"]["method"].startswith("ours_mtp_fixed")}
+    assert fixed["ours_mtp_fixed"]["nodes_per_step"] <= 1 < fixed["ours_mtp_fixed:3/3/1"]["nodes_per_step"] <= 3
     headers, cells = e2e.split_rows(rows)
-    assert [c[2] for c in cells] == ["ours_ngram", "ours_mtp", "ours_default_mtp"]
+    assert [c[2] for c in cells] == ["ours_ngram", "ours_mtp", "ours_default_mtp", "ours_mtp_fixed", "ours_mtp_fixed:3/3/1"]
     assert all(float(c[headers.index("verify ms/step")]) > 0 for c in cells)
     assert "Decoding time per step at batch 1" in e2e.markdown(rows, "# e2e")
     from specdec_kernels.heads import HeadNgramDrafter, default_drafter

@@ -67,7 +67,7 @@ import torch
 # out the weight prefetches (products of 8+ rows 1.2-1.7x faster), small_linear_rows measured up to 64 rows,
 # the fused layers past that range with their products on torch's BLAS (`blas_rows`)
 FORMAT = 7
-DRAFT_FORMAT = 5  # of `DraftCost` files (their key holds the target's identity, FORMAT included); 2: merged drafters judge their sources (SourceJudge), one merge in HeadNgramDrafter; 3: head layers as one decoder_layer op on a CPU; 5: the heads' trees built on the host (numpy), their norms as rms_norm ops
+DRAFT_FORMAT = 5  # of `DraftCost` files (their key holds the target's identity, FORMAT included); 2: merged drafters judge their sources (SourceJudge), one merge in HeadNgramDrafter; 3: head layers as one decoder_layer op on a CPU; 4: a head's logits for a batch as one product; 5: the heads' trees built on the host (numpy), their norms as rms_norm ops
 # 4: a head's strided logits as one product (batches of 4+ rows drafted 4-10x faster)
 ROWS = (1, 2, 4, 8)  # batch sizes timed at calibration (the target's forward and the drafter)
 MAX_TOKENS = 128  # the target's tables: widths 1, 2, 4, ... while rows * width <= MAX_TOKENS

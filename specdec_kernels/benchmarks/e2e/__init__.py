@@ -39,8 +39,12 @@ Methods:
   ours_mtp          MtpDrafter: the target's own MTP layers, or a trained MTP head (`specdec train-draft --kind mtp`;
                     --mtp-head DIR, else one found for the target); in the default set only for a target with one
   ours_default_mtp  default_drafter's composition around those MTP layers (merged with n-gram drafts and a suffix cache)
-  ours_eagle_fixed:N/D/K, ours_default_fixed:N/D/K  the same with the head's tree fixed at N nodes, depth D, top-k K,
-                    to sweep tree sizes in one run (e.g. --methods hf,ours_eagle_fixed,ours_eagle_fixed:64/8/8)
+  ours_mtp_fixed    MtpDrafter with a fixed tree, adaptive=False; by default one MTP depth per step (a chain of 1,
+                    as DeepSeek-V3's single MTP layer is usually served): its draft / verify split is the drafting
+                    overhead of one MTP layer (not in the default set)
+  ours_eagle_fixed:N/D/K, ours_default_fixed:N/D/K, ours_mtp_fixed:N/D/K  the same with the head's tree fixed at
+                    N nodes, depth D, top-k K, to sweep tree sizes in one run (e.g. --methods
+                    hf,ours_eagle_fixed,ours_eagle_fixed:64/8/8)
   llamacpp_plain    llama.cpp (llama-cpp-python 0.3.36 in its own venv, tools/llamacpp_env.sh) on a GGUF converted
                     from the target's checkpoint by llama.cpp's convert_hf_to_gguf.py in the run's --dtype (f32/bf16)
   llamacpp_lookup   the same with llama-cpp-python's prompt lookup decoding (LlamaPromptLookupDecoding defaults:

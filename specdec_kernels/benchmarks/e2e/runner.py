@@ -15,21 +15,24 @@ from .peers import PEER_METHODS, Peers, available_peers, method_dtype
 
 METHODS = ("hf", "hf_prompt_lookup", "hf_assisted", "ours_plain", "ours_ngram", "ours_ngram_fixed", "ours_ngram_tree",
            "ours_draft", "ours_draft_tree", "ours_ngram_paged", "ours_eagle", "ours_default", "ours_eagle_fixed",
-           "ours_default_fixed", "ours_default_nocache", "ours_suffix", "ours_mtp", "ours_default_mtp")
-# The head methods with a fixed tree (HEAD_FIXED_TREE, or a shape named after the method: split_method).
-FIXED_TREE_HEAD_METHODS = ("ours_eagle_fixed", "ours_default_fixed")
+           "ours_default_fixed", "ours_default_nocache", "ours_suffix", "ours_mtp", "ours_default_mtp", "ours_mtp_fixed")
+# The head methods with a fixed tree (FIXED_TREES[method], or a shape named after the method: split_method).
+FIXED_TREE_HEAD_METHODS = ("ours_eagle_fixed", "ours_default_fixed", "ours_mtp_fixed")
 # Not by default: ours_plain (no drafts) and the paged cache; the GPU-sized fixed head trees
 # only on a GPU (on a CPU a 24-node verify costs ~4x a one-token step).
-GPU_ONLY_DEFAULTS = FIXED_TREE_HEAD_METHODS
+GPU_ONLY_DEFAULTS = ("ours_eagle_fixed", "ours_default_fixed")
 # Not by default either: the suffix cache's comparison rows (ours_default is default_drafter,
 # suffix cache included; these are its parts), named with --methods.
 SUFFIX_METHODS = ("ours_default_nocache", "ours_suffix")
 # The MTP rows: MtpDrafter alone, and default_drafter's composition around it (MTP merged with
 # n-gram drafts and a suffix cache); by default only for a target with an MTP source
 # (`mtp_source`: its checkpoint's own MTP layers, a trained MTP head found for it, or --mtp-head).
+# ours_mtp_fixed (not by default): MtpDrafter with a fixed tree, by default one MTP depth per
+# step (the drafting overhead of one MTP layer, as DeepSeek-V3's single layer is usually served).
 MTP_METHODS = ("ours_mtp", "ours_default_mtp")
-DEFAULT_METHODS = tuple(m for m in METHODS
-                        if m not in ("ours_plain", "ours_ngram_paged") + GPU_ONLY_DEFAULTS + SUFFIX_METHODS + MTP_METHODS)
+MTP_DRAFTER_METHODS = MTP_METHODS + ("ours_mtp_fixed",)  # every method that drafts with MTP layers
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in ("ours_plain", "ours_ngram_paged", "ours_mtp_fixed")
+                        + GPU_ONLY_DEFAULTS + SUFFIX_METHODS + MTP_METHODS)
 MTP_HEAD = {"dir": None}  # --mtp-head: a trained MTP head directory to use instead of looking one up
 
 
@@ -90,8 +93,10 @@ OURS = {
 # row (cell) of the table: within a cell it fills with that cell's distinct prompts and
 # outputs, never with another cell's (the same prompts at another temperature or pass).
 HEAD_METHODS = frozenset({"ours_eagle", "ours_default", "ours_eagle_fixed", "ours_default_fixed",
-                          "ours_default_nocache", "ours_suffix"} | set(MTP_METHODS))
+                          "ours_default_nocache", "ours_suffix"} | set(MTP_DRAFTER_METHODS))
 HEAD_FIXED_TREE = dict(max_nodes=24, depth=6, top_k=6, min_score=0.0)  # EagleDrafter's GPU defaults
+FIXED_TREES = {"ours_eagle_fixed": HEAD_FIXED_TREE, "ours_default_fixed": HEAD_FIXED_TREE,
+               "ours_mtp_fixed": dict(max_nodes=1, depth=1, top_k=1, min_score=0.0)}  # one MTP depth a step
 
 
 def split_method(method: str):
@@ -104,7 +109,7 @@ def split_method(method: str):
     if base not in METHODS and base not in PEER_METHODS:
         raise ValueError(f"unknown method {base!r}; choose from {', '.join(METHODS + PEER_METHODS)}")
     if not sep:
-        return base, (dict(HEAD_FIXED_TREE) if base in FIXED_TREE_HEAD_METHODS else None)
+        return base, (dict(FIXED_TREES[base]) if base in FIXED_TREE_HEAD_METHODS else None)
     if base not in FIXED_TREE_HEAD_METHODS:
         raise ValueError(f"{method!r}: only {' and '.join(FIXED_TREE_HEAD_METHODS)} take a tree shape (':NODES/DEPTH/TOPK')")
     try:
@@ -160,7 +165,7 @@ def head_drafter(method, model):
     from ...heads.drafters import find_head
 
     base, tree = split_method(method)
-    if base in MTP_METHODS:
+    if base in MTP_DRAFTER_METHODS:
         source = mtp_source(model)
         key = (method, id(model), source)
         if key not in _HEAD_DRAFTERS:
@@ -168,6 +173,10 @@ def head_drafter(method, model):
                 _HEAD_DRAFTERS[key] = None
             elif base == "ours_mtp":
                 _HEAD_DRAFTERS[key] = make_drafter("mtp", target=model, head=source[1])
+            elif base == "ours_mtp_fixed":
+                from ...heads import MtpDrafter
+
+                _HEAD_DRAFTERS[key] = MtpDrafter(model, source[1], **tree)
             else:  # default_drafter's composition around the MTP layers (it uses a model's own by itself)
                 _HEAD_DRAFTERS[key] = default_drafter(model, head=source[1] if source[0] == "head" else None)
         return _HEAD_DRAFTERS[key]
@@ -309,7 +318,7 @@ def bench_row(method, batches, model, draft, *, workload, batch_size, temperatur
             return row
         row["engine"] = peers.info.get(method)  # version, dtype, threads, weights, settings, start-up time
     if split_method(method)[0] in HEAD_METHODS and head_drafter(method, model) is None:
-        row["skipped"] = ("no MTP layers or trained MTP head for this target" if method in MTP_METHODS
+        row["skipped"] = ("no MTP layers or trained MTP head for this target" if split_method(method)[0] in MTP_DRAFTER_METHODS
                           else "no trained EAGLE head for this target")
         return row
     total_tokens, total_s, stats_list, mismatches, compared = 0, 0.0, [], [], 0
