@@ -305,8 +305,7 @@ class _HeadDrafter(Drafter):
         def run(x, positions, mask, seqlens):
             out = torch.ops.specdec.decoder_layer(x.contiguous(), F.embedding(positions, table[0]),
                                                   F.embedding(positions, table[1]), weights, k_cache, v_cache,
-                                                  mask.contiguous(),
-                                                  seqlens, scale, eps,
+                                                  mask.contiguous(), seqlens, scale, eps,
                                                   self.small_linear_rows[1] + 1)  # (BLAS where measured faster)
             return self._block_outputs(out)
 
