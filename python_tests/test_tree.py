@@ -416,3 +416,20 @@ def test_token_tree_bad_input(kwargs, name):
 def test_token_tree_parents_batch_mismatch():
     with pytest.raises(ValueError, match="^parents:"):
         TokenTree(torch.zeros(2, 3, dtype=torch.int64), torch.tensor([[-1, 0, 1]] * 3))
+
+
+def test_depths_are_kept_until_the_parents_change():
+    """`TokenTree.depths` is computed once per parents tensor and values: asked again it is the
+    same tensor; after an in-place change or a new parents tensor it is computed again."""
+    tree = TokenTree(torch.tensor([[5, 1, 2, 3]]), torch.tensor([[-1, 0, 1, 1]]))
+    first = tree.depths
+    assert first.tolist() == [[0, 1, 2, 2]] and tree.depths is first
+    tree.parents[0, 3] = 0  # in place
+    assert tree.depths.tolist() == [[0, 1, 2, 1]]
+    tree.parents = torch.tensor([[-1, 0, 1, 2]])  # replaced
+    assert tree.depths.tolist() == [[0, 1, 2, 3]]
+    with torch.inference_mode():  # inference tensors (no version counter) too
+        inner = TokenTree(torch.tensor([[5, 1, 2]]), torch.tensor([[-1, 0, 1]]))
+        assert inner.depths.tolist() == [[0, 1, 2]]
+        inner.parents[0, 2] = 0
+        assert inner.depths.tolist() == [[0, 1, 1]]

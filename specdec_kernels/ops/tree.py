@@ -79,7 +79,20 @@ class TokenTree:
 
     @property
     def depths(self) -> torch.Tensor:
-        """int64 [B, T]: root 0, a child one more than its parent, padding -1."""
+        """int64 [B, T]: root 0, a child one more than its parent, padding -1 (computed once per
+        `parents`: the tensor returned is shared, not to be changed in place)."""
+        # Kept while `parents` is the same tensor with the same values (one comparison; inference
+        # tensors have no version counter): a decode step asks for a tree's depths several times
+        # (the loop, the planner, the merge), and each computation is ~15 small ops.
+        parents = self.parents
+        cached = self.__dict__.get("_depths")
+        if cached is not None and cached[0] is parents and torch.equal(cached[1], parents):
+            return cached[2]
+        depths = self._compute_depths()
+        self.__dict__["_depths"] = (parents, parents.clone(), depths)
+        return depths
+
+    def _compute_depths(self) -> torch.Tensor:
         # Pointer doubling: after round k, `up` is each node's 2**k-th ancestor (the root
         # stops there) and `depth` counts the edges to it; log2(T) rounds instead of T.
         has_parent = self.parents >= 0
