@@ -253,8 +253,9 @@ def chain_draft(root, tokens_per_row, scores=None):
 
 def test_source_judge_counts_what_only_one_source_drafted_and_first_picks():
     """A source adds the emitted tokens its tree reaches and no other asked source's does; its
-    first pick is judged against the first emitted token; a source not asked is not judged;
-    rows that emitted nothing are not judged."""
+    first pick is judged against the first emitted token (an optional source's only where no
+    other asked source picked the same token); a source not asked is not judged; rows that
+    emitted nothing are not judged."""
     from specdec_kernels.loop.drafters import MERGE, PROBE, SourceJudge
 
     judge = SourceJudge([True, False, False, False], prior=1.0)
@@ -270,15 +271,24 @@ def test_source_judge_counts_what_only_one_source_drafted_and_first_picks():
     assert judge.added == [0.0, 3.0, 0.0, 0.0]
     assert judge.judged == [2.0, 2.0, 2.0, 0.0] and judge.seen == [2, 2, 2, 0]
     assert judge.rates()[1] == 1.5
-    assert judge.first_hits == [2.0, 2.0, 0.0, 0.0]
-    assert [round(x, 5) for x in judge.first_scores] == [1.0, 1.8, 1.6, 0.0]
+    # Source 1 picked what the required source 0 picked in every row: none of its picks count.
+    assert judge.first_hits == [2.0, 0.0, 0.0, 0.0]
+    assert [round(x, 5) for x in judge.first_scores] == [1.0, 0.0, 1.6, 0.0]
     factors = judge.factors()  # (hits + 1) / (scores + 1)
-    assert abs(factors[0] - 1.5) < 1e-6 and abs(factors[2] - 1 / 2.6) < 1e-6 and factors[3] == 1.0
+    assert abs(factors[0] - 1.5) < 1e-6 and factors[1] == 1.0 and abs(factors[2] - 1 / 2.6) < 1e-6
+    assert factors[3] == 1.0
     # Scores scale by the factor, first-level scores capped at 1.
     scaled = judge.scaled(0, drafts[0])
     assert torch.allclose(scaled[:, 1], torch.full((3,), 0.75)) and torch.all(scaled[:, 0] == 1.0)
-    scaled = judge.scaled(1, drafts[1])  # factor 3 / 2.8
-    assert torch.allclose(scaled[0, 1:], torch.tensor([0.9, 0.81, 0.729]) * 3 / 2.8, atol=1e-6)
+    scaled = judge.scaled(2, drafts[2])  # factor 1 / 2.6
+    assert torch.allclose(scaled[0, 1:], torch.tensor([0.8]) / 2.6, atol=1e-6)
+    # An optional source's own picks count: right in row 0 where the required one was wrong.
+    judge = SourceJudge([True, False], prior=1.0)
+    own = [chain_draft(root, [[77], [20], [30]], [0.5, 0.5, 0.5]), chain_draft(root, [[10], [20], [31]], [0.9] * 3)]
+    judge.observe(own, history, torch.tensor([3, 3, 3]))
+    judge.observe([None] * 2, history, torch.tensor([6, 5, 4]))
+    assert judge.first_hits == [2.0, 1.0]  # source 1: row 0 (its own, right), row 2 (its own, wrong); row 1 shared
+    assert [round(x, 5) for x in judge.first_scores] == [1.5, 1.8]
     scaled = judge.scaled(0, chain_draft(root, [[10, 11, 12]] * 3, [0.9] * 3))  # 0.9 * 1.5 would exceed 1
     assert torch.allclose(scaled[:, 1:], torch.tensor([1.0, 0.9, 0.81]).expand(3, -1), atol=1e-6)
 

@@ -564,7 +564,8 @@ class SourceJudge:
     - Its first pick: the depth-1 node it scored highest, a hit when that is the first emitted
       token; decayed sums of hits and of those nodes' scores give its factor (hits + prior) /
       (scores + prior), by which its scores are multiplied before merging (a row's first-level
-      scores kept <= 1).
+      scores kept <= 1). An optional source counts only the first picks no other asked source
+      made (what it adds to the merge).
 
     What is done (`plan`): `required` sources are always merged. Another is asked without being
     merged (a probe: its drafts are judged, never verified, so the planner's acceptance
@@ -688,7 +689,19 @@ class SourceJudge:
                 reached += found
                 walking = found
             reach[source] = reached
+        for source, draft in enumerate(drafts):
+            if draft is None:
+                continue
+            pick, pick_score = draft[2], draft[3]
             picked = judged & (pick >= 0)
+            if not self.required[source]:
+                # An optional source is judged on the first picks only it proposed: where another
+                # source picked the same token its score adds nothing, and counting those hits
+                # would scale up its scores where it stands alone (best-of-8 code edit: a suffix
+                # cache scaled x1.35 so, its siblings' samples outranked the head's tokens).
+                for other, theirs in enumerate(drafts):
+                    if other != source and theirs is not None:
+                        picked &= pick != theirs[2]
             self.first_hits[source] = self.first_hits[source] * self.decay + float((picked & (pick == emitted[:, 0])).sum())
             self.first_scores[source] = self.first_scores[source] * self.decay + float(pick_score[picked].sum())
         rows = float(judged.sum())
