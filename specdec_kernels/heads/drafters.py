@@ -93,11 +93,6 @@ def _no_draft(history, lengths) -> Draft:
                  torch.ones(history.shape[0], 1, device=history.device))
 
 
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    """t's values as a numpy array (a view on a CPU; a copy from another device)."""
-    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
-
-
 @functools.lru_cache(maxsize=None)
 def _causal_mask(n: int) -> torch.Tensor:
     """bool [n, n], lower triangular (read only: shared between calls)."""
@@ -445,8 +440,8 @@ class _HeadDrafter(Drafter):
                 idx = torch.multinomial(probs, width, replacement=True, generator=sampling.generator)
                 lq = probs.gather(1, idx).clamp(min=1e-30).log()
                 probs_of.append((frontier, probs.reshape(batch, fcount, -1)))
-            idx = _numpy(idx.reshape(batch, fcount * width))
-            scores = np.repeat(frontier_score, width, axis=1) + _numpy(lq.reshape(batch, fcount * width))
+            idx = idx.reshape(batch, fcount * width).cpu().numpy()
+            scores = np.repeat(frontier_score, width, axis=1) + lq.reshape(batch, fcount * width).cpu().numpy()
             cand_tok.append(idx)
             cand_par.append(np.repeat(frontier, width, axis=1))
             cand_score.append(scores)
@@ -498,7 +493,7 @@ class _HeadDrafter(Drafter):
         node_tokens[rows, slot] = self._vocab_host()[tokens[rows, chosen]]
         node_parent[rows, slot] = node_of[rows, np.maximum(parents[rows, chosen], 0)]
         node_scores[rows, slot] = np.exp(scores[rows, chosen])
-        node_tokens[:, 0], node_parent[:, 0], node_scores[:, 0] = _numpy(root), -1, 1.0
+        node_tokens[:, 0], node_parent[:, 0], node_scores[:, 0] = root.cpu().numpy(), -1, 1.0
         num = int(real.sum(1).max())
         draft_probs = None
         if sampling is not None:
@@ -517,7 +512,7 @@ class _HeadDrafter(Drafter):
         """The draft vocabulary's target ids, as a numpy array (the tree bookkeeping's)."""
         cached = getattr(self, "_vocab_np", None)
         if cached is None or cached[0] is not self.vocab:
-            cached = self._vocab_np = (self.vocab, _numpy(self.vocab))
+            cached = self._vocab_np = (self.vocab, self.vocab.cpu().numpy())
         return cached[1]
 
 

@@ -689,10 +689,6 @@ class SourceJudge:
                 reached += found
                 walking = found
             reach[source] = reached
-        for source, draft in enumerate(drafts):
-            if draft is None:
-                continue
-            pick, pick_score = draft[2], draft[3]
             picked = judged & (pick >= 0)
             if not self.required[source]:
                 # An optional source is judged on the first picks only it proposed: where another
