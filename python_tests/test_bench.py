@@ -232,6 +232,29 @@ def test_random_llama3_has_llama3_8b_shapes():
     assert e2e.random_llama3_8b(layers=2, device="meta").config.num_hidden_layers == 2
 
 
+def test_random_default_model_has_the_default_models_shapes():
+    """The GPU overhead stand-in has SmolLM2-135M's published size (134,515,008 parameters,
+    embeddings tied) and, where the default model is installed, its config's shapes."""
+    model = e2e.random_default_model(device="meta")
+    assert model.dtype == torch.bfloat16
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert model(torch.zeros(1, 3, dtype=torch.long, device="meta")).logits.shape == (1, 3, 49152)
+    assert e2e.random_default_model(layers=2, device="meta").config.num_hidden_layers == 2
+    from specdec_kernels import models
+
+    try:
+        folder = models.default_model_dir(verbose=False)
+    except (ImportError, OSError):
+        return
+    from transformers import AutoConfig
+
+    want, got = AutoConfig.from_pretrained(folder).to_dict(), model.config.to_dict()
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "rope_theta", "tie_word_embeddings", "model_type")
+    assert {k: got[k] for k in keys if k in want} == {k: want[k] for k in keys if k in want}
+    assert got["rms_norm_eps"] == pytest.approx(want["rms_norm_eps"], rel=1e-6)  # (the GGUF holds it as a float32)
+
+
 @needs_prompts
 def test_bench_kernels_smoke_writes_json_and_plot(tmp_path, capsys):
     status = cli.main(["bench", "kernels", "--smoke", "--only", "ngram", "--out-dir", str(tmp_path)])

@@ -288,7 +288,7 @@ def session_env(tmp_path, **extra):
     env.update(SPECDEC_GPU_WORK=str(tmp_path / f"work{time.monotonic_ns()}"), OUT=str(tmp_path / "out"))
     # Every stage's work faked (unless a test names its own), and its seconds scaled down.
     env.update(SPECDEC_GPU_SESSION_FAKE="none=0:0", STAGE_SECONDS=",".join(
-        f"{kind}=0/30" for kind in ("build", "test", "sanitize", "bench:goal", "graphs", "bench:wide", "e2e:llama", "e2e")))
+        f"{kind}=0/30" for kind in ("build", "test", "sanitize", "bench:goal", "graphs", "bench:wide", "overhead", "e2e:llama", "e2e")))
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -313,7 +313,7 @@ def session(tmp_path, *args, **env):
 
 def verdicts(lines) -> dict:
     """{stage: verdict word} from summary.txt lines."""
-    stages = set(CALL1) | {"bench:wide", "e2e:llama", "e2e"}
+    stages = set(CALL1) | {"bench:wide", "overhead", "e2e:llama", "e2e"}
     return {line.split()[0]: line.split()[1] for line in lines if line.split() and line.split()[0] in stages}
 
 
@@ -704,3 +704,25 @@ def test_sanitizer_probe_program_against_a_stand_in_driver(tmp_path, alloc_resul
         assert run.returncode == 0 and "sanitizer probe: ok" in run.stdout, run.stderr
     else:
         assert run.returncode == 1 and "cuMemAlloc returned CUDA error 999" in run.stderr
+
+
+def test_step_overhead_tool_rehearses_on_a_cpu(tmp_path):
+    """tools/gpu_step_overhead.py (the `overhead` stage) on a CPU: one layer, eager and
+    inductor, every method; the rows hold the step figures, compiled rows their comparison
+    with eager, and no GPU figures (there is no GPU busy time on a CPU)."""
+    spec = importlib.util.spec_from_file_location("gpu_step_overhead", os.path.join(ROOT, "tools", "gpu_step_overhead.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "overhead.json"
+    assert tool.main(["--device", "cpu", "--dtype", "float32", "--layers", "1", "--batch-sizes", "1,2",
+                      "--methods", "plain,ngram,eagle", "--compile", "off", "--max-new-tokens", "6",
+                      "--prompt-len", "16", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["method"]) for r in rows] == [(b, m) for b in (1, 2) for m in ("plain", "ngram", "eagle")]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["steps"] >= 1 and row["step_us"] > 0 and row["tokens_per_step"] >= 1
+        assert "overhead" not in row
+    assert rows[0]["steps"] == 6  # plain: one token a step
+    with pytest.raises(SystemExit, match="unknown"):
+        tool.main(["--device", "cpu", "--compile", "sometimes", "--out", str(out)])

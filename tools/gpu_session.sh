@@ -8,7 +8,7 @@
 #   tools/gpu_session.sh call2              # build, then what call 1 did not pass (its recorded
 #                                           # summary.txt), then bench:wide and e2e:llama
 #   tools/gpu_session.sh STAGE [STAGE ...]  # build test sanitize sanitize:TOOL bench:goal bench:wide
-#                                           # graphs e2e:llama e2e   (a build runs first in any case)
+#                                           # graphs overhead e2e:llama e2e   (a build runs first in any case)
 #   tools/gpu_session.sh plan call1|call2|STAGE...  # the stages it would run, with their seconds; runs nothing
 #   tools/gpu_session.sh record FILES_AT NAME       # HERE, after a call: what came back into bench/results/
 #   tools/gpu_session.sh stamp                      # the build stamp (tools/gpu_twin.sh labels its build)
@@ -63,6 +63,7 @@
 # PREVIOUS_JUNIT; default gpu, call2's default not-passed), PREVIOUS_SUMMARY / PREVIOUS_JUNIT
 # (call 2's view of call 1; default bench/results/gpu/call1/, where `record` puts them),
 # STAGE_SECONDS (NEED/MAX overrides, below), BENCH_ARGS (bench:wide; default empty: the short sweep), E2E_LLAMA_ARGS, E2E_ARGS,
+# OVERHEAD_ARGS (tools/gpu_step_overhead.py's options),
 # SANITIZE_QUICK (the tools run on sanitize_ops.py --quick; call 2: those that timed out in call 1),
 # COMPUTE_SANITIZER (its path), SANITIZER_PROBE (auto | skip | force: run the probe even on a
 # 4.4.0 kernel), SPECDEC_GPU_SESSION_CPU_DRYRUN=1 (walk the stages on a machine without a GPU),
@@ -74,7 +75,7 @@ cd "$(dirname "$0")/.." || exit 2
 ROOT=$(pwd)
 usage() {
   echo "usage: tools/gpu_session.sh call1 | call2 | STAGE [STAGE ...] | plan ... | record FILES_AT NAME | stamp" >&2
-  echo "       (stages: build test sanitize sanitize:TOOL bench:goal bench:wide graphs e2e:llama e2e)" >&2
+  echo "       (stages: build test sanitize sanitize:TOOL bench:goal bench:wide graphs overhead e2e:llama e2e)" >&2
   exit 2
 }
 [ $# -ge 1 ] || usage
@@ -90,8 +91,8 @@ CALL2_EXTRA=(bench:wide e2e:llama)
 # workers (Triton compiles most of it); one sanitizer run over tools/sanitize_ops.py ~1-2 min;
 # the goal benchmarks ~1-2 min (FlexAttention's compile, numba's JIT); graphs: one capture and
 # the compiled op functions, each stopped at --check-timeout. Rehearsed on a CPU: docs/gpu.md.
-declare -A NEED=([build]=20 [test]=60 [sanitize]=60 [bench:goal]=60 [graphs]=60 [bench:wide]=60 [e2e:llama]=60 [e2e]=150)
-declare -A MAX=([build]=300 [test]=240 [sanitize]=150 [bench:goal]=180 [graphs]=150 [bench:wide]=300 [e2e:llama]=200 [e2e]=480)
+declare -A NEED=([build]=20 [test]=60 [sanitize]=60 [bench:goal]=60 [graphs]=60 [bench:wide]=60 [overhead]=60 [e2e:llama]=60 [e2e]=150)
+declare -A MAX=([build]=300 [test]=240 [sanitize]=150 [bench:goal]=180 [graphs]=150 [bench:wide]=300 [overhead]=240 [e2e:llama]=200 [e2e]=480)
 # STAGE_SECONDS="KIND=NEED/MAX,..." overrides them (e.g. "test=90/300"; the tests use it to
 # scale the deadline logic down to seconds).
 for override in $(tr ',' ' ' <<< "${STAGE_SECONDS:-}"); do
@@ -146,7 +147,7 @@ expand_stages() {
       call2) read -r -a more <<< "$(call2_stages "$PREVIOUS_SUMMARY")"; out+=("${more[@]}") ;;
       sanitize) out+=(sanitize:memcheck sanitize:racecheck sanitize:synccheck sanitize:initcheck) ;;
       sanitize:memcheck|sanitize:racecheck|sanitize:synccheck|sanitize:initcheck) out+=("$arg") ;;
-      build|test|graphs|bench:goal|bench:wide|e2e:llama|e2e) out+=("$arg") ;;
+      build|test|graphs|bench:goal|bench:wide|overhead|e2e:llama|e2e) out+=("$arg") ;;
       bench) out+=(bench:goal) ;;
       *) echo "unknown stage: $arg" >&2; return 2 ;;
     esac
@@ -259,6 +260,7 @@ stage_key() {
   case $1 in
     bench:*) echo "$1 $TREE_STAMP ${BENCH_ARGS:-} | data: ${SPECDEC_DATA:-none}" ;;
     e2e*) echo "$1 $TREE_STAMP ${E2E_ARGS:-} ${E2E_LLAMA_ARGS:-} | $MODEL_STATUS" ;;
+    overhead) echo "$1 $TREE_STAMP ${OVERHEAD_ARGS:-}" ;;
     test) echo "$1 $TREE_STAMP $TESTS" ;;
     sanitize:*) echo "$1 $TREE_STAMP parts: ${SANITIZE_PARTS:-all} quick: $([[ " ${SANITIZE_QUICK:-} " == *" ${1#sanitize:} "* ]] && echo yes || echo no)" ;;
     *) echo "$1 $TREE_STAMP" ;;
@@ -313,7 +315,7 @@ run_stage() {
     echo "$key" >> "$WORK/passed"
   elif [ "$rc" -eq 75 ]; then  # the stage found nothing it could run here
     note "$(printf '%-18s SKIPPED  %4ss  %s' "$name" $((SECONDS - t0)) "${STAGE_NOTE:-}")"
-  elif { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; } && [[ "$kind" == bench:* || "$kind" == e2e* ]]; then
+  elif { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; } && [[ "$kind" == bench:* || "$kind" == e2e* || "$kind" == overhead ]]; then
     # A measurement stopped at its limit: the rows it finished are results (JSON "complete": false).
     note "$(printf '%-18s PARTIAL  %4ss  stopped at its limit of %ss; the finished rows are kept %s' "$name" \
       $((SECONDS - t0)) "$limit" "${STAGE_NOTE:-}")"
@@ -654,6 +656,19 @@ stage_bench_goal() {
 stage_bench_wide() {
   # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
   limited bench_wide.log "$PY" -m specdec_kernels bench kernels --out-dir "$RESULTS" ${BENCH_ARGS:-}
+}
+
+# Issue 36's GPU goal: the Python and launch share of a decoding step, eager and compiled
+# (CUDA graphs), on the default model's shapes with random bf16 weights (tools/gpu_step_overhead.py;
+# rows are written as they finish, and it starts no setting past its own deadline).
+stage_overhead() {
+  if ! nvidia-smi -L 2>/dev/null | grep -q GPU; then STAGE_NOTE="no CUDA GPU here (nvidia-smi -L)"; return 75; fi
+  # shellcheck disable=SC2086  # a list of options
+  limited overhead.log "$PY" tools/gpu_step_overhead.py --out "$RESULTS/gpu_step_overhead.json" \
+    --deadline-s $((STAGE_LIMIT - 45)) ${OVERHEAD_ARGS:-}
+  local rc=$?
+  grep "^goal" "$LOGS/overhead.log" | tee -a "$SUMMARY"
+  return "$rc"
 }
 
 # The random Llama-3-8B (Llama-3-8B's shapes, random bf16 weights; no model carry): what share

@@ -103,7 +103,7 @@ import torch
 
 from .. import common
 from .floor import add_floor_shares, best_floor, decode_floor, measure_floor, model_step_cost
-from .models import RANDOM_LLAMA, load_models, random_llama3_8b
+from .models import RANDOM_DEFAULT, RANDOM_LLAMA, load_models, random_default_model, random_llama3_8b
 from .peers import PEER_METHODS, available_peers
 from .report import floor_lines, markdown, plot_acceptance, plot_speedup, split_rows, table_rows, write_results
 from .runner import (BATCH1_ONLY, DEFAULT_METHODS, DRAFT_TOKENS, DRAFT_TREE_WIDTHS, HF_PROMPT_LOOKUP_TOKENS, METHODS,
@@ -113,7 +113,7 @@ from .runner import (BATCH1_ONLY, DEFAULT_METHODS, DRAFT_TOKENS, DRAFT_TREE_WIDT
 
 __all__ = ["main", "run_args", "add_arguments", "run", "run_method", "bench_row", "kernel_share", "make_batches",
            "new_token_counts", "write_results", "table_rows", "split_rows", "markdown", "mtp_source", "MTP_METHODS", "plot_speedup", "plot_acceptance",
-           "load_models", "random_llama3_8b", "METHODS", "DEFAULT_METHODS", "default_methods", "NEEDS_DRAFT", "BATCH1_ONLY",
+           "load_models", "random_llama3_8b", "random_default_model", "RANDOM_DEFAULT", "METHODS", "DEFAULT_METHODS", "default_methods", "NEEDS_DRAFT", "BATCH1_ONLY",
            "TEMPERATURES", "SEED", "RANDOM_LLAMA", "split_method", "PEER_METHODS", "available_peers", "decode_floor",
            "measure_floor", "model_step_cost", "add_floor_shares", "best_floor"]
 
