@@ -98,7 +98,7 @@ def _union(spans):
     return total
 
 
-def gpu_busy(model, method, ids, compile, max_new_tokens):
+def gpu_busy(model, method, ids, compile, max_new_tokens, breakdown=True):
     """The GPU's busy microseconds per step of one profiled call (None on a CPU): the steps
     are the spans between consecutive `specdec::verify` calls (one a step); busy is the union
     of the kernel, memcpy and memset intervals that start in a step. Returns the median and the
@@ -126,7 +126,28 @@ def gpu_busy(model, method, ids, compile, max_new_tokens):
     def counted(names):
         return sum(1 for e in events if e.name in names and marks[0] <= e.time_range.start < marks[-1])
     steps = len(per_step)
+    # What the GPU time goes to (kernels by name) and how many host ops a step runs (ops with no
+    # op above them: what the loop calls; a compiled region counts once).
+    kernels, host = {}, {}
+    for e in events if breakdown else ():
+        if not marks[0] <= e.time_range.start < marks[-1]:
+            continue
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(e.name[:90], [0, 0.0])
+            k[0] += 1
+            k[1] += e.time_range.end - e.time_range.start
+        elif e.name.startswith(("aten::", "specdec::", "Torch-Compiled")):
+            parent, nested = e.cpu_parent, False
+            while parent is not None and not nested:
+                nested = parent.name.startswith(("aten::", "specdec::", "Torch-Compiled"))
+                parent = parent.cpu_parent
+            if not nested:
+                host[e.name] = host.get(e.name, 0) + 1
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:15]
     return dict(busy_us_median=statistics.median(per_step), busy_us_mean=sum(per_step) / steps,
+                top_kernels=[dict(name=n, per_step=c / steps, us_per_step=t / steps) for n, (c, t) in top],
+                host_ops_per_step=sum(host.values()) / steps,
+                top_host_ops={n: c / steps for n, c in sorted(host.items(), key=lambda kv: -kv[1])[:20]},
                 kernels_per_step=sum(1 for s in gpu if marks[0] <= s[0] < marks[-1]) / steps,
                 kernel_launches_per_step=counted({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
                                                   "cuLaunchKernelEx"}) / steps,
@@ -140,6 +161,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="of the default model's 30 (default all)")
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--methods", default="plain,ngram,eagle")
+    parser.add_argument("--plan", default=None, metavar="B:METHOD,...",
+                        help="the (batch size, method) pairs in this order, instead of --batch-sizes x --methods")
     parser.add_argument("--compile", default="off,reduce-overhead", help=f"comma-separated of {list(COMPILE_SETTINGS)}")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=256)
@@ -158,54 +181,57 @@ def main(argv=None) -> int:
                              prompt_len=args.prompt_len, goal_overhead=GOAL_OVERHEAD)
     rows = []
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    for batch in (int(b) for b in args.batch_sizes.split(",")):
+    if args.plan:
+        plan = [(int(pair.split(":")[0]), pair.split(":")[1]) for pair in args.plan.split(",")]
+    else:
+        plan = [(int(b), m) for b in args.batch_sizes.split(",") for m in args.methods.split(",")]
+    for batch, method in plan:
         ids = prompts(batch, args.prompt_len, model.config.vocab_size, device)
-        for method in args.methods.split(","):
-            eager_out = None
-            for name in compiles:
-                elapsed = time.perf_counter() - start
-                label = f"batch {batch} {method} compile={name}"
-                if args.deadline_s is not None and elapsed > args.deadline_s:
-                    print(f"{label}: skipped (deadline, {elapsed:.0f} s)", flush=True)
-                    rows.append(dict(batch=batch, method=method, compile=name, skipped="deadline"))
-                    continue
-                row = dict(batch=batch, method=method, compile=name)
-                try:
-                    with torch.inference_mode():
-                        warm = run(model, method, ids, COMPILE_SETTINGS[name], args.max_new_tokens)
-                        timed = run(model, method, ids, COMPILE_SETTINGS[name], args.max_new_tokens)
-                        prof = gpu_busy(model, method, ids, COMPILE_SETTINGS[name], args.max_new_tokens)
-                except Exception as error:  # a failed setting is a result: record it, go on
-                    row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-                    print(f"{label}: FAILED {row['error']}", flush=True)
-                    rows.append(row)
-                    continue
-                stats = timed.stats
-                # Steady state: the median step (a step that compiled, or re-recorded a CUDA
-                # graph for this call's new cache buffers, is an outlier, not a step's cost).
-                step_us = 1e6 * statistics.median(t["seconds"] for t in stats.trace if not t.get("compiled_graph"))
-                row.update(steps=stats.steps, tokens_per_step=stats.tokens_per_step,
-                           nodes_per_step=stats.nodes_per_step, step_us=step_us,
-                           step_us_mean=1e6 * (stats.time_total - stats.time_prefill) / max(stats.steps, 1),
-                           tokens_per_s=batch * args.max_new_tokens / stats.time_total,
-                           prefill_ms=1e3 * stats.time_prefill, compiled=stats.compiled,
-                           compile_s=warm.stats.time_compile, warm_call_s=warm.stats.time_total)
-                if name == "off":
-                    eager_out = timed.sequences
-                elif eager_out is not None:
-                    row["rows_equal_to_eager"] = int((timed.sequences == eager_out).all(dim=1).sum())
-                    row["tokens_equal_to_eager"] = float((timed.sequences == eager_out).float().mean())
-                if prof is not None:
-                    row.update(prof)
-                    row["overhead"] = 1.0 - prof["busy_us_median"] / step_us
-                    row["overhead_mean"] = 1.0 - prof["busy_us_mean"] / row["step_us_mean"]
+        eager_out = None
+        for name in compiles:
+            elapsed = time.perf_counter() - start
+            label = f"batch {batch} {method} compile={name}"
+            if args.deadline_s is not None and elapsed > args.deadline_s:
+                print(f"{label}: skipped (deadline, {elapsed:.0f} s)", flush=True)
+                rows.append(dict(batch=batch, method=method, compile=name, skipped="deadline"))
+                continue
+            row = dict(batch=batch, method=method, compile=name)
+            try:
+                with torch.inference_mode():
+                    warm = run(model, method, ids, COMPILE_SETTINGS[name], args.max_new_tokens)
+                    timed = run(model, method, ids, COMPILE_SETTINGS[name], args.max_new_tokens)
+                    prof = gpu_busy(model, method, ids, COMPILE_SETTINGS[name], args.max_new_tokens)
+            except Exception as error:  # a failed setting is a result: record it, go on
+                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                print(f"{label}: FAILED {row['error']}", flush=True)
                 rows.append(row)
-                share = f", GPU busy {row['busy_us_median']:.0f} us, overhead {100 * row['overhead']:.0f}%" \
-                    if prof is not None else ""
-                print(f"{label}: {stats.steps} steps, {stats.tokens_per_step:.2f} tok/step, {step_us:.0f} us/step"
-                      f"{share}, compile {row['compile_s']:.1f} s", flush=True)
-                result["rows"] = rows
-                common.write_json(result, args.out, quiet=True)
+                continue
+            stats = timed.stats
+            # Steady state: the median step (a step that compiled, or re-recorded a CUDA
+            # graph for this call's new cache buffers, is an outlier, not a step's cost).
+            step_us = 1e6 * statistics.median(t["seconds"] for t in stats.trace if not t.get("compiled_graph"))
+            row.update(steps=stats.steps, tokens_per_step=stats.tokens_per_step,
+                       nodes_per_step=stats.nodes_per_step, step_us=step_us,
+                       step_us_mean=1e6 * (stats.time_total - stats.time_prefill) / max(stats.steps, 1),
+                       tokens_per_s=batch * args.max_new_tokens / stats.time_total,
+                       prefill_ms=1e3 * stats.time_prefill, compiled=stats.compiled,
+                       compile_s=warm.stats.time_compile, warm_call_s=warm.stats.time_total)
+            if name == "off":
+                eager_out = timed.sequences
+            elif eager_out is not None:
+                row["rows_equal_to_eager"] = int((timed.sequences == eager_out).all(dim=1).sum())
+                row["tokens_equal_to_eager"] = float((timed.sequences == eager_out).float().mean())
+            if prof is not None:
+                row.update(prof)
+                row["overhead"] = 1.0 - prof["busy_us_median"] / step_us
+                row["overhead_mean"] = 1.0 - prof["busy_us_mean"] / row["step_us_mean"]
+            rows.append(row)
+            share = f", GPU busy {row['busy_us_median']:.0f} us, overhead {100 * row['overhead']:.0f}%" \
+                if prof is not None else ""
+            print(f"{label}: {stats.steps} steps, {stats.tokens_per_step:.2f} tok/step, {step_us:.0f} us/step"
+                  f"{share}, compile {row['compile_s']:.1f} s", flush=True)
+            result["rows"] = rows
+            common.write_json(result, args.out, quiet=True)
     result["rows"] = rows
     result["seconds"] = time.perf_counter() - start
     common.write_json(result, args.out)

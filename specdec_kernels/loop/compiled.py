@@ -259,16 +259,21 @@ class StaticForward:
             raise ValueError(f"StaticTreeKVCache: {cache.max_len + bucket_width} slots needed but the cache holds "
                              f"{cache.capacity}")
         device = tokens.device
-        pad_tokens = torch.zeros(bucket_rows, bucket_width, dtype=torch.int64, device=device)
-        pad_tokens[:rows, :width] = tokens.clamp(min=0)  # padding nodes (-1) read token 0, as in hf.forward
-        pad_positions = torch.zeros(bucket_rows, bucket_width, dtype=torch.int64, device=device)
-        pad_positions[:rows, :width] = position_ids
-        # Padding nodes and rows see only themselves (a query that sees nothing would be a
-        # softmax over nothing); no real node sees them.
-        mask = torch.eye(bucket_width, dtype=torch.bool, device=device).repeat(bucket_rows, 1, 1)
-        mask[:rows, :width, :width] = tree_mask if tree_mask.dim() == 3 else tree_mask[None]
-        seqlens = torch.zeros(bucket_rows, dtype=torch.int32, device=device)
-        seqlens[:rows] = cache.seqlens
+        if (rows, width) == (bucket_rows, bucket_width):  # nothing to pad (e.g. plain decoding of one row)
+            pad_tokens, pad_positions = tokens.clamp(min=0).long(), position_ids.long()
+            mask = tree_mask if tree_mask.dim() == 3 else tree_mask.expand(rows, -1, -1).contiguous()
+            seqlens = cache.seqlens.int()
+        else:
+            pad_tokens = torch.zeros(bucket_rows, bucket_width, dtype=torch.int64, device=device)
+            pad_tokens[:rows, :width] = tokens.clamp(min=0)  # padding nodes (-1) read token 0, as in hf.forward
+            pad_positions = torch.zeros(bucket_rows, bucket_width, dtype=torch.int64, device=device)
+            pad_positions[:rows, :width] = position_ids
+            # Padding nodes and rows see only themselves (a query that sees nothing would be a
+            # softmax over nothing); no real node sees them.
+            mask = torch.eye(bucket_width, dtype=torch.bool, device=device).repeat(bucket_rows, 1, 1)
+            mask[:rows, :width, :width] = tree_mask if tree_mask.dim() == 3 else tree_mask[None]
+            seqlens = torch.zeros(bucket_rows, dtype=torch.int32, device=device)
+            seqlens[:rows] = cache.seqlens
         hidden = bool(return_hidden)
 
         graphs = _graphs_compiled()

@@ -89,8 +89,12 @@ class TokenTree:
         if cached is not None and cached[0] is parents and torch.equal(cached[1], parents):
             return cached[2]
         depths = self._compute_depths()
-        self.__dict__["_depths"] = (parents, parents.clone(), depths)
+        self._keep_depths(depths)
         return depths
+
+    def _keep_depths(self, depths: torch.Tensor) -> None:
+        """Remember `depths` as this tree's (a constructor that knows them saves computing them)."""
+        self.__dict__["_depths"] = (self.parents, self.parents.clone(), depths)
 
     def _compute_depths(self) -> torch.Tensor:
         # Pointer doubling: after round k, `up` is each node's 2**k-th ancestor (the root
@@ -138,11 +142,17 @@ class TokenTree:
         device = draft_tokens.device
         tokens = torch.cat([root_tokens.reshape(batch, 1).to(draft_tokens.dtype), draft_tokens], dim=1)
         parents = torch.arange(-1, k, device=device).expand(batch, -1).clone()
+        # A chain's depths are its node indices (padding -1): known here, and a plain decoding
+        # step (a root-only chain) would otherwise spend ~10 small ops computing them.
+        depths = torch.arange(k + 1, device=device).expand(batch, -1).contiguous()
         if draft_lens is not None:
             is_pad = torch.arange(k + 1, device=device)[None, :] > draft_lens.to(device)[:, None]
             parents[is_pad] = -1
             tokens = tokens.masked_fill(is_pad, -1)
-        return cls(tokens, parents)
+            depths = depths.masked_fill(is_pad, -1)
+        tree = cls(tokens, parents)
+        tree._keep_depths(depths)
+        return tree
 
     @classmethod
     def from_sequences(
