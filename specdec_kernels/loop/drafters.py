@@ -27,6 +27,7 @@ and get them through `observe`.
 """
 
 import copy
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -338,11 +339,12 @@ class NgramDrafter(Drafter):
             history_rows = history[rows, : int(lengths[rows].max())]
             extended = suffix_match_lengths(history_rows, lengths[rows], drafts[rows, 0].to(history.device))
             matched[rows] = torch.maximum(matched[rows], extended.to(matched.device))
-        # Host-matched drafts join the history's device here, once.
-        tree = TokenTree.chain(root, drafts.long().to(root.device), draft_lens.to(root.device))
-        width = int(tree.num_nodes.max())
+        # Host-matched drafts join the history's device here, once, cut to the longest chain
+        # (a chain built at its width keeps the depths it knows; a cut one would recompute them).
+        width = 1 + int(draft_lens.max()) if draft_lens.numel() else 1
+        tree = TokenTree.chain(root, drafts[:, : width - 1].long().to(root.device), draft_lens.to(root.device))
         scores = match_scores(matched.to(root.device), width - 1)
-        return Draft(TokenTree(tree.tokens[:, :width], tree.parents[:, :width]), scores=scores)
+        return Draft(tree, scores=scores)
 
 
 def _no_compiled_kernel(device: torch.device, op: str) -> bool:
@@ -390,11 +392,22 @@ def match_scores(matched: torch.Tensor, depth: int) -> torch.Tensor:
     1..depth) for rows whose drafts were found with a match of `matched [B]` tokens (0: no
     draft): first(n) * next(n) ** (d - 1), first(n) = 0.93 - 0.72 * 0.6 ** (n - 1) and
     next(n) = 0.94 - 0.17 * 0.8 ** (n - 1)."""
-    n = matched.double().clamp(min=1)[:, None]
-    d = torch.arange(1, depth + 1, device=matched.device, dtype=torch.float64)[None, :]
+    # A lookup in a table of every match length up to the largest asked (two ops a step
+    # instead of ~20 small ones: host time that a GPU step waits on).
+    rows = max(int(matched.max()) + 1 if matched.numel() else 1, 33)
+    return _score_table(rows, depth, matched.device)[matched.long().clamp(min=0)]
+
+
+@functools.lru_cache(maxsize=64)
+def _score_table(rows: int, depth: int, device: torch.device) -> torch.Tensor:
+    """float32 [rows, 1 + depth]: `match_scores` for matched = 0 .. rows - 1 (computed in
+    float64, as the formula is written)."""
+    matched = torch.arange(rows, dtype=torch.float64)
+    n = matched.clamp(min=1)[:, None]
+    d = torch.arange(1, depth + 1, dtype=torch.float64)[None, :]
     first, later = 0.93 - 0.72 * 0.6 ** (n - 1), 0.94 - 0.17 * 0.8 ** (n - 1)
     scores = torch.where(matched[:, None] > 0, first * later ** (d - 1), 0.0)
-    return torch.cat([scores.new_ones(scores.shape[0], 1), scores], 1).float()
+    return torch.cat([scores.new_ones(rows, 1), scores], 1).float().to(device)
 
 
 def _cut(draft_lens: torch.Tensor, budget: Optional[torch.Tensor]) -> torch.Tensor:
