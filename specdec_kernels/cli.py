@@ -542,8 +542,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="paged KV cache with N slots per page (default: dense)")
     gen.add_argument("--compile", choices=list(COMPILE_CHOICES), default="auto",
                      help="the target's verify forward through torch.compile: on, off, auto (default: eager, the "
-                          "measured choice), reduce-overhead (CUDA graphs, CUDA only, unverified); the first steps "
-                          "compile (minutes for a large model on a CPU)")
+                          "measured choice), reduce-overhead (CUDA graphs, CUDA only: "
+                          "7.7x eager's step on an H200 for the default model, ~28 s per graph to compile); the "
+                          "first steps compile (minutes for a large model on a CPU)")
     gen.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default="float32",
                      help="weights of the target (and draft model): float32 (default: greedy output equal to HF's "
                           "fp32 generate), bfloat16, or auto (bfloat16 on a CPU with bf16 arithmetic, AVX512-BF16 "

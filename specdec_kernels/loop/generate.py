@@ -342,7 +342,8 @@ def generate(
             (`specdec_kernels.loop.compiled`: trees and rows padded to buckets, a static cache
             capacity, our ops traced through their fake implementations, no graph break).
             False: eager. True: inductor's default mode. "reduce-overhead" (CUDA graphs, CUDA
-            only, unverified) or another mode name in `compiled.MODES`. "auto" (the default):
+            only; on an H200 a plain step of the default model's shapes 7.7x faster than
+            eager, ~28 s to compile a graph) or another mode name in `compiled.MODES`. "auto" (the default):
             eager, the measured choice for now (docs/loop.md). The first step at each new
             shape bucket compiles (seconds for a tiny model, over a minute per graph for
             SmolLM2-135M on a 2-core CPU); graphs are kept for later calls with the same
