@@ -30,38 +30,12 @@ class WordTokenizer:
         return text + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
-def random_llama3_8b(*, layers=None, device="cuda", dtype=torch.bfloat16, pad_token_id=None):
-    """A LlamaForCausalLM with Llama-3-8B's shapes (hidden 4096, 32 query / 8 KV heads of 128,
-    MLP 14336, vocab 128256) and random weights; `layers` of its 32 (default all)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _random_llama(config, device, dtype):
+    """A LlamaForCausalLM for `config` with random weights built in `dtype` on `device` directly
+    (fp32 first would need twice the memory), in eval mode, set to run every row to
+    max_new_tokens (random weights have no meaningful eos)."""
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                         num_hidden_layers=layers or 32, num_attention_heads=32, num_key_value_heads=8,
-                         max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
-                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=pad_token_id)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # build the weights in bf16 directly (fp32 first would need 32 GB)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(old)
-    model.generation_config.eos_token_id = None  # random weights: every row runs to max_new_tokens
-    model.generation_config.pad_token_id = pad_token_id
-    return model.eval()
-
-
-def random_default_model(*, layers=None, device="cuda", dtype=torch.bfloat16, pad_token_id=None):
-    """A LlamaForCausalLM with the default model's shapes (SmolLM2-135M: hidden 576, 30 layers,
-    9 query / 3 KV heads of 64, MLP 1536, vocab 49152, tied embeddings) and random weights;
-    `layers` of its 30 (default all). What a step costs on a GPU, where no weights travel: a
-    step's kernels and its Python do not depend on the weights' values."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers or 30,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-                         rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=None,
-                         eos_token_id=None, pad_token_id=pad_token_id)
     torch.manual_seed(0)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -70,9 +44,35 @@ def random_default_model(*, layers=None, device="cuda", dtype=torch.bfloat16, pa
             model = LlamaForCausalLM(config)
     finally:
         torch.set_default_dtype(old)
-    model.generation_config.eos_token_id = None  # random weights: every row runs to max_new_tokens
-    model.generation_config.pad_token_id = pad_token_id
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = config.pad_token_id
     return model.eval()
+
+
+def random_llama3_8b(*, layers=None, device="cuda", dtype=torch.bfloat16, pad_token_id=None):
+    """A LlamaForCausalLM with Llama-3-8B's shapes (hidden 4096, 32 query / 8 KV heads of 128,
+    MLP 14336, vocab 128256) and random weights; `layers` of its 32 (default all)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=layers or 32, num_attention_heads=32, num_key_value_heads=8,
+                         max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=pad_token_id)
+    return _random_llama(config, device, dtype)
+
+
+def random_default_model(*, layers=None, device="cuda", dtype=torch.bfloat16, pad_token_id=None):
+    """A LlamaForCausalLM with the default model's shapes (SmolLM2-135M: hidden 576, 30 layers,
+    9 query / 3 KV heads of 64, MLP 1536, vocab 49152, tied embeddings) and random weights;
+    `layers` of its 30 (default all). What a step costs on a GPU, where no weights travel: a
+    step's kernels and its Python do not depend on the weights' values."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers or 30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                         rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=None,
+                         eos_token_id=None, pad_token_id=pad_token_id)
+    return _random_llama(config, device, dtype)
 
 
 def load_models(args, device):
