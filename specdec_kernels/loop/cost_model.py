@@ -56,6 +56,7 @@ import time
 from pathlib import Path
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 # 2: interleaved calibration rounds (files of 1 may hold shapes bent by load); 3: small_linear_rows;
@@ -170,6 +171,13 @@ def draft_identity(target, drafter) -> dict:
     return {**identity(target), "drafter": cost_identity(drafter), "draft_format": DRAFT_FORMAT}
 
 
+def float64_array(values) -> np.ndarray:
+    """float64 numpy copy of a tensor (any device) or array-like."""
+    if isinstance(values, torch.Tensor):
+        return values.detach().to("cpu", torch.float64).numpy()
+    return np.asarray(values, dtype=np.float64)
+
+
 class _Curve:
     """Piecewise linear through measured points `(x, y)` (x increasing, y finite and > 0):
     flat before the first point; past the last, its last slope (never falling) when
@@ -183,16 +191,19 @@ class _Curve:
             raise ValueError(f"{name}: expected increasing sizes >= 1, got {x}")
         if not all(math.isfinite(v) and v > 0 for v in y):
             raise ValueError(f"{name}: expected finite seconds > 0, got {y}")
-        self.x = torch.tensor(x, dtype=torch.float64)
-        self.y = torch.tensor(y, dtype=torch.float64)
+        # numpy float64: the planner asks every step, and a numpy op on a few numbers costs
+        # ~1 us where a torch op costs 5-10 us inside the decode loop (20 us on a GPU host)
+        self.x = np.array(x, dtype=np.float64)
+        self.y = np.array(y, dtype=np.float64)
         slopes = (self.y[1:] - self.y[:-1]) / (self.x[1:] - self.x[:-1])
-        last = slopes[-1:].clamp(min=0) if extend and len(x) > 1 else self.y.new_zeros(1)
-        self._slopes = torch.cat([slopes, last])
+        last = np.maximum(slopes[-1:], 0.0) if extend and len(x) > 1 else np.zeros(1)
+        self._slopes = np.concatenate([slopes, last])
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(torch.float64)
-        seg = (torch.searchsorted(self.x, x, right=True) - 1).clamp(min=0)
-        return self.y[seg] + self._slopes[seg] * (x - self.x[seg]).clamp(min=0)
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """float64 seconds at sizes `x` (a numpy array)."""
+        x = np.asarray(x, dtype=np.float64)
+        seg = np.maximum(np.searchsorted(self.x, x, side="right") - 1, 0)
+        return self.y[seg] + self._slopes[seg] * np.maximum(x - self.x[seg], 0.0)
 
     def to_dict(self, x_name: str) -> dict:
         return {x_name: self.x.tolist(), "seconds": self.y.tolist()}
@@ -269,15 +280,28 @@ class CostModel(_Measured):
         self.small_linear_rows = (lo, hi)
         self.rows = list(self.tables)
         self._floor = 0.5 * min(float(curve.y[0]) for curve in self.tables.values())
-        self._ratio = torch.ones(64, dtype=torch.float64)  # per log2 bucket of the token count
-        self._seen = torch.zeros(64, dtype=torch.bool)
+        self._ratio = np.ones(64)  # per log2 bucket of the token count
+        self._seen = np.zeros(64, dtype=bool)
 
     # ------------------------------------------------------------------ predictions
 
     def forward_seconds(self, rows: int, widths: torch.Tensor, prefix: float = CAL_PREFIX) -> torch.Tensor:
         """float64 seconds of target forwards of `rows` rows over trees `widths` (a tensor)
         nodes wide at `prefix`, as calibrated (no online correction)."""
-        widths = widths.to(torch.float64).clamp(min=1.0)
+        return torch.from_numpy(self.forward_seconds_np(rows, float64_array(widths), prefix))
+
+    def step_seconds(self, rows: int, widths: torch.Tensor, prefix: float, draft_seconds=0.0,
+                     corrected: bool = True) -> torch.Tensor:
+        """float64 seconds of steps of `rows` rows whose trees are `widths` nodes wide (root
+        included; a tensor) and whose drafting took `draft_seconds` (a float, or a tensor like
+        `widths`; `DraftCost`), corrected by what the loop measured (see `observe`) unless
+        `corrected` is False (the calibration alone: the same answer every time)."""
+        draft = draft_seconds if isinstance(draft_seconds, float) else float64_array(draft_seconds)
+        return torch.from_numpy(self.step_seconds_np(rows, float64_array(widths), prefix, draft, corrected))
+
+    def forward_seconds_np(self, rows: int, widths: np.ndarray, prefix: float = CAL_PREFIX) -> np.ndarray:
+        """`forward_seconds` on numpy arrays (the planner's per-step path)."""
+        widths = np.maximum(np.asarray(widths, dtype=np.float64), 1.0)
         measured = self.rows
         if rows in self.tables:
             base = self.tables[rows](widths)
@@ -289,23 +313,21 @@ class CostModel(_Measured):
             lo = max(r for r in measured if r < rows)
             t = (rows - lo) / (hi - lo)
             base = (1 - t) * self.tables[lo](widths) + t * self.tables[hi](widths)
-        return (base + self.per_key * rows * widths * (float(prefix) - self.prefix)).clamp(min=self._floor)
+        return np.maximum(base + self.per_key * rows * widths * (float(prefix) - self.prefix), self._floor)
 
-    def step_seconds(self, rows: int, widths: torch.Tensor, prefix: float, draft_seconds=0.0,
-                     corrected: bool = True) -> torch.Tensor:
-        """float64 seconds of steps of `rows` rows whose trees are `widths` nodes wide (root
-        included; a tensor) and whose drafting took `draft_seconds` (a float, or a tensor like
-        `widths`; `DraftCost`), corrected by what the loop measured (see `observe`) unless
-        `corrected` is False (the calibration alone: the same answer every time)."""
-        seconds = self.forward_seconds(rows, widths, prefix) + draft_seconds
-        return seconds * self._correction(rows * widths.to(torch.float64)) if corrected else seconds
+    def step_seconds_np(self, rows: int, widths: np.ndarray, prefix: float, draft_seconds=0.0,
+                        corrected: bool = True) -> np.ndarray:
+        """`step_seconds` on numpy arrays (the planner's per-step path)."""
+        widths = np.asarray(widths, dtype=np.float64)
+        seconds = self.forward_seconds_np(rows, widths, prefix) + draft_seconds
+        return seconds * self._correction(rows * widths) if corrected else seconds
 
-    def _correction(self, tokens: torch.Tensor) -> torch.Tensor:
-        bucket = torch.log2(tokens.clamp(min=1)).round().long().clamp(max=63)
-        if not bool(self._seen.any()):
-            return torch.ones_like(tokens)
-        seen = self._seen.nonzero()[:, 0]
-        nearest = seen[(bucket[:, None] - seen[None, :]).abs().argmin(1)]
+    def _correction(self, tokens: np.ndarray) -> np.ndarray:
+        if not self._seen.any():
+            return np.ones_like(tokens)
+        bucket = np.minimum(np.round(np.log2(np.maximum(tokens, 1.0))).astype(np.int64), 63)
+        seen = np.flatnonzero(self._seen)
+        nearest = seen[np.abs(bucket[:, None] - seen[None, :]).argmin(1)]
         return self._ratio[nearest]
 
     def observe(self, rows: int, width: int, prefix: float, seconds: float, draft_seconds: float = 0.0) -> None:
@@ -314,7 +336,7 @@ class CostModel(_Measured):
         step drafted nothing)."""
         if rows <= 0 or width <= 0 or not (math.isfinite(seconds) and seconds > 0):
             return
-        predicted = float(self.forward_seconds(rows, torch.tensor([float(width)]), prefix)[0]) + draft_seconds
+        predicted = float(self.forward_seconds_np(rows, np.array([float(width)]), prefix)[0]) + draft_seconds
         ratio = min(max(seconds / predicted, _RATIO_RANGE[0]), _RATIO_RANGE[1])
         b = min(int(round(math.log2(rows * width))), 63)
         # A bucket starts from the calibration (ratio 1): one odd step moves it a fifth of the way.
@@ -367,7 +389,11 @@ class DraftCost(_Measured):
         """float64 seconds of drafting up to `nodes` (a tensor) nodes per row for `rows` rows;
         0 where nodes is 0 (the step drafts nothing). Linear in the rows between measured row
         counts, and past the last with the slope of the last two (the smallest table below)."""
-        nodes = nodes.to(torch.float64)
+        return torch.from_numpy(self.seconds_np(rows, float64_array(nodes)))
+
+    def seconds_np(self, rows: int, nodes: np.ndarray) -> np.ndarray:
+        """`seconds` on numpy arrays (the planner's per-step path)."""
+        nodes = np.asarray(nodes, dtype=np.float64)
         measured = self.rows
         if rows in self.tables or rows < measured[0] or len(measured) == 1:
             base = self.tables[rows if rows in self.tables else measured[0 if rows < measured[0] else -1]](nodes)
@@ -376,8 +402,8 @@ class DraftCost(_Measured):
             lo = max(r for r in measured if r < hi)
             t = (rows - lo) / (hi - lo)  # > 1 past the last row count
             low, high = self.tables[lo](nodes), self.tables[hi](nodes)
-            base = low + t * (high - low).clamp(min=0) if rows > hi else (1 - t) * low + t * high
-        return torch.where(nodes > 0, base, 0.0)
+            base = low + t * np.maximum(high - low, 0.0) if rows > hi else (1 - t) * low + t * high
+        return np.where(nodes > 0, base, 0.0)
 
     def to_dict(self) -> dict:
         return {"key": self.key, "tables": {str(r): c.to_dict("nodes") for r, c in self.tables.items()}}

@@ -51,7 +51,7 @@ from typing import Dict, Optional
 import numpy as np
 import torch
 
-from .cost_model import CostModel, DraftCost, draft_identity, identity, tensor_parallel
+from .cost_model import CostModel, DraftCost, draft_identity, float64_array, identity, tensor_parallel
 from .drafters import Draft, keep_nodes, rank_nodes
 
 
@@ -67,45 +67,56 @@ def choose_counts(gains: torch.Tensor, step_seconds: torch.Tensor, *, max_batch_
     Args:
         gains: float [R, N], each row's candidate nodes' acceptance probabilities, sorted
             descending per row (absent nodes 0).
-        step_seconds: float [N + 1], predicted seconds of a step whose widest tree has 1 + n
-            nodes (n = 0 .. N).
+        step_seconds: float [N + 1] (a tensor or numpy array), predicted seconds of a step
+            whose widest tree has 1 + n nodes (n = 0 .. N).
         max_batch_nodes: most drafted nodes over all rows (None: no limit).
         min_gain: nodes with a gain <= min_gain are never verified.
 
     Returns:
-        int64 [R]: row r verifies its first counts[r] nodes.
+        int64 [R] on gains' device: row r verifies its first counts[r] nodes.
     """
     rows, num = gains.shape
-    if step_seconds.shape != (num + 1,):
+    if tuple(step_seconds.shape) != (num + 1,):
         raise ValueError(f"step_seconds: expected shape ({num + 1},), got {tuple(step_seconds.shape)}")
     if max_batch_nodes is not None and max_batch_nodes < 0:
         raise ValueError(f"max_batch_nodes: expected >= 0 or None, got {max_batch_nodes}")
     if rows == 0 or num == 0:
         return torch.zeros(rows, dtype=torch.int64, device=gains.device)
-    gains = gains.double()
+    # On the host in numpy: a handful of numbers, asked every step (a numpy op ~1 us, a torch
+    # op 5-10 us inside the decode loop and ~20 us on a GPU's host).
+    counts = _choose_counts(float64_array(gains), float64_array(step_seconds), max_batch_nodes, min_gain)
+    return torch.from_numpy(counts).to(gains.device)
+
+
+def _choose_counts(gains: np.ndarray, step_seconds: np.ndarray, max_batch_nodes: Optional[int],
+                   min_gain: float) -> np.ndarray:
+    """`choose_counts` on float64 numpy arrays (rows and nodes >= 1)."""
+    rows, num = gains.shape
     useful = gains > min_gain
     gains = gains * useful
     available = useful.sum(1)  # [R]: a row's useful nodes (a prefix, since sorted)
-    levels = torch.arange(num + 1, device=gains.device)
-    counts = torch.minimum(levels[:, None], available[None, :])  # [N + 1, R]: each row's nodes at level n
-    cumulative = torch.cat([gains.new_zeros(rows, 1), gains.cumsum(1)], 1)  # [R, N + 1]
+    levels = np.arange(num + 1)
+    counts = np.minimum(levels[:, None], available[None, :])  # [N + 1, R]: each row's nodes at level n
+    cumulative = np.concatenate([np.zeros((rows, 1)), gains.cumsum(1)], 1)  # [R, N + 1]
     expected = rows + cumulative.sum(0)  # [N + 1]: expected tokens at level n
     if max_batch_nodes is not None:
         over = counts.sum(1) > max_batch_nodes
-        if bool(over.any()):
-            # Levels over the budget keep the budget's best nodes among their ranks < n.
-            ranks = torch.arange(num, device=gains.device)
-            masked = torch.where(ranks[None, None, :] < levels[over][:, None, None], gains[None], 0.0)
-            k = min(max_batch_nodes, rows * num)
-            top = masked.flatten(1).topk(k, dim=1)
-            chosen = torch.zeros_like(masked.flatten(1)).scatter_(1, top.indices, (top.values > 0).double())
-            counts[over] = chosen.view(-1, rows, num).sum(2).long()
-            expected[over] = rows + top.values.sum(1)
-    width = counts.max(1).values  # the widest row sets the step's cost
-    goodput = expected / step_seconds.to(expected)[width]
+        if over.any():
+            # Levels over the budget keep the budget's best nodes among their ranks < n (ties:
+            # the earlier row, then the earlier rank).
+            ranks = np.arange(num)
+            masked = np.where(ranks[None, None, :] < levels[over][:, None, None], gains[None], 0.0).reshape(-1, rows * num)
+            top = np.argsort(-masked, axis=1, kind="stable")[:, : min(max_batch_nodes, rows * num)]
+            values = np.take_along_axis(masked, top, 1)
+            chosen = np.zeros_like(masked)
+            np.put_along_axis(chosen, top, (values > 0).astype(np.float64), 1)
+            counts[over] = chosen.reshape(-1, rows, num).sum(2).astype(np.int64)
+            expected[over] = rows + values.sum(1)
+    width = counts.max(1)  # the widest row sets the step's cost
+    goodput = expected / step_seconds[width]
     # The cheapest level within rounding of the best (a tie buys nothing for the extra compute).
-    best = int((goodput >= goodput.max() * (1 - 1e-9)).nonzero()[0, 0])
-    return counts[best]
+    best = int(np.flatnonzero(goodput >= goodput.max() * (1 - 1e-9))[0])
+    return counts[best].astype(np.int64)
 
 
 class AcceptanceModel:
@@ -339,21 +350,21 @@ class Planner:
         self._plan, self._drafted = None, 0
         self._idle, self._probing = 0, False  # steps in a row without drafting; this step probes
 
-    def _draft_seconds(self, rows: int, nodes: torch.Tensor) -> torch.Tensor:
+    def _draft_seconds(self, rows: int, nodes: np.ndarray) -> np.ndarray:
         """float64 predicted seconds of drafting up to `nodes` nodes per row (0 for 0)."""
         if self.draft_cost is None:
-            return torch.zeros(nodes.shape, dtype=torch.float64)
-        return self.draft_cost.seconds(rows, nodes)
+            return np.zeros(np.shape(nodes))
+        return self.draft_cost.seconds_np(rows, nodes)
 
-    def _step_seconds(self, rows: int, prefix: float, num_nodes: int, drafted: Optional[int] = None) -> torch.Tensor:
+    def _step_seconds(self, rows: int, prefix: float, num_nodes: int, drafted: Optional[int] = None) -> np.ndarray:
         """[num_nodes + 1]: predicted seconds of a step with trees 1 .. num_nodes + 1 wide.
         drafted None: drafting is still to be chosen, and a tree of n drafted nodes pays for
         drafting n (plain decoding for nothing); else the step drafted up to `drafted` nodes
         per row (0: nothing), paid whatever it verifies."""
-        widths = torch.arange(1, num_nodes + 2)
-        nodes = widths - 1 if drafted is None else torch.full_like(widths, drafted)
-        return self.cost_model.step_seconds(rows, widths, prefix, self._draft_seconds(rows, nodes),
-                                            corrected=not self._reproducible)
+        widths = np.arange(1, num_nodes + 2, dtype=np.float64)
+        nodes = widths - 1 if drafted is None else np.full_like(widths, drafted)
+        return self.cost_model.step_seconds_np(rows, widths, prefix, self._draft_seconds(rows, nodes),
+                                               corrected=not self._reproducible)
 
     @property
     def drafting(self) -> bool:
@@ -400,7 +411,7 @@ class Planner:
         rows, width = tree.tokens.shape
         real = tree.parents >= 0  # drafted nodes (the root has parent -1)
         node = torch.arange(width, device=tree.parents.device)
-        paid = float(self._draft_seconds(rows, torch.tensor([self._drafted]))[0])
+        paid = float(self._draft_seconds(rows, np.array([float(self._drafted)]))[0])
         if draft.draft_probs is not None:  # sampled children: never pruned by value (module docstring)
             ranks = torch.where(real, node - 1, -1)
             self._plan = _Plan(ranks, tree.parents, draft.scores, rows, width, prefix, paid)
