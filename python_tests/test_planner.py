@@ -383,6 +383,28 @@ def test_a_row_that_stopped_drafting_probes(target, draft):
     assert planner.budget(prefix=cm.CAL_PREFIX).tolist() == [1, 1] and planner.drafting
 
 
+def test_observe_counts_the_first_depth_whatever_the_path_length(target, draft):
+    """A chain of 3 whose first node is accepted and second rejected: rank 0 was tried and hit,
+    rank 1 tried and missed, rank 2 not tried (its parent was rejected); then a step that
+    rejects the first node: rank 0 tried again, not hit. (The accepted path's padding entries
+    once overwrote the root's mark, so rank 0 counted only when the whole chain was accepted.)"""
+    drafter = sk.DraftModelDrafter(draft, num_tokens=3)
+    cost = cm.CostModel(cm.identity(target), {1: ([1, 4], [0.01, 0.01])})
+    draft_cost = cm.DraftCost(cm.draft_identity(target, drafter), {1: ([1, 3], [1e-6, 1e-6])})
+    planner = Planner(cost, draft_cost=draft_cost, decay=0.5)
+    planner.start(target, 1, drafter.max_nodes, "cpu", drafter)
+    chain = Draft(sk.TokenTree.chain(torch.tensor([7]), torch.tensor([[8, 9, 10]])))  # no scores: the rates decide
+    for accepted, want_tried, want_hit in (([0, 1, -1, -1], [1, 1, 0], [1, 0, 0]),
+                                           ([0, -1, -1, -1], [1.5, 0.5, 0], [0.5, 0, 0])):
+        kept = planner.select(chain, prefix=cm.CAL_PREFIX)
+        assert kept.tree.parents.tolist() == [[-1, 0, 1, 2]]  # free to verify: the whole chain
+        path = torch.tensor([accepted])
+        planner.observe(SimpleNamespace(accepted_nodes=path, num_accepted=(path >= 0).sum(1) - 1),
+                        torch.ones(1, dtype=torch.bool))
+        acceptance = planner.acceptance
+        assert acceptance.tried[0, :3].tolist() == want_tried and acceptance.hit[0, :3].tolist() == want_hit
+
+
 class CountingDrafter(sk.DraftModelDrafter):
     """A draft-model chain that counts the proposals asked of it."""
 

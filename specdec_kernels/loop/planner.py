@@ -90,8 +90,10 @@ def choose_counts(gains: torch.Tensor, step_seconds: torch.Tensor, *, max_batch_
 
 def _choose_counts(gains: np.ndarray, step_seconds: np.ndarray, max_batch_nodes: Optional[int],
                    min_gain: float) -> np.ndarray:
-    """`choose_counts` on float64 numpy arrays (rows and nodes >= 1)."""
+    """`choose_counts` on float64 numpy arrays."""
     rows, num = gains.shape
+    if rows == 0 or num == 0:
+        return np.zeros(rows, dtype=np.int64)
     useful = gains > min_gain
     gains = gains * useful
     available = useful.sum(1)  # [R]: a row's useful nodes (a prefix, since sorted)
@@ -147,70 +149,86 @@ class AcceptanceModel:
     verifies nodes of a rank, its scores are judged against what they turned out to be worth.
     """
 
-    def __init__(self, rows: int, max_nodes: int, device, *, decay: float = 0.8, prior: float = 0.6,
+    def __init__(self, rows: int, max_nodes: int, device=None, *, decay: float = 0.8, prior: float = 0.6,
                  prior_weight: float = 1.0, rank_weight: float = 3.0):
+        # The state lives on the host whatever the rows' device (`device` is accepted and
+        # ignored): a few numbers per row, read and updated every step in numpy through
+        # `.numpy()` views of these CPU tensors (a numpy op on them ~1 us; a torch op 5-10 us
+        # inside the decode loop, and a GPU kernel plus a sync on a GPU).
         self.decay, self.prior_weight, self.rank_weight = decay, prior_weight, rank_weight
-        self.hit = torch.zeros(rows, max_nodes + 1, dtype=torch.float64, device=device)  # last column: padding sink
+        self.hit = torch.zeros(rows, max_nodes + 1, dtype=torch.float64)  # last column: padding sink
         self.tried = torch.zeros_like(self.hit)
         self.score_sum = torch.zeros_like(self.hit)
         self.prior = prior
-        self.accepted = torch.zeros(rows, dtype=torch.float64, device=device)
+        self.accepted = torch.zeros(rows, dtype=torch.float64)
         self.rejected = torch.zeros_like(self.accepted)
 
     def alpha(self) -> torch.Tensor:
         """float64 [R]: each row's per-token acceptance (decayed, with the prior)."""
-        w = self.prior_weight
-        return (self.accepted + self.prior * w) / (self.accepted + self.rejected + w)
+        return torch.from_numpy(self.alpha_np())
+
+    def alpha_np(self) -> np.ndarray:
+        """`alpha` as a numpy array."""
+        w, accepted = self.prior_weight, self.accepted.numpy()
+        return (accepted + self.prior * w) / (accepted + self.rejected.numpy() + w)
 
     def conditional_rates(self) -> torch.Tensor:
         """float64 [R, N]: P(the rank-k node is accepted | its parent is)."""
+        return torch.from_numpy(self.conditional_rates_np())
+
+    def conditional_rates_np(self) -> np.ndarray:
+        """`conditional_rates` as a numpy array."""
         w = self.rank_weight
-        return ((self.hit + self.alpha()[:, None] * w) / (self.tried + w))[:, :-1]
+        return ((self.hit.numpy() + self.alpha_np()[:, None] * w) / (self.tried.numpy() + w))[:, :-1]
 
     def rank_rates(self) -> torch.Tensor:
         """float64 [R, N]: P(the rank-k node is accepted) for a chain (node k's parent is
         node k - 1): the product of the conditional rates, non-increasing in k."""
-        return self.conditional_rates().cumprod(1)
+        return torch.from_numpy(self.conditional_rates_np().cumprod(1))
 
     def estimates(self, scores: Optional[torch.Tensor], parent_ranks: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """float64 [R, K]: acceptance estimates of each row's nodes in rank order, non-increasing
-        in k.
+        """float64 [R, K] (on the host): acceptance estimates of each row's nodes in rank
+        order, non-increasing in k.
 
         scores: [R, K] the nodes' path scores in rank order (None: the rates alone).
         parent_ranks: int [R, K], the rank of each node's parent (-1: the root); None: a chain
             (node k's parent is node k - 1). Parents rank before their children.
+        (Tensors on any device, or numpy arrays.)
         """
+        return torch.from_numpy(self.estimates_np(None if scores is None else float64_array(scores),
+                                                  None if parent_ranks is None else _int_array(parent_ranks)))
+
+    def estimates_np(self, scores: Optional[np.ndarray], parent_ranks: Optional[np.ndarray] = None) -> np.ndarray:
+        """`estimates` on numpy arrays (float64 scores, int64 parent ranks)."""
         num = self.hit.shape[1] - 1
         k = scores.shape[1] if scores is not None else parent_ranks.shape[1] if parent_ranks is not None else num
         if k > num:
             raise ValueError(f"scores: {k} ranked nodes, but the model tracks {num}")
-        rates = self.conditional_rates()[:, :k]
+        rates = self.conditional_rates_np()[:, :k]
         if scores is not None:
             w = self.rank_weight
-            alpha = self.alpha()[:, None]
-            scores = scores.double().clamp(min=0)
-            parent_scores = scores.new_ones(scores.shape)
+            alpha = self.alpha_np()[:, None]
+            scores = np.maximum(scores, 0.0)
+            parent_scores = np.ones_like(scores)
             if parent_ranks is None:
                 parent_scores[:, 1:] = scores[:, :-1]
             else:
-                parent_scores = torch.where(parent_ranks >= 0, scores.gather(1, parent_ranks.clamp(min=0)), 1.0)
-            conditional = torch.where(parent_scores > 0, scores / parent_scores, 0.0).clamp(max=1.0)
-            typical = (self.score_sum[:, :k] + alpha * w) / (self.tried[:, :k] + w)
-            ratio = torch.where(typical > 0, conditional / typical, 1.0).clamp(max=4.0)
-            rates = (rates * ratio).clamp(max=1.0)
+                parent_scores = np.where(parent_ranks >= 0,
+                                         np.take_along_axis(scores, np.maximum(parent_ranks, 0), 1), 1.0)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                conditional = np.minimum(np.where(parent_scores > 0, scores / parent_scores, 0.0), 1.0)
+                typical = (self.score_sum.numpy()[:, :k] + alpha * w) / (self.tried.numpy()[:, :k] + w)
+                ratio = np.minimum(np.where(typical > 0, conditional / typical, 1.0), 4.0)
+            rates = np.minimum(rates * ratio, 1.0)
         if parent_ranks is None:
-            estimates = rates.cumprod(1)
-        else:  # parents rank first: one pass in rank order multiplies each path out (in numpy
-            # on the host: a rank's few ops cost ~1 us there, 5-10 us as torch ops in the loop)
-            host = rates.detach().cpu().numpy()
-            parents = parent_ranks.cpu().numpy()
-            path = host.copy()
+            path = rates.cumprod(1)
+        else:  # parents rank first: one pass in rank order multiplies each path out
+            path = rates.copy()
             rows = np.arange(path.shape[0])
             for j in range(1, k):
-                parent = parents[:, j]
-                path[:, j] = host[:, j] * np.where(parent >= 0, path[rows, np.maximum(parent, 0)], 1.0)
-            estimates = torch.from_numpy(path).to(rates.device)
-        return estimates.cummin(1).values
+                parent = parent_ranks[:, j]
+                path[:, j] = rates[:, j] * np.where(parent >= 0, path[rows, np.maximum(parent, 0)], 1.0)
+        return np.minimum.accumulate(path, axis=1) if path.shape[1] else path
 
     def update(self, ranks: torch.Tensor, on_path: torch.Tensor, scores: Optional[torch.Tensor], active: torch.Tensor,
                rejected: Optional[torch.Tensor] = None, parents: Optional[torch.Tensor] = None) -> None:
@@ -219,41 +237,66 @@ class AcceptanceModel:
         the root's 1) or None, `active [R]` (rows still generating before this step),
         `rejected [R]` (the accepted path stopped where a verified child existed; None: where a
         node whose parent was accepted was not), `parents [R, T]` (node ids; None: a chain,
-        node t's parent is node t - 1)."""
+        node t's parent is node t - 1). Tensors on any device, or numpy arrays."""
+        self.update_np(_int_array(ranks), _bool_array(on_path), None if scores is None else float64_array(scores),
+                       _bool_array(active), None if rejected is None else _bool_array(rejected),
+                       None if parents is None else _int_array(parents))
+
+    def update_np(self, ranks: np.ndarray, on_path: np.ndarray, scores: Optional[np.ndarray], active: np.ndarray,
+                  rejected: Optional[np.ndarray] = None, parents: Optional[np.ndarray] = None) -> None:
+        """`update` on numpy arrays."""
         sink = self.hit.shape[1] - 1
         if parents is None:
-            parents = (torch.arange(ranks.shape[1], device=ranks.device) - 1).expand_as(ranks)
-        parents = parents.long().clamp(min=0)
+            parents = np.broadcast_to(np.arange(ranks.shape[1]) - 1, ranks.shape)
+        parents = np.maximum(parents, 0)
         verified = (ranks >= 0) & active[:, None]
-        reached = verified & on_path.gather(1, parents)  # verified with the parent accepted
-        index = torch.where(reached, ranks, sink)
-        for counts in (self.hit, self.tried, self.score_sum, self.accepted, self.rejected):
-            counts.mul_(self.decay)
-        hits = (reached & on_path).double()
+        reached = verified & np.take_along_axis(on_path, parents, 1)  # verified with the parent accepted
+        index = np.where(reached, ranks, sink)
+        hit, tried, score_sum = self.hit.numpy(), self.tried.numpy(), self.score_sum.numpy()
+        accepted, rejected_counts = self.accepted.numpy(), self.rejected.numpy()
+        for counts in (hit, tried, score_sum, accepted, rejected_counts):
+            counts *= self.decay
+        hits = (reached & on_path).astype(np.float64)
         if rejected is None:
             rejected = (reached & ~on_path).any(1)
-        self.accepted.add_(hits.sum(1))
-        self.rejected.add_((rejected & active).double())
-        self.tried.scatter_add_(1, index, reached.double())
-        self.hit.scatter_add_(1, index, hits)
+        accepted += hits.sum(1)
+        rejected_counts += (rejected & active).astype(np.float64)
+        rows = np.broadcast_to(np.arange(ranks.shape[0])[:, None], ranks.shape)
+        np.add.at(tried, (rows, index), reached.astype(np.float64))
+        np.add.at(hit, (rows, index), hits)
         if scores is not None:
-            scores = scores.double()
-            above = scores.gather(1, parents)
-            conditional = torch.where(above > 0, scores / above, 0.0).clamp(0.0, 1.0)
-            self.score_sum.scatter_add_(1, index, torch.where(reached, conditional, 0.0))
+            above = np.take_along_axis(scores, parents, 1)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                conditional = np.clip(np.where(above > 0, scores / above, 0.0), 0.0, 1.0)
+            np.add.at(score_sum, (rows, index), np.where(reached, conditional, 0.0))
 
     def keep_rows(self, rows: torch.Tensor) -> None:
+        rows = rows.cpu()
         self.hit, self.tried, self.score_sum = self.hit[rows], self.tried[rows], self.score_sum[rows]
         self.accepted, self.rejected = self.accepted[rows], self.rejected[rows]
+
+
+def _int_array(values) -> np.ndarray:
+    """int64 numpy copy of a tensor (any device) or array."""
+    if isinstance(values, torch.Tensor):
+        return values.detach().to("cpu", torch.int64).numpy()
+    return np.asarray(values, dtype=np.int64)
+
+
+def _bool_array(values) -> np.ndarray:
+    """bool numpy copy of a tensor (any device) or array."""
+    if isinstance(values, torch.Tensor):
+        return values.detach().to("cpu", torch.bool).numpy()
+    return np.asarray(values, dtype=bool)
 
 
 @dataclass
 class _Plan:
     """What the planner decided for the step in flight (for `observe`)."""
 
-    ranks: torch.Tensor  # [R, T] rank of each verified node, -1 root / padding
-    parents: torch.Tensor  # [R, T] of the verified tree
-    scores: Optional[torch.Tensor]
+    ranks: np.ndarray  # [R, T] rank of each verified node, -1 root / padding
+    parents: np.ndarray  # [R, T] of the verified tree
+    scores: Optional[np.ndarray]
     rows: int
     width: int
     prefix: float
@@ -345,7 +388,8 @@ class Planner:
         self._reproducible = reproducible
         use_learned = not reproducible and self._learned_key is not None
         prior = _LEARNED.get(self._learned_key, self.prior) if use_learned else self.prior
-        self.acceptance = AcceptanceModel(rows, max_nodes, device, decay=self.decay, prior=prior)
+        self.acceptance = AcceptanceModel(rows, max_nodes, decay=self.decay, prior=prior)
+        self.device = torch.device(device)  # the rows': where budgets go back to
         self._alpha_sum, self._alpha_rows = 0.0, 0
         self._plan, self._drafted = None, 0
         self._idle, self._probing = 0, False  # steps in a row without drafting; this step probes
@@ -376,13 +420,14 @@ class Planner:
         """int64 [R]: the most nodes each row should draft this step (from its history).
         remaining: [R] tokens each row may still emit (None: no limit); a step emits the
         accepted drafts plus one token, so drafts deeper than remaining - 1 are worth nothing."""
-        rates = self.acceptance.rank_rates()
+        # (In numpy on the host, as the whole plan: see AcceptanceModel.)
+        rates = self.acceptance.conditional_rates_np().cumprod(1)
         if remaining is not None:  # a chain's rank k sits at depth k + 1
-            rank = torch.arange(rates.shape[1], device=rates.device)
-            rates = torch.where(rank[None, :] + 1 < remaining.to(rates.device)[:, None], rates, 0.0)
+            rank = np.arange(rates.shape[1])
+            rates = np.where(rank[None, :] + 1 < _int_array(remaining)[:, None], rates, 0.0)
         # A free drafter drafts its full size every step: paid at every level alike.
         seconds = self._step_seconds(rates.shape[0], prefix, rates.shape[1], self.max_nodes if self._free else None)
-        counts = choose_counts(rates, seconds, max_batch_nodes=self.max_batch_nodes, min_gain=self.min_gain)
+        counts = _choose_counts(rates, seconds, self.max_batch_nodes, self.min_gain)
         # A probe: after PROBE_AFTER steps without drafting, one node per row that may still
         # use it. Rows that stop drafting learn nothing more, and their rates only drift back
         # to the call's prior, which a short or unlucky earlier call may have left too low to
@@ -390,71 +435,82 @@ class Planner:
         # from drafting on code edit, 40 tok/s where 110 was there to take). Deterministic:
         # the plan of a sampled call still depends on its own rows only.
         self._probing = False
-        most = int(counts.max()) if counts.numel() else 0
-        if not self._free and counts.numel() and most == 0:
+        most = int(counts.max()) if counts.size else 0
+        if not self._free and counts.size and most == 0:
             self._idle += 1
             if self._idle >= PROBE_AFTER:
-                counts = (rates[:, 0] > 0).long() if rates.shape[1] else counts
+                counts = (rates[:, 0] > 0).astype(np.int64) if rates.shape[1] else counts
                 if self.max_batch_nodes is not None:  # the batch's node budget holds for probes too
-                    counts = torch.where(counts.cumsum(0) <= self.max_batch_nodes, counts, 0)
+                    counts = np.where(counts.cumsum(0) <= self.max_batch_nodes, counts, 0)
                 self._probing = bool(counts.any())
                 most = int(self._probing)
         if most > 0:
             self._idle = 0
         self._drafted = self.max_nodes if self._free else most
-        return counts
+        return torch.from_numpy(counts).to(self.device)
 
     def select(self, draft: Draft, prefix: float, remaining: Optional[torch.Tensor] = None) -> Draft:
         """The drafted tree cut to the nodes worth verifying (sampled trees: as drafted);
         remaining as in `budget` (nodes deeper than remaining - 1 are never verified)."""
         tree = draft.tree
         rows, width = tree.tokens.shape
-        real = tree.parents >= 0  # drafted nodes (the root has parent -1)
-        node = torch.arange(width, device=tree.parents.device)
+        # The plan is made on the host: one copy of the tree's parents and scores there.
+        parents = _int_array(tree.parents)
+        scores = None if draft.scores is None else float64_array(draft.scores)
+        real = parents >= 0  # drafted nodes (the root has parent -1)
+        node = np.arange(width)
         paid = float(self._draft_seconds(rows, np.array([float(self._drafted)]))[0])
         if draft.draft_probs is not None:  # sampled children: never pruned by value (module docstring)
-            ranks = torch.where(real, node - 1, -1)
-            self._plan = _Plan(ranks, tree.parents, draft.scores, rows, width, prefix, paid)
+            self._plan = _Plan(np.where(real, node - 1, -1), parents, scores, rows, width, prefix, paid)
             return draft
         # Rank the nodes by the drafter's scores, else in its node order (its priority).
-        key = draft.scores if draft.scores is not None else (1.0 - node / width).expand(rows, -1)
-        order, position = rank_nodes(key, real)
-        ranked_scores = None if draft.scores is None else draft.scores.gather(1, order)[:, 1:]
-        parent_ranks = position.gather(1, tree.parents.gather(1, order[:, 1:]).clamp(min=0)) - 1
+        key = scores if scores is not None else np.broadcast_to(1.0 - node / width, (rows, width))
+        order, position = (t.numpy() for t in rank_nodes(torch.from_numpy(np.ascontiguousarray(key)),
+                                                          torch.from_numpy(real)))
+        ranked_scores = None if scores is None else np.take_along_axis(scores, order, 1)[:, 1:]
+        parent_ranks = np.take_along_axis(position, np.maximum(np.take_along_axis(parents, order[:, 1:], 1), 0), 1) - 1
         num_real = real.sum(1)
-        gains = self.acceptance.estimates(ranked_scores, parent_ranks)
-        if remaining is not None and bool((remaining.to(num_real.device) <= num_real).any()):
-            depths = tree.depths.gather(1, order[:, 1:])
-            gains = torch.where(depths < remaining.to(depths.device)[:, None], gains, 0.0).cummin(1).values
-        gains = torch.where(node[None, : width - 1] < num_real[:, None], gains, 0.0)
+        gains = self.acceptance.estimates_np(ranked_scores, parent_ranks)
+        if remaining is not None:
+            remaining = _int_array(remaining)
+            if (remaining <= num_real).any():
+                depths = np.take_along_axis(_int_array(tree.depths), order[:, 1:], 1)
+                gains = np.minimum.accumulate(np.where(depths < remaining[:, None], gains, 0.0), axis=1)
+        gains = np.where(node[None, : width - 1] < num_real[:, None], gains, 0.0)
         seconds = self._step_seconds(rows, prefix, width - 1, self._drafted)
-        counts = choose_counts(gains, seconds, max_batch_nodes=self.max_batch_nodes, min_gain=self.min_gain)
+        counts = _choose_counts(gains, seconds, self.max_batch_nodes, self.min_gain)
         if self._probing:  # a probe's node is verified whatever its estimate (see budget)
-            counts = torch.maximum(counts, (num_real > 0).long())
-        keep = (position <= counts[:, None]) & (real | (node == 0))
-        if bool((counts >= num_real).all()):  # nothing pruned: the draft as it is
-            self._plan = _Plan(torch.where(real, position - 1, -1), tree.parents, draft.scores, rows, width, prefix, paid)
+            counts = np.maximum(counts, (num_real > 0).astype(np.int64))
+        if (counts >= num_real).all():  # nothing pruned: the draft as it is
+            self._plan = _Plan(np.where(real, position - 1, -1), parents, scores, rows, width, prefix, paid)
             return draft
-        draft, new_index = keep_nodes(draft, keep)
-        ranks = torch.full_like(draft.tree.parents, -1)
-        ranks.scatter_(1, torch.where(keep, new_index, 0), torch.where(keep & real, position - 1, -1))
+        keep = (position <= counts[:, None]) & (real | (node == 0))
+        draft, _ = keep_nodes(draft, torch.from_numpy(keep).to(tree.parents.device))
+        # The kept nodes' ranks at their new places (keep_nodes renumbers them in order).
+        new_index = keep.cumsum(1) - 1
+        kept_parents = _int_array(draft.tree.parents)
+        ranks = np.full(kept_parents.shape, -1, dtype=np.int64)
+        row_ids = np.broadcast_to(np.arange(rows)[:, None], keep.shape)
+        ranks[row_ids[keep], new_index[keep]] = np.where(real, position - 1, -1)[keep]
         ranks[:, 0] = -1
-        self._plan = _Plan(ranks, draft.tree.parents, draft.scores, rows, draft.tree.tokens.shape[1], prefix, paid)
+        kept_scores = None if draft.scores is None else float64_array(draft.scores)
+        self._plan = _Plan(ranks, kept_parents, kept_scores, rows, kept_parents.shape[1], prefix, paid)
         return draft
 
     def observe(self, out, active: torch.Tensor) -> None:
         """After verification: update the rows' acceptance from `out` (a VerifyOutput)."""
         plan = self._plan
-        width = plan.ranks.shape[1]
-        nodes = torch.arange(width, device=plan.ranks.device)
-        on_path = torch.zeros(plan.ranks.shape, dtype=torch.bool, device=plan.ranks.device)
-        path = out.accepted_nodes.long()
-        valid = (nodes[None, : path.shape[1]] <= out.num_accepted.long()[:, None]) & (path >= 0)
-        on_path.scatter_(1, torch.where(valid, path, 0), valid)
+        path = _int_array(out.accepted_nodes)
+        num_accepted = _int_array(out.num_accepted)
+        # on_path: the accepted path's nodes, the root included (indexed by a mask: a scatter
+        # that sent the path's padding entries to node 0 could overwrite the root's mark)
+        valid = (np.arange(path.shape[1])[None, :] <= num_accepted[:, None]) & (path >= 0)
+        on_path = np.zeros(plan.ranks.shape, dtype=bool)
+        on_path[np.broadcast_to(np.arange(path.shape[0])[:, None], path.shape)[valid], path[valid]] = True
         # Rejected: the last accepted node has a verified child (the path could have gone on).
-        last = path.gather(1, out.num_accepted.long()[:, None])
+        last = np.take_along_axis(path, num_accepted[:, None], 1)
         rejected = ((plan.parents == last) & (plan.ranks >= 0)).any(1)
-        self.acceptance.update(plan.ranks, on_path, plan.scores, active, rejected, plan.parents)
+        self.acceptance.update_np(plan.ranks, on_path, plan.scores, _bool_array(active), rejected, plan.parents)
 
     def observe_time(self, seconds: float) -> None:
         """The measured seconds of the step last planned (drafting to bookkeeping), against
@@ -465,8 +521,8 @@ class Planner:
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Rows finished: the batch keeps `rows`; the leaving rows' acceptance is remembered."""
-        leaving = torch.ones(self.acceptance.accepted.shape[0], dtype=torch.bool, device=rows.device)
-        leaving[rows] = False
+        leaving = torch.ones(self.acceptance.accepted.shape[0], dtype=torch.bool)
+        leaving[rows.cpu()] = False
         self._remember(leaving)
         self.acceptance.keep_rows(rows)
 
