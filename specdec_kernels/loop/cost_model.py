@@ -171,11 +171,15 @@ def draft_identity(target, drafter) -> dict:
     return {**identity(target), "drafter": cost_identity(drafter), "draft_format": DRAFT_FORMAT}
 
 
-def float64_array(values) -> np.ndarray:
-    """float64 numpy copy of a tensor (any device) or array-like."""
+_NUMPY_DTYPES = {torch.float64: np.float64, torch.int64: np.int64, torch.bool: np.bool_}
+
+
+def host_array(values, dtype: torch.dtype = torch.float64) -> np.ndarray:
+    """A numpy array of `values` (a tensor on any device, an array or a number) in `dtype`
+    (float64, int64 or bool): what the planner computes on, on the host."""
     if isinstance(values, torch.Tensor):
-        return values.detach().to("cpu", torch.float64).numpy()
-    return np.asarray(values, dtype=np.float64)
+        return values.detach().to("cpu", dtype).numpy()
+    return np.asarray(values, dtype=_NUMPY_DTYPES[dtype])
 
 
 class _Curve:
@@ -288,7 +292,7 @@ class CostModel(_Measured):
     def forward_seconds(self, rows: int, widths: torch.Tensor, prefix: float = CAL_PREFIX) -> torch.Tensor:
         """float64 seconds of target forwards of `rows` rows over trees `widths` (a tensor)
         nodes wide at `prefix`, as calibrated (no online correction)."""
-        return torch.from_numpy(self.forward_seconds_np(rows, float64_array(widths), prefix))
+        return torch.from_numpy(self.forward_seconds_np(rows, host_array(widths), prefix))
 
     def step_seconds(self, rows: int, widths: torch.Tensor, prefix: float, draft_seconds=0.0,
                      corrected: bool = True) -> torch.Tensor:
@@ -296,8 +300,8 @@ class CostModel(_Measured):
         included; a tensor) and whose drafting took `draft_seconds` (a float, or a tensor like
         `widths`; `DraftCost`), corrected by what the loop measured (see `observe`) unless
         `corrected` is False (the calibration alone: the same answer every time)."""
-        draft = draft_seconds if isinstance(draft_seconds, float) else float64_array(draft_seconds)
-        return torch.from_numpy(self.step_seconds_np(rows, float64_array(widths), prefix, draft, corrected))
+        seconds = self.step_seconds_np(rows, host_array(widths), prefix, host_array(draft_seconds), corrected)
+        return torch.from_numpy(seconds)
 
     def forward_seconds_np(self, rows: int, widths: np.ndarray, prefix: float = CAL_PREFIX) -> np.ndarray:
         """`forward_seconds` on numpy arrays (the planner's per-step path)."""
@@ -389,7 +393,7 @@ class DraftCost(_Measured):
         """float64 seconds of drafting up to `nodes` (a tensor) nodes per row for `rows` rows;
         0 where nodes is 0 (the step drafts nothing). Linear in the rows between measured row
         counts, and past the last with the slope of the last two (the smallest table below)."""
-        return torch.from_numpy(self.seconds_np(rows, float64_array(nodes)))
+        return torch.from_numpy(self.seconds_np(rows, host_array(nodes)))
 
     def seconds_np(self, rows: int, nodes: np.ndarray) -> np.ndarray:
         """`seconds` on numpy arrays (the planner's per-step path)."""

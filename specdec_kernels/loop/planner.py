@@ -51,7 +51,7 @@ from typing import Dict, Optional
 import numpy as np
 import torch
 
-from .cost_model import CostModel, DraftCost, draft_identity, float64_array, identity, tensor_parallel
+from .cost_model import CostModel, DraftCost, draft_identity, host_array, identity, tensor_parallel
 from .drafters import Draft, keep_nodes, rank_nodes
 
 
@@ -80,11 +80,9 @@ def choose_counts(gains: torch.Tensor, step_seconds: torch.Tensor, *, max_batch_
         raise ValueError(f"step_seconds: expected shape ({num + 1},), got {tuple(step_seconds.shape)}")
     if max_batch_nodes is not None and max_batch_nodes < 0:
         raise ValueError(f"max_batch_nodes: expected >= 0 or None, got {max_batch_nodes}")
-    if rows == 0 or num == 0:
-        return torch.zeros(rows, dtype=torch.int64, device=gains.device)
     # On the host in numpy: a handful of numbers, asked every step (a numpy op ~1 us, a torch
     # op 5-10 us inside the decode loop and ~20 us on a GPU's host).
-    counts = _choose_counts(float64_array(gains), float64_array(step_seconds), max_batch_nodes, min_gain)
+    counts = _choose_counts(host_array(gains), host_array(step_seconds), max_batch_nodes, min_gain)
     return torch.from_numpy(counts).to(gains.device)
 
 
@@ -184,7 +182,11 @@ class AcceptanceModel:
     def rank_rates(self) -> torch.Tensor:
         """float64 [R, N]: P(the rank-k node is accepted) for a chain (node k's parent is
         node k - 1): the product of the conditional rates, non-increasing in k."""
-        return torch.from_numpy(self.conditional_rates_np().cumprod(1))
+        return torch.from_numpy(self.rank_rates_np())
+
+    def rank_rates_np(self) -> np.ndarray:
+        """`rank_rates` as a numpy array."""
+        return self.conditional_rates_np().cumprod(1)
 
     def estimates(self, scores: Optional[torch.Tensor], parent_ranks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """float64 [R, K] (on the host): acceptance estimates of each row's nodes in rank
@@ -195,8 +197,8 @@ class AcceptanceModel:
             (node k's parent is node k - 1). Parents rank before their children.
         (Tensors on any device, or numpy arrays.)
         """
-        return torch.from_numpy(self.estimates_np(None if scores is None else float64_array(scores),
-                                                  None if parent_ranks is None else _int_array(parent_ranks)))
+        return torch.from_numpy(self.estimates_np(None if scores is None else host_array(scores),
+                                                  None if parent_ranks is None else host_array(parent_ranks, torch.int64)))
 
     def estimates_np(self, scores: Optional[np.ndarray], parent_ranks: Optional[np.ndarray] = None) -> np.ndarray:
         """`estimates` on numpy arrays (float64 scores, int64 parent ranks)."""
@@ -238,9 +240,10 @@ class AcceptanceModel:
         `rejected [R]` (the accepted path stopped where a verified child existed; None: where a
         node whose parent was accepted was not), `parents [R, T]` (node ids; None: a chain,
         node t's parent is node t - 1). Tensors on any device, or numpy arrays."""
-        self.update_np(_int_array(ranks), _bool_array(on_path), None if scores is None else float64_array(scores),
-                       _bool_array(active), None if rejected is None else _bool_array(rejected),
-                       None if parents is None else _int_array(parents))
+        self.update_np(host_array(ranks, torch.int64), host_array(on_path, torch.bool),
+                       None if scores is None else host_array(scores), host_array(active, torch.bool),
+                       None if rejected is None else host_array(rejected, torch.bool),
+                       None if parents is None else host_array(parents, torch.int64))
 
     def update_np(self, ranks: np.ndarray, on_path: np.ndarray, scores: Optional[np.ndarray], active: np.ndarray,
                   rejected: Optional[np.ndarray] = None, parents: Optional[np.ndarray] = None) -> None:
@@ -274,20 +277,6 @@ class AcceptanceModel:
         rows = rows.cpu()
         self.hit, self.tried, self.score_sum = self.hit[rows], self.tried[rows], self.score_sum[rows]
         self.accepted, self.rejected = self.accepted[rows], self.rejected[rows]
-
-
-def _int_array(values) -> np.ndarray:
-    """int64 numpy copy of a tensor (any device) or array."""
-    if isinstance(values, torch.Tensor):
-        return values.detach().to("cpu", torch.int64).numpy()
-    return np.asarray(values, dtype=np.int64)
-
-
-def _bool_array(values) -> np.ndarray:
-    """bool numpy copy of a tensor (any device) or array."""
-    if isinstance(values, torch.Tensor):
-        return values.detach().to("cpu", torch.bool).numpy()
-    return np.asarray(values, dtype=bool)
 
 
 @dataclass
@@ -421,10 +410,10 @@ class Planner:
         remaining: [R] tokens each row may still emit (None: no limit); a step emits the
         accepted drafts plus one token, so drafts deeper than remaining - 1 are worth nothing."""
         # (In numpy on the host, as the whole plan: see AcceptanceModel.)
-        rates = self.acceptance.conditional_rates_np().cumprod(1)
+        rates = self.acceptance.rank_rates_np()
         if remaining is not None:  # a chain's rank k sits at depth k + 1
             rank = np.arange(rates.shape[1])
-            rates = np.where(rank[None, :] + 1 < _int_array(remaining)[:, None], rates, 0.0)
+            rates = np.where(rank[None, :] + 1 < host_array(remaining, torch.int64)[:, None], rates, 0.0)
         # A free drafter drafts its full size every step: paid at every level alike.
         seconds = self._step_seconds(rates.shape[0], prefix, rates.shape[1], self.max_nodes if self._free else None)
         counts = _choose_counts(rates, seconds, self.max_batch_nodes, self.min_gain)
@@ -455,8 +444,8 @@ class Planner:
         tree = draft.tree
         rows, width = tree.tokens.shape
         # The plan is made on the host: one copy of the tree's parents and scores there.
-        parents = _int_array(tree.parents)
-        scores = None if draft.scores is None else float64_array(draft.scores)
+        parents = host_array(tree.parents, torch.int64)
+        scores = None if draft.scores is None else host_array(draft.scores)
         real = parents >= 0  # drafted nodes (the root has parent -1)
         node = np.arange(width)
         paid = float(self._draft_seconds(rows, np.array([float(self._drafted)]))[0])
@@ -472,9 +461,9 @@ class Planner:
         num_real = real.sum(1)
         gains = self.acceptance.estimates_np(ranked_scores, parent_ranks)
         if remaining is not None:
-            remaining = _int_array(remaining)
+            remaining = host_array(remaining, torch.int64)
             if (remaining <= num_real).any():
-                depths = np.take_along_axis(_int_array(tree.depths), order[:, 1:], 1)
+                depths = np.take_along_axis(host_array(tree.depths, torch.int64), order[:, 1:], 1)
                 gains = np.minimum.accumulate(np.where(depths < remaining[:, None], gains, 0.0), axis=1)
         gains = np.where(node[None, : width - 1] < num_real[:, None], gains, 0.0)
         seconds = self._step_seconds(rows, prefix, width - 1, self._drafted)
@@ -488,29 +477,28 @@ class Planner:
         draft, _ = keep_nodes(draft, torch.from_numpy(keep).to(tree.parents.device))
         # The kept nodes' ranks at their new places (keep_nodes renumbers them in order).
         new_index = keep.cumsum(1) - 1
-        kept_parents = _int_array(draft.tree.parents)
+        kept_parents = host_array(draft.tree.parents, torch.int64)
         ranks = np.full(kept_parents.shape, -1, dtype=np.int64)
-        row_ids = np.broadcast_to(np.arange(rows)[:, None], keep.shape)
-        ranks[row_ids[keep], new_index[keep]] = np.where(real, position - 1, -1)[keep]
+        ranks[np.nonzero(keep)[0], new_index[keep]] = np.where(real, position - 1, -1)[keep]
         ranks[:, 0] = -1
-        kept_scores = None if draft.scores is None else float64_array(draft.scores)
+        kept_scores = None if draft.scores is None else host_array(draft.scores)
         self._plan = _Plan(ranks, kept_parents, kept_scores, rows, kept_parents.shape[1], prefix, paid)
         return draft
 
     def observe(self, out, active: torch.Tensor) -> None:
         """After verification: update the rows' acceptance from `out` (a VerifyOutput)."""
         plan = self._plan
-        path = _int_array(out.accepted_nodes)
-        num_accepted = _int_array(out.num_accepted)
+        path = host_array(out.accepted_nodes, torch.int64)
+        num_accepted = host_array(out.num_accepted, torch.int64)
         # on_path: the accepted path's nodes, the root included (indexed by a mask: a scatter
         # that sent the path's padding entries to node 0 could overwrite the root's mark)
         valid = (np.arange(path.shape[1])[None, :] <= num_accepted[:, None]) & (path >= 0)
         on_path = np.zeros(plan.ranks.shape, dtype=bool)
-        on_path[np.broadcast_to(np.arange(path.shape[0])[:, None], path.shape)[valid], path[valid]] = True
+        on_path[np.nonzero(valid)[0], path[valid]] = True
         # Rejected: the last accepted node has a verified child (the path could have gone on).
         last = np.take_along_axis(path, num_accepted[:, None], 1)
         rejected = ((plan.parents == last) & (plan.ranks >= 0)).any(1)
-        self.acceptance.update_np(plan.ranks, on_path, plan.scores, _bool_array(active), rejected, plan.parents)
+        self.acceptance.update_np(plan.ranks, on_path, plan.scores, host_array(active, torch.bool), rejected, plan.parents)
 
     def observe_time(self, seconds: float) -> None:
         """The measured seconds of the step last planned (drafting to bookkeeping), against
