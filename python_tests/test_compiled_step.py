@@ -68,10 +68,17 @@ def test_greedy_matches_hf_and_eager(target, draft, kind):
     assert len({t["rows"] for t in fast.stats.trace}) > 1, "no row finished early: the test lost its point"
 
 
-def test_plain_decoding_matches_hf(target):
+@pytest.mark.parametrize("every", [1, 4])
+def test_plain_decoding_matches_hf(target, monkeypatch, every):
+    """Also with the stop check every 4 steps (as on a GPU): the static cache's lengths
+    bound grows between checks, rows that finished run on as no-ops."""
+    monkeypatch.setitem(sk.loop.generate.STOP_CHECK_EVERY, "cpu", every)
     ids, mask = left_pad(repetitive_prompts(3))
     out = sk.generate(target, ids, attention_mask=mask, max_new_tokens=12, compile=True)
     assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 12))
+    eos = int(out.sequences[0, ids.shape[1] + 2])  # row 0 stops at its third token, mid-interval
+    out = sk.generate(target, ids, attention_mask=mask, max_new_tokens=12, compile=True, eos_token_id=eos)
+    assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 12, eos_token_id=eos))
 
 
 def test_graphs_reused_across_calls(target):

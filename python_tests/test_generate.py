@@ -240,6 +240,66 @@ def test_max_new_tokens_edges(target, max_new_tokens):
     assert out.stats.new_tokens == [max_new_tokens] * 2
 
 
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the calls that read a tensor's values on the host (a sync on a GPU; on a CPU
+    nothing tells them apart, so every such call under the package's code is counted)."""
+
+    READS = {"__int__", "__bool__", "__float__", "__index__", "item", "tolist", "numpy", "cpu", "nonzero", "equal"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in self.READS:
+            self.count += 1
+        elif getattr(func, "__name__", None) == "__getitem__" and isinstance(args[1], torch.Tensor) \
+                and args[1].dtype == torch.bool:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def host_reads(fn) -> int:
+    with HostReads() as reads:
+        fn()
+    return reads.count
+
+
+@pytest.mark.parametrize("every", [1, 4])
+@pytest.mark.parametrize("settings", [dict(), dict(temperature=0.8, seed=3), dict(eos=True)])
+def test_plain_decoding_reads_the_device_only_at_stop_checks(target, monkeypatch, every, settings):
+    """Plain decoding on an accelerator checks for finished rows every few steps
+    (`STOP_CHECK_EVERY`), and reads nothing back from the device in between; forced here on
+    the CPU. Output as checking every step, rows finishing at different steps included; 16
+    more steps cost the 16 / every more checks' reads (two each: the lengths' maximum, the
+    finished rows), nothing per step."""
+    ids, mask = left_pad(repetitive_prompts(3))
+    kwargs = {k: v for k, v in settings.items() if k != "eos"}
+    if settings.get("eos"):
+        kwargs["eos_token_id"] = int(hf_greedy(target, ids, mask, 20)[1, ids.shape[1] + 6])
+    expected = {n: sk.generate(target, ids, attention_mask=mask, max_new_tokens=n, **kwargs).sequences for n in (16, 32)}
+    monkeypatch.setitem(sk.loop.generate.STOP_CHECK_EVERY, "cpu", every)
+    reads = {}
+    for n in (16, 32):
+        def run():
+            out = sk.generate(target, ids, attention_mask=mask, max_new_tokens=n, **kwargs)
+            assert torch.equal(out.sequences, expected[n])
+        reads[n] = host_reads(run)
+    if not settings.get("eos"):
+        assert reads[32] - reads[16] == 2 * 16 // every
+
+
+def test_stop_check_every():
+    """Every few steps on an accelerator in plain decoding; every step on a CPU, with a
+    drafter (it reads the rows' tokens each step anyway) or with a streamer."""
+    every = sk.loop.generate.stop_check_every
+    plain, cuda = sk.loop.drafters.Drafter(), torch.device("cuda")
+    assert every(cuda, plain, None) == 8
+    assert every(torch.device("cpu"), plain, None) == 1
+    assert every(cuda, sk.NgramDrafter(), None) == 1
+    assert every(cuda, plain, object()) == 1
+
+
 def test_single_token_prompts(target, draft):
     ids, mask = left_pad([[5], [7, 8, 9]])
     for drafter in (None, sk.DraftModelDrafter(draft, tree_widths=(2, 1)), sk.NgramDrafter()):

@@ -722,7 +722,7 @@ def test_step_overhead_tool_rehearses_on_a_cpu(tmp_path):
     for row in rows:
         assert "error" not in row, row
         assert row["steps"] >= 1 and row["step_us"] > 0 and row["tokens_per_step"] >= 1
-        assert "overhead" not in row
+        assert "overhead" not in row and "host_syncs_per_step" not in row
     assert rows[0]["steps"] == 6  # plain: one token a step
     with pytest.raises(SystemExit, match="unknown"):
         tool.main(["--device", "cpu", "--compile", "sometimes", "--out", str(out)])

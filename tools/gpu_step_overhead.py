@@ -16,8 +16,12 @@ setting (eager, each mode asked):
    tokens per step;
 3. a profiled call: the GPU's busy time per step (a step: from one `specdec::verify` call to
    the next; busy: the union of the kernel, memcpy and memset intervals starting in it;
-   profiling slows the host, not the kernels). overhead = 1 - busy / wall, medians over the
-   steps (mean-based too): the share of a step the GPU waits for the host.
+   profiling slows the host, not the kernels). overhead = 1 - busy / wall over the whole
+   decode (means: plain decoding reads nothing back between stop checks, so the host runs
+   ahead of the GPU and one step's host time says nothing; median-based too): the share of a
+   step the GPU waits for the host;
+4. on CUDA, a call under `torch.cuda.set_sync_debug_mode("warn")`: the host syncs per step
+   (each warns once).
 
 The outputs of each setting are compared with eager's (bf16: a compiled graph may round
 differently, so a mismatch is reported, not an error). Rows are written to --out as they
@@ -86,6 +90,23 @@ def run(model, method, ids, compile, max_new_tokens):
                    temperature=0.0, eos_token_id=[], adaptive=False, compile=compile)
     sync(ids.device)
     return out
+
+
+def host_syncs(model, method, ids, compile, max_new_tokens):
+    """Host syncs per step of one call (None on a CPU): CUDA's sync debug mode warns at each."""
+    import warnings
+
+    if ids.device.type != "cuda":
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = run(model, method, ids, compile, max_new_tokens)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sum(1 for w in caught if "synchroniz" in str(w.message).lower())
+    return syncs / max(out.stats.steps, 1)
 
 
 def _union(spans):
@@ -201,6 +222,7 @@ def main(argv=None) -> int:
                     warm = run(model, method, ids, COMPILE_SETTINGS[name], args.max_new_tokens)
                     timed = run(model, method, ids, COMPILE_SETTINGS[name], args.max_new_tokens)
                     prof = gpu_busy(model, method, ids, COMPILE_SETTINGS[name], args.max_new_tokens)
+                    syncs = host_syncs(model, method, ids, COMPILE_SETTINGS[name], args.max_new_tokens)
             except Exception as error:  # a failed setting is a result: record it, go on
                 row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
                 print(f"{label}: FAILED {row['error']}", flush=True)
@@ -221,14 +243,16 @@ def main(argv=None) -> int:
             elif eager_out is not None:
                 row["rows_equal_to_eager"] = int((timed.sequences == eager_out).all(dim=1).sum())
                 row["tokens_equal_to_eager"] = float((timed.sequences == eager_out).float().mean())
+            if syncs is not None:
+                row["host_syncs_per_step"] = syncs
             if prof is not None:
                 row.update(prof)
-                row["overhead"] = 1.0 - prof["busy_us_median"] / step_us
-                row["overhead_mean"] = 1.0 - prof["busy_us_mean"] / row["step_us_mean"]
+                row["overhead"] = 1.0 - prof["busy_us_mean"] / row["step_us_mean"]
+                row["overhead_median"] = 1.0 - prof["busy_us_median"] / step_us
             rows.append(row)
-            share = f", GPU busy {row['busy_us_median']:.0f} us, overhead {100 * row['overhead']:.0f}%" \
+            share = f", GPU busy {row['busy_us_mean']:.0f} us, overhead {100 * row['overhead']:.0f}%" \
                 if prof is not None else ""
-            print(f"{label}: {stats.steps} steps, {stats.tokens_per_step:.2f} tok/step, {step_us:.0f} us/step"
+            print(f"{label}: {stats.steps} steps, {stats.tokens_per_step:.2f} tok/step, {row['step_us_mean']:.0f} us/step"
                   f"{share}, compile {row['compile_s']:.1f} s", flush=True)
             result["rows"] = rows
             common.write_json(result, args.out, quiet=True)

@@ -261,14 +261,21 @@ class _Trace:
         """int64 [size] on the host: [d] = (step, running row) pairs that accepted d draft nodes."""
         if not self.records:
             return torch.zeros(size, dtype=torch.int64)
-        accepted = torch.cat([r["num_accepted"].long()[r["active"]] for r in self.records])
-        return torch.bincount(accepted, minlength=size).cpu()
+        # Rows that were not running count in bin `size`, dropped (no boolean indexing: one
+        # host sync per step on a GPU; here one copy at the end).
+        accepted = torch.cat([torch.where(r["active"], r["num_accepted"].long(), size) for r in self.records])
+        return torch.bincount(accepted, minlength=size + 1)[:size].cpu()
 
     def steps(self) -> List[dict]:
-        return [dict(rows=r["rows"], width=r["width"], nodes_per_row=int(r["nodes"]) / r["rows"],
-                     accepted_per_row=int(r["num_accepted"].long()[r["active"]].sum()) / r["rows"],
+        if not self.records:
+            return []
+        zero = self.records[0]["num_accepted"].new_zeros((), dtype=torch.int64)
+        sums = torch.stack([torch.stack([(r["num_accepted"].long() * r["active"]).sum(),
+                                         r["nodes"] if isinstance(r["nodes"], torch.Tensor) else zero])
+                            for r in self.records]).tolist()  # one copy to the host for all steps
+        return [dict(rows=r["rows"], width=r["width"], nodes_per_row=nodes / r["rows"], accepted_per_row=accepted / r["rows"],
                      seconds=r.get("seconds", 0.0), compiled_graph=r.get("compiled", False))
-                for r in self.records]
+                for r, (accepted, nodes) in zip(self.records, sums)]
 
 
 @torch.inference_mode()
@@ -414,15 +421,18 @@ def generate(
         t0 = clock(device)
         stats.time_prefill = t0 - t_start
         trace = _Trace(planner, drafter, static)
+        check_every = stop_check_every(device, drafter, streamer)
         try:
             running = not bool(rows.done.all())
             while running:
-                trace.next_step()  # (done.all() waited for the step before: its time is real)
+                trace.next_step()  # (a stop check waited for the step before: its time is real)
                 # Draft: a token tree per row, rooted at the row's last token, of the size the
                 # planner chose (the drafter's fixed size without one).
                 draft = _draft(drafter, planner, rows, sampling, stats)
                 tree, depths = draft.tree, draft.tree.depths
-                max_depth = max(max_depth, int(depths.max()))
+                width = tree.tokens.shape[1]
+                if width > 1:  # (a root-only tree has depth 0: no host read)
+                    max_depth = max(max_depth, int(depths.max()))
                 t1 = clock(device)
                 # Verify: one target forward over every tree node (position = prefix length +
                 # depth), then lossless acceptance.
@@ -439,15 +449,19 @@ def generate(
                     drafter.observe(hidden, out.accepted_nodes, out.num_accepted)
                 t2 = clock(device)
                 # Accept: the rows keep what they emitted, the cache everything but the last token.
+                stats.steps += 1
+                # The stop check reads the device (a host sync); between checks nothing is read
+                # back (`stop_check_every`), and in plain decoding every running row gains one
+                # token a step, so all are done after max_new_tokens steps.
+                check = stats.steps % check_every == 0 or stats.steps >= max_new_tokens
                 count, hit_eos = rows.emitted_counts(out, eos)
-                cache.accept(out.accepted_nodes, out.num_accepted, count)
+                cache.accept(out.accepted_nodes, out.num_accepted, count, max_count=None if check else width)
                 active = ~rows.done
                 trace.record(tree, out, active)
                 rows.append(out.output_tokens, count, hit_eos)
                 if streamer is not None and int(count[0]) > 0:
                     streamer.put(out.output_tokens[0, : int(count[0])].cpu())
-                stats.steps += 1
-                finished = int(rows.done.sum())  # (one host sync a step decides both)
+                finished = int(rows.done.sum()) if check else 0  # (one host sync decides both)
                 running = finished < rows.done.shape[0]
                 if finished and running:
                     # Finished rows leave the batch (one copy of the caches), so later steps
@@ -485,6 +499,22 @@ def generate(
     stats.time_compile = static.compile_seconds if static is not None else 0.0
     stats.time_total = time.perf_counter() - t_start
     return GenerateOutput(sequences, stats)
+
+
+# Steps between stop checks in plain decoding, per device type (default 8): a check reads
+# whether every row is done, a host sync; between checks the host queues the next step while
+# the device runs this one, and rows that finished run on as no-ops (they keep nothing) until
+# the next check. On a CPU a read costs nothing and a no-op step costs a whole forward: 1.
+STOP_CHECK_EVERY = {"cpu": 1}
+
+
+def stop_check_every(device: torch.device, drafter: Drafter, streamer) -> int:
+    """Steps between `generate`'s stop checks: `STOP_CHECK_EVERY` for the device in plain
+    decoding; 1 with a drafter (drafting reads the rows' tokens on the host every step anyway,
+    and a finished row would still be drafted for) or a streamer (it gets every step's tokens)."""
+    if drafter.max_nodes > 0 or streamer is not None:
+        return 1
+    return max(1, int(STOP_CHECK_EVERY.get(device.type, 8)))
 
 
 def _small_linear_rows(target, planner: Optional[Planner]):

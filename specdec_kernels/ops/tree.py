@@ -84,9 +84,11 @@ class TokenTree:
         # Kept while `parents` is the same tensor with the same values (one comparison; inference
         # tensors have no version counter): a decode step asks for a tree's depths several times
         # (the loop, the planner, the merge), and each computation is ~15 small ops.
+        # A root-only tree (a plain decoding step) has depth 0 whatever its values: no
+        # comparison, which on a GPU would be a host sync in every plain step.
         parents = self.parents
         cached = self.__dict__.get("_depths")
-        if cached is not None and cached[0] is parents and torch.equal(cached[1], parents):
+        if cached is not None and cached[0] is parents and (parents.shape[1] == 1 or torch.equal(cached[1], parents)):
             return cached[2]
         depths = self._compute_depths()
         self._keep_depths(depths)
@@ -147,7 +149,7 @@ class TokenTree:
         depths = torch.arange(k + 1, device=device).expand(batch, -1).contiguous()
         if draft_lens is not None:
             is_pad = torch.arange(k + 1, device=device)[None, :] > draft_lens.to(device)[:, None]
-            parents[is_pad] = -1
+            parents = parents.masked_fill(is_pad, -1)  # (not parents[is_pad]: a host sync on a GPU)
             tokens = tokens.masked_fill(is_pad, -1)
             depths = depths.masked_fill(is_pad, -1)
         tree = cls(tokens, parents)

@@ -241,7 +241,8 @@ class TreeKVCache(Cache):
         self.set_lengths(compact_kv_cache_(self.buffers(), self.seqlens, accepted_nodes, num_accepted,
                                            block_table=self.block_table))
 
-    def accept(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, counts: torch.Tensor) -> None:
+    def accept(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor, counts: torch.Tensor,
+               max_count: Optional[int] = None) -> None:
         """After a verify step whose rows emitted `counts [B]` tokens: keep what the rows kept.
 
         The invariant of the decoding loop: a row's cache holds every token of the row but the
@@ -250,10 +251,19 @@ class TreeKVCache(Cache):
         compacted after the prefix, and the lengths grow by counts[b] (not num_accepted + 1:
         a row cut short by eos or its token budget, or a finished row with counts 0, keeps
         only what it emitted).
+
+        max_count: None, or a bound on counts known on the host (the tree's width): `max_len`
+        then grows by it instead of being read back from the device (a host sync on a GPU),
+        and stays an upper bound of the rows' lengths until the next `set_lengths` (views
+        handed to attention are that much longer; attention reads each row to its own length).
         """
         prefix = self.seqlens
         compact_kv_cache_(self.buffers(), prefix, accepted_nodes, num_accepted, block_table=self.block_table)
-        self.set_lengths(prefix + counts.to(prefix.dtype))
+        if max_count is None:
+            self.set_lengths(prefix + counts.to(prefix.dtype))
+        else:
+            self.seqlens = prefix + counts.to(prefix.dtype)
+            self.max_len += int(max_count)
 
     # transformers' Cache API (what models and mask builders may ask)
     def get_seq_length(self, layer_idx: int = 0) -> int:
