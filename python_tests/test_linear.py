@@ -165,8 +165,9 @@ def _tiny_llama(seed=0):
     ("WWLWWWW", (1, 2)),  # a loss ends the run: later wins do not count
     ("WWTWWWW", (1, 64)),  # a tie (within the margin) does not
     ("WWSWWWW", (1, 64)),  # nor a small loss (up to 10%: noise at a near-tie)
-    ("TTWWWTT", (4, 16)),  # ties at either end stay with F.linear
-    ("LWWWLWW", (2, 8)),  # the run starts at the first win
+    ("TTWWWTT", (1, 16)),  # ties after the run stay with F.linear; ties before it join it
+    ("SWWWWWW", (1, 64)),  # and so does a small loss before it (1-2 rows: noise at a near-tie)
+    ("LWWWLWW", (2, 8)),  # a loss before the first win stays with F.linear
     ("TTTTTTT", (0, 0)),
     ("LLLLLLL", (0, 0)),
 ])

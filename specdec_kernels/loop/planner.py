@@ -453,7 +453,8 @@ class Planner:
             self._plan = _Plan(np.where(real, node - 1, -1), parents, scores, rows, width, prefix, paid)
             return draft
         # Rank the nodes by the drafter's scores, else in its node order (its priority).
-        key = scores if scores is not None else np.broadcast_to(1.0 - node / width, (rows, width))
+        # (a writable array: torch warns on a read-only one, such as a broadcast of one row)
+        key = scores if scores is not None else np.repeat((1.0 - node / width)[None, :], rows, 0)
         order, position = (t.numpy() for t in rank_nodes(torch.from_numpy(np.ascontiguousarray(key)),
                                                           torch.from_numpy(real)))
         ranked_scores = None if scores is None else np.take_along_axis(scores, order, 1)[:, 1:]

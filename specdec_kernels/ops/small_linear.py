@@ -138,7 +138,8 @@ def choose_small_linear_rows(weights: Sequence[torch.Tensor], counts: Sequence[i
     """The row counts at which products with `weights` (fp32 or bf16, CPU) run with
     `small_linear` rather than `F.linear`: (lo, hi), from the first count at which ours won (at
     least 3% faster) through the last win of the run after it, a run that a loss of up to 10%
-    does not break and a loss of more than 10% ends (best of `repeats` interleaved rounds, after
+    does not break and a loss of more than 10% ends, extended down to fewer rows by the same
+    rule (best of `repeats` interleaved rounds, after
     a warm-up round); `(0, 0)` if none won, there are no weights, or no kernel.
     Small losses do not break the run because at 1-2 rows both are bound by reading the weights
     and measure within noise of each other: a 1.04x at 2 rows read as a loss once cut a run of
@@ -167,4 +168,9 @@ def choose_small_linear_rows(weights: Sequence[torch.Tensor], counts: Sequence[i
             break
         if won[i]:
             last = i
+    # Below the first win, the same rule: fewer rows than a win read the same weights, and a
+    # near-tie there is noise (a calibration under load once found 1 row a 2% loss and left
+    # plain decoding on F.linear, 1.6x slower than ours there on an AVX2 machine).
+    while first > 0 and not lost[first - 1]:
+        first -= 1
     return counts[first], counts[last]
