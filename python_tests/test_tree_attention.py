@@ -9,6 +9,10 @@ Every backend available on the CPU (and backend=None) is compared against `refer
 """
 
 import math
+import os
+import platform
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -666,3 +670,23 @@ def test_bad_window_softcap_value_cache(gen, name, kwargs):
         v = torch.zeros(v.shape[0], v.shape[1], kwargs.pop("v_heads"), 8)
     with pytest.raises(ValueError, match=name):
         tree_attention(q, k, v, tree_mask(parents), prefix, **kwargs)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or "cpu" not in sk.available_backends("tree_attention", "cpu"),
+                    reason="the CPU kernel's block layouts are x86-64 code paths")
+@pytest.mark.skipif(bool(os.environ.get("SPECDEC_TREE_ATTENTION_BLOCKS")), reason="inside a forced run already")
+@pytest.mark.parametrize("blocks", ["narrow", "wide"])
+def test_cpu_block_layouts(blocks):
+    """The CPU kernel has two block layouts (`narrow_vectors` in include/specdec/tree_attention.h:
+    8-float blocks where the CPU lacks AVX-512, 16-float blocks where it has it); a machine
+    runs one, so the other is reached through SPECDEC_TREE_ATTENTION_BLOCKS: this file's
+    shape, dtype, window and long-prefix cases and the paged kernel's, in a subprocess under each."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, SPECDEC_TREE_ATTENTION_BLOCKS=blocks)
+    cases = ("tree_shapes or gqa_and_head_dims or dtypes_and_layouts or long_prefix_many_nodes or "
+             "window_softcap_value_dim or mask_forms or attention_matches_dense or attention_window_softcap")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:warnings", "-p", "no:cacheprovider",
+                          "python_tests/test_tree_attention.py", "python_tests/test_paged.py", "-k", cases],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout

@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -163,10 +164,9 @@ SPECDEC_CPU_INLINE void score_block(const float* queries_t, int64_t stride, cons
 
 // All keys against one group of lanes; blocks of more keys when the group is narrow, so
 // each loaded query vector feeds enough multiply-adds.
-template <int kVecs, bool kHalf, typename Rows>
+template <int kVecs, bool kHalf, typename Rows, int kKeys = (kVecs + kHalf <= 2 ? 8 : 4)>
 SPECDEC_CPU_INLINE void score_lanes(const float* queries_t, int64_t stride, const Rows& keys, int64_t num_keys,
                                     int64_t head_dim, float* scores) {
-  constexpr int kKeys = kVecs + kHalf <= 2 ? 8 : 4;
   int64_t n = 0;
   for (; n + kKeys <= num_keys; n += kKeys) {
     score_block<kKeys, kVecs, kHalf>(queries_t, stride, keys.from(n), head_dim, scores + n * stride);
@@ -176,11 +176,41 @@ SPECDEC_CPU_INLINE void score_lanes(const float* queries_t, int64_t stride, cons
   }
 }
 
+// kNarrow's score block: kKeys keys against 8 query lanes, in 8-float vectors only.
+template <int kKeys, typename Rows>
+SPECDEC_CPU_INLINE void score_block_narrow(const float* queries_t, int64_t stride, const Rows& keys, int64_t head_dim,
+                                           float* scores) {
+  HalfVec acc[kKeys] = {};
+  const float* key[kKeys];
+  for (int r = 0; r < kKeys; ++r) key[r] = keys[r];
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const HalfVec q = load<HalfVec>(queries_t + d * stride);
+#pragma GCC unroll 8
+    for (int r = 0; r < kKeys; ++r) acc[r] += q * key[r][d];
+  }
+  for (int r = 0; r < kKeys; ++r) store(scores + r * stride, acc[r]);
+}
+
 // scores [num_keys][stride] = keys [num_keys][head_dim] (rows as `keys` says) @
 // queries_t [head_dim][stride], for the first `lanes` query lanes (a multiple of 8).
-template <typename Rows>
+// kNarrow: for CPUs without AVX-512 (the AVX2 and baseline clones): 8-float vectors only
+// (HalfVec, one AVX2 register) and at most 10 accumulators. GCC lowers the 16-float `Vec`
+// there through the stack (two thirds of the wide code's instructions were loads and stores
+// of spilled halves), which made the decode shape ~10x slower than these blocks on an AVX2
+// machine.
+template <bool kNarrow, typename Rows>
 SPECDEC_CPU_INLINE void tile_scores_impl(const float* queries_t, int64_t stride, int64_t lanes, const Rows& keys,
                                          int64_t num_keys, int64_t head_dim, float* scores) {
+  if constexpr (kNarrow) {
+    for (int64_t c = 0; c < lanes; c += kLanes / 2) {
+      int64_t n = 0;
+      for (; n + 8 <= num_keys; n += 8) {
+        score_block_narrow<8>(queries_t + c, stride, keys.from(n), head_dim, scores + n * stride + c);
+      }
+      for (; n < num_keys; ++n) score_block_narrow<1>(queries_t + c, stride, keys.from(n), head_dim, scores + n * stride + c);
+    }
+    return;
+  }
   for (int64_t c = 0; c < lanes; c += 4 * kLanes) {
     const float* q = queries_t + c;
     float* s = scores + c;
@@ -198,15 +228,40 @@ SPECDEC_CPU_INLINE void tile_scores_impl(const float* queries_t, int64_t stride,
     }
   }
 }
+// Whether the kernels run the narrow blocks (tile_scores_impl): on CPUs without AVX-512,
+// whose clones have 16 vector registers of at most 8 floats. The environment variable
+// SPECDEC_TREE_ATTENTION_BLOCKS ("narrow" or "wide", read once) overrides it, so tests reach
+// both on any x86 CPU (either is correct on any CPU; only the speed differs).
+inline bool narrow_vectors() {
+  static const bool narrow = [] {
+    const char* blocks = std::getenv("SPECDEC_TREE_ATTENTION_BLOCKS");
+    if (blocks != nullptr && std::strcmp(blocks, "narrow") == 0) return true;
+    if (blocks != nullptr && std::strcmp(blocks, "wide") == 0) return false;
+#if defined(__GNUC__) && defined(__x86_64__)
+    return !__builtin_cpu_supports("avx512f");
+#else
+    return false;
+#endif
+  }();
+  return narrow;
+}
 SPECDEC_CPU_MULTIVERSION
 inline void tile_scores(const float* queries_t, int64_t stride, int64_t lanes, StridedRows keys, int64_t num_keys,
                         int64_t head_dim, float* scores) {
-  tile_scores_impl(queries_t, stride, lanes, keys, num_keys, head_dim, scores);
+  if (narrow_vectors()) {
+    tile_scores_impl<true>(queries_t, stride, lanes, keys, num_keys, head_dim, scores);
+  } else {
+    tile_scores_impl<false>(queries_t, stride, lanes, keys, num_keys, head_dim, scores);
+  }
 }
 SPECDEC_CPU_MULTIVERSION
 inline void tile_scores(const float* queries_t, int64_t stride, int64_t lanes, RowList keys, int64_t num_keys,
                         int64_t head_dim, float* scores) {
-  tile_scores_impl(queries_t, stride, lanes, keys, num_keys, head_dim, scores);
+  if (narrow_vectors()) {
+    tile_scores_impl<true>(queries_t, stride, lanes, keys, num_keys, head_dim, scores);
+  } else {
+    tile_scores_impl<false>(queries_t, stride, lanes, keys, num_keys, head_dim, scores);
+  }
 }
 
 // acc[r][c*16 + lane] += sum_n probs[n][r] * values[n][c*16 + lane], r < kRows, c < kVecs.
@@ -234,10 +289,31 @@ SPECDEC_CPU_INLINE void pv_block(const float* probs, int64_t p_stride, const Row
   }
 }
 
-template <int kRows, typename Rows>
+template <int kRows, bool kNarrow, typename Rows>
 SPECDEC_CPU_INLINE void pv_rows(const float* probs, int64_t p_stride, const Rows& values, int64_t padded_dim,
                                 int64_t num_keys, float* acc) {
   const int64_t total_vecs = padded_dim / kLanes;
+  if constexpr (kNarrow) {  // 16 columns a pass, in 8-float vectors (tile_scores_impl says why)
+    for (int64_t column = 0; column < padded_dim; column += kLanes) {
+      HalfVec o[kRows][2] = {};
+      for (int64_t n = 0; n < num_keys; ++n) {
+        const float* row = values[n] + column;
+        const HalfVec v0 = load<HalfVec>(row), v1 = load<HalfVec>(row + kLanes / 2);
+#pragma GCC unroll 4
+        for (int r = 0; r < kRows; ++r) {
+          const float p = probs[n * p_stride + r];
+          o[r][0] += v0 * p;
+          o[r][1] += v1 * p;
+        }
+      }
+      for (int r = 0; r < kRows; ++r) {
+        float* out = acc + r * padded_dim + column;
+        store(out, load<HalfVec>(out) + o[r][0]);
+        store(out + kLanes / 2, load<HalfVec>(out + kLanes / 2) + o[r][1]);
+      }
+    }
+    return;
+  }
   for (int64_t c = 0; c < total_vecs; c += 4) {
     const int64_t column = c * kLanes;
     float* o = acc + column;
@@ -282,30 +358,34 @@ SPECDEC_CPU_INLINE void softmax_lanes(float* scores, int64_t num_keys, int64_t s
 // rescales the first `rows` accumulator rows [rows][padded_dim], overwrites scores with
 // the probabilities and adds probs^T @ values [num_keys][padded_dim] (rows as `values`
 // says) into the accumulators.
-template <typename Rows>
+template <bool kNarrow, typename Rows>
 SPECDEC_CPU_INLINE void tile_softmax_pv_impl(float* scores, int64_t num_keys, int64_t stride, int64_t lanes,
                                              int64_t rows, const Rows& values, int64_t padded_dim, float* row_max,
                                              float* row_sum, float* alpha, float* acc) {
   int64_t c = 0;
-  for (; c + kLanes <= lanes; c += kLanes) {
-    softmax_lanes<Vec>(scores + c, num_keys, stride, row_max + c, row_sum + c, alpha + c);
+  if constexpr (!kNarrow) {
+    for (; c + kLanes <= lanes; c += kLanes) {
+      softmax_lanes<Vec>(scores + c, num_keys, stride, row_max + c, row_sum + c, alpha + c);
+    }
   }
-  if (c < lanes) softmax_lanes<HalfVec>(scores + c, num_keys, stride, row_max + c, row_sum + c, alpha + c);
+  for (; c < lanes; c += kLanes / 2) {
+    softmax_lanes<HalfVec>(scores + c, num_keys, stride, row_max + c, row_sum + c, alpha + c);
+  }
   for (int64_t m = 0; m < rows; ++m) {
     if (alpha[m] == 1.0f) continue;  // max unchanged: the common case after the first tiles
-    const Vec a = splat<Vec>(alpha[m]);
     float* out = acc + m * padded_dim;
-    for (int64_t d = 0; d < padded_dim; d += kLanes) store(out + d, load(out + d) * a);
+    const HalfVec a = splat<HalfVec>(alpha[m]);
+    for (int64_t d = 0; d < padded_dim; d += kLanes / 2) store(out + d, load<HalfVec>(out + d) * a);
   }
   int64_t m = 0;
   for (; m + 4 <= rows; m += 4) {
-    pv_rows<4>(scores + m, stride, values, padded_dim, num_keys, acc + m * padded_dim);
+    pv_rows<4, kNarrow>(scores + m, stride, values, padded_dim, num_keys, acc + m * padded_dim);
   }
   float* last = acc + m * padded_dim;
   switch (rows - m) {  // the last 1..3 rows in one pass over the values
-    case 3: pv_rows<3>(scores + m, stride, values, padded_dim, num_keys, last); break;
-    case 2: pv_rows<2>(scores + m, stride, values, padded_dim, num_keys, last); break;
-    case 1: pv_rows<1>(scores + m, stride, values, padded_dim, num_keys, last); break;
+    case 3: pv_rows<3, kNarrow>(scores + m, stride, values, padded_dim, num_keys, last); break;
+    case 2: pv_rows<2, kNarrow>(scores + m, stride, values, padded_dim, num_keys, last); break;
+    case 1: pv_rows<1, kNarrow>(scores + m, stride, values, padded_dim, num_keys, last); break;
     default: break;
   }
 }
@@ -313,13 +393,25 @@ SPECDEC_CPU_MULTIVERSION
 inline void tile_softmax_pv(float* scores, int64_t num_keys, int64_t stride, int64_t lanes, int64_t rows,
                             StridedRows values, int64_t padded_dim, float* row_max, float* row_sum, float* alpha,
                             float* acc) {
-  tile_softmax_pv_impl(scores, num_keys, stride, lanes, rows, values, padded_dim, row_max, row_sum, alpha, acc);
+  if (narrow_vectors()) {
+    tile_softmax_pv_impl<true>(scores, num_keys, stride, lanes, rows, values, padded_dim, row_max, row_sum, alpha,
+                               acc);
+  } else {
+    tile_softmax_pv_impl<false>(scores, num_keys, stride, lanes, rows, values, padded_dim, row_max, row_sum, alpha,
+                                acc);
+  }
 }
 SPECDEC_CPU_MULTIVERSION
 inline void tile_softmax_pv(float* scores, int64_t num_keys, int64_t stride, int64_t lanes, int64_t rows,
                             RowList values, int64_t padded_dim, float* row_max, float* row_sum, float* alpha,
                             float* acc) {
-  tile_softmax_pv_impl(scores, num_keys, stride, lanes, rows, values, padded_dim, row_max, row_sum, alpha, acc);
+  if (narrow_vectors()) {
+    tile_softmax_pv_impl<true>(scores, num_keys, stride, lanes, rows, values, padded_dim, row_max, row_sum, alpha,
+                               acc);
+  } else {
+    tile_softmax_pv_impl<false>(scores, num_keys, stride, lanes, rows, values, padded_dim, row_max, row_sum, alpha,
+                                acc);
+  }
 }
 
 // Soft-capping of a tile of scores [num_keys][stride], first `lanes` query lanes (a multiple
