@@ -43,6 +43,9 @@ def test_small_linear_matches_f_linear(gen, bias):
         want = F.linear(x.double(), w.double(), None if b is None else b.double())
         assert got.shape == want.shape and got.dtype == torch.float32 and got.is_contiguous()
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * shape[-1] ** 0.5)
+        # Bit for bit, a row's sums do not depend on the rows beside it (one row takes other kernels).
+        rows = x.reshape(-1, shape[-1])
+        assert torch.equal(linear.small_linear(rows[:1], w, b), got.reshape(-1, out_features)[:1])
     empty = linear.small_linear(torch.randn(0, 8), torch.randn(5, 8))
     assert empty.shape == (0, 5)
 
@@ -61,6 +64,8 @@ def test_small_linear_narrower_kernels_match_f_linear(isa):
         "    x, w, b = torch.randn(*shape, generator=gen), torch.randn(n, shape[-1], generator=gen), torch.randn(n, generator=gen)\n"
         "    want = F.linear(x.double(), w.double(), b.double())\n"
         "    torch.testing.assert_close(linear.small_linear(x, w, b).double(), want, rtol=1e-5, atol=1e-5 * shape[-1] ** 0.5)\n"
+        "    rows = x.reshape(-1, shape[-1])  # a row's sums do not depend on the rows beside it (the 1-row kernels)\n"
+        "    assert torch.equal(linear.small_linear(rows[:1], w, b), linear.small_linear(rows, w, b)[:1])\n"
         "    xb, wb, bb = x.bfloat16(), w.bfloat16(), b.bfloat16()\n"
         "    want = F.linear(xb.double(), wb.double(), bb.double())\n"
         "    torch.testing.assert_close(linear.small_linear(xb, wb, bb).double(), want, rtol=1e-2, atol=1e-2 * shape[-1] ** 0.5)\n"

@@ -66,6 +66,13 @@ inline void small_linear_rows_portable(const float* x, int64_t rows, int64_t k_d
 }
 
 #ifdef SPECDEC_SMALL_LINEAR_X86
+// How far ahead in the weights the AVX-512 kernels (and the AVX2 one-row kernel) prefetch (bytes; the same k of a weight row
+// 2-8 rows further on, since the rows lie one after another). The hardware prefetchers alone
+// kept a 1-8 row product of the default model's 211 weights (538 MB, not cache resident) at
+// 6-9 GB/s from 4 rows on, on one core of a Xeon whose memory gives ~14 GB/s; with 18 KB
+// ahead, 4 rows ran 1.4x and 8 rows 1.6x faster (9 KB ahead: less; 36 KB: less again).
+constexpr int64_t kSmallLinearPrefetchBytes = 18432;
+
 __attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -117,11 +124,52 @@ __attribute__((target("avx2,fma"))) inline void small_linear_pass_avx2(const flo
   }
 }
 
+// One input row (plain decoding) against WR weight rows: 8 weight rows streamed at once, a
+// prefetch per row and cache line kSmallLinearPrefetchBytes ahead (the next block's rows), and
+// no second input row's dead work. Each output's sum runs in the order of
+// small_linear_block_avx2 (8 lane partial sums over k, hsum8, then the tail), so the results
+// are bit for bit those of the 2-row block.
+template <int WR>
+__attribute__((target("avx2,fma"))) inline void small_linear_row1_avx2(const float* x, int64_t k_dim, const float* w,
+                                                                       int64_t n, const float* bias, float* y) {
+  __m256 acc[WR];
+  const float* wr[WR];
+  for (int j = 0; j < WR; ++j) {
+    acc[j] = _mm256_setzero_ps();
+    wr[j] = w + (n + j) * k_dim;
+  }
+  const int64_t k16 = k_dim & ~int64_t(15), k8 = k_dim & ~int64_t(7);
+  int64_t k = 0;
+  for (; k < k16; k += 16) {
+    const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+    for (int j = 0; j < WR; ++j) {
+      // (a prefetch past the end of the weights is harmless: prefetches never fault)
+      _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kSmallLinearPrefetchBytes, _MM_HINT_T0);
+      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(wr[j] + k), x0, acc[j]);
+      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(wr[j] + k + 8), x1, acc[j]);
+    }
+  }
+  for (; k < k8; k += 8) {
+    const __m256 x0 = _mm256_loadu_ps(x + k);
+    for (int j = 0; j < WR; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(wr[j] + k), x0, acc[j]);
+  }
+  for (int j = 0; j < WR; ++j) {
+    float s = hsum8(acc[j]);
+    for (int64_t kk = k8; kk < k_dim; ++kk) s += x[kk] * wr[j][kk];
+    y[n + j] = s + (bias != nullptr ? bias[n + j] : 0.f);
+  }
+}
+
 __attribute__((target("avx2,fma"))) inline void small_linear_rows_avx2(const float* x, int64_t rows, int64_t k_dim,
                                                                        const float* w, const float* bias, float* y,
                                                                        int64_t n_dim, int64_t n_begin,
                                                                        int64_t n_end) {
   int64_t n = n_begin;
+  if (rows == 1) {
+    for (; n + 8 <= n_end; n += 8) small_linear_row1_avx2<8>(x, k_dim, w, n, bias, y);
+    for (; n < n_end; ++n) small_linear_row1_avx2<1>(x, k_dim, w, n, bias, y);
+    return;
+  }
   for (; n + 4 <= n_end; n += 4) small_linear_pass_avx2<4>(x, rows, k_dim, w, n, bias, y, n_dim);
   for (; n < n_end; ++n) small_linear_pass_avx2<1>(x, rows, k_dim, w, n, bias, y, n_dim);
 }
@@ -140,12 +188,6 @@ __attribute__((target("avx2,fma"))) inline void small_linear_rows_avx2(const flo
 // order up to fp32 rounding.
 #define SPECDEC_AVX512_TARGET __attribute__((target("avx512f")))
 
-// How far ahead in the weights the AVX-512 kernels prefetch (bytes; the same k of a weight row
-// 2-8 rows further on, since the rows lie one after another). The hardware prefetchers alone
-// kept a 1-8 row product of the default model's 211 weights (538 MB, not cache resident) at
-// 6-9 GB/s from 4 rows on, on one core of a Xeon whose memory gives ~14 GB/s; with 18 KB
-// ahead, 4 rows ran 1.4x and 8 rows 1.6x faster (9 KB ahead: less; 36 KB: less again).
-constexpr int64_t kSmallLinearPrefetchBytes = 18432;
 
 // Which of a block's 4 weight rows pass `pass` of `passes` (one pass per 4 input rows)
 // prefetches ahead, as a bit mask: the passes share them out (pass p takes rows p, p + passes,
