@@ -68,8 +68,10 @@ import torch
 # out the weight prefetches (products of 8+ rows 1.2-1.7x faster), small_linear_rows measured up to 64 rows,
 # the fused layers past that range with their products on torch's BLAS (`blas_rows`); 8: the
 # small_linear range extended down through near-ties (a file of 7 calibrated under load could
-# leave 1-row steps on F.linear: plain decoding 1.6x slower there on an AVX2 machine)
-FORMAT = 8
+# leave 1-row steps on F.linear: plain decoding 1.6x slower there on an AVX2 machine); 9: the AVX2
+# small_linear kernels for 1 and 3-row blocks and the tree attention's 8-float blocks (AVX2 step
+# costs changed)
+FORMAT = 9
 DRAFT_FORMAT = 5  # of `DraftCost` files (their key holds the target's identity, FORMAT included); 2: merged drafters judge their sources (SourceJudge), one merge in HeadNgramDrafter; 3: head layers as one decoder_layer op on a CPU; 4: a head's logits for a batch as one product; 5: the heads' trees built on the host (numpy), their norms as rms_norm ops
 # 4: a head's strided logits as one product (batches of 4+ rows drafted 4-10x faster)
 ROWS = (1, 2, 4, 8)  # batch sizes timed at calibration (the target's forward and the drafter)

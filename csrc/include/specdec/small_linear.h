@@ -160,6 +160,40 @@ __attribute__((target("avx2,fma"))) inline void small_linear_row1_avx2(const flo
   }
 }
 
+// XR input rows (1-3) against WR weight rows, one weight vector loaded at a time: XR * WR
+// accumulators. With `prefetch`, a prefetch per weight row and cache line
+// kSmallLinearPrefetchBytes ahead. Each output's sum in small_linear_block_avx2's order.
+template <int WR, int XR>
+__attribute__((target("avx2,fma"))) inline void small_linear_rows_block_avx2(const float* x, int64_t k_dim,
+                                                                             const float* w, int64_t n,
+                                                                             const float* bias, float* y,
+                                                                             int64_t n_dim, bool prefetch) {
+  __m256 acc[XR][WR];
+  const float* wr[WR];
+  for (int j = 0; j < WR; ++j) wr[j] = w + (n + j) * k_dim;
+  for (int i = 0; i < XR; ++i)
+    for (int j = 0; j < WR; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int64_t k8 = k_dim & ~int64_t(7);
+  for (int64_t k = 0; k < k8; k += 8) {
+    __m256 xv[XR];
+    for (int i = 0; i < XR; ++i) xv[i] = _mm256_loadu_ps(x + i * k_dim + k);
+    for (int j = 0; j < WR; ++j) {
+      if (prefetch && (k & 15) == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kSmallLinearPrefetchBytes, _MM_HINT_T0);
+      const __m256 wv = _mm256_loadu_ps(wr[j] + k);
+      for (int i = 0; i < XR; ++i) acc[i][j] = _mm256_fmadd_ps(wv, xv[i], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < XR; ++i) {
+    const float* xi = x + i * k_dim;
+    for (int j = 0; j < WR; ++j) {
+      float sum = hsum8(acc[i][j]);
+      for (int64_t kk = k8; kk < k_dim; ++kk) sum += xi[kk] * wr[j][kk];
+      y[i * n_dim + n + j] = sum + (bias != nullptr ? bias[n + j] : 0.f);
+    }
+  }
+}
+
 __attribute__((target("avx2,fma"))) inline void small_linear_rows_avx2(const float* x, int64_t rows, int64_t k_dim,
                                                                        const float* w, const float* bias, float* y,
                                                                        int64_t n_dim, int64_t n_begin,
@@ -170,7 +204,17 @@ __attribute__((target("avx2,fma"))) inline void small_linear_rows_avx2(const flo
     for (; n < n_end; ++n) small_linear_row1_avx2<1>(x, k_dim, w, n, bias, y);
     return;
   }
-  for (; n + 4 <= n_end; n += 4) small_linear_pass_avx2<4>(x, rows, k_dim, w, n, bias, y, n_dim);
+  for (; n + 4 <= n_end; n += 4) {
+    // Input rows in groups of 3 (12 accumulators, 3 inputs and one weight vector: the 16
+    // registers); the first group's pass reads the 4 weight rows from memory and prefetches
+    // the next block's, the later ones find them in L1.
+    int64_t m = 0;
+    for (; m + 3 <= rows; m += 3) {
+      small_linear_rows_block_avx2<4, 3>(x + m * k_dim, k_dim, w, n, bias, y + m * n_dim, n_dim, m == 0);
+    }
+    if (rows - m == 2) small_linear_rows_block_avx2<4, 2>(x + m * k_dim, k_dim, w, n, bias, y + m * n_dim, n_dim, m == 0);
+    if (rows - m == 1) small_linear_rows_block_avx2<4, 1>(x + m * k_dim, k_dim, w, n, bias, y + m * n_dim, n_dim, m == 0);
+  }
   for (; n < n_end; ++n) small_linear_pass_avx2<1>(x, rows, k_dim, w, n, bias, y, n_dim);
 }
 #endif
