@@ -526,10 +526,16 @@ def extend_rows(target, history, lengths, new_tokens):
         return lengths, target.model(history[:, : int(lengths.max()) - 1]).last_hidden_state
 
 
-def test_fused_layer_drafts_as_the_modules(target, heads, monkeypatch):
+@pytest.mark.parametrize("chunk", [64, 2])
+def test_fused_layer_drafts_as_the_modules(target, heads, monkeypatch, chunk):
     """On a CPU an EAGLE head's layer runs as one `decoder_layer` op (`fused_block`): its
     trees equal the torch modules' over a ragged batch and two steps (the second catches up
-    3, 1 and 0 new entries: a row that fed nothing re-feeds its last), scores to rounding."""
+    3, 1 and 0 new entries: a row that fed nothing re-feeds its last), scores to rounding;
+    also with the prompt's catch-up in chunks of 2 entries (`CATCH_UP_CHUNK`, 64: longer
+    prompts)."""
+    from specdec_kernels.heads import drafters as head_drafters
+
+    monkeypatch.setattr(head_drafters, "CATCH_UP_CHUNK", chunk)
     fused, plain = (EagleDrafter(target, heads["eagle"], max_nodes=10, depth=3, top_k=3, min_score=0.0,
                                  dtype=torch.float32) for _ in range(2))
     monkeypatch.setattr(plain, "fused_block", lambda: None)
@@ -652,3 +658,16 @@ def test_train_draft_cli_dtype_options():
     assert args.feature_dtype == "bfloat16"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train-draft", "--out", "x", "--feature-dtype", "float8"])
+
+
+def test_head_dtype_follows_the_device(target, heads, monkeypatch):
+    """Heads draft in bf16 on a GPU and on a CPU with bf16 arithmetic, else in fp32 (a bf16
+    product without it is converted first, and runs slower); an explicit dtype wins."""
+    from specdec_kernels.heads import drafters as head_drafters
+
+    assert head_drafters.head_dtype("cuda") == torch.bfloat16
+    for native, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(head_drafters, "native_bf16_cpu", lambda native=native: native)
+        assert head_drafters.head_dtype("cpu") == want
+        assert EagleDrafter(target, heads["eagle"]).dtype == want
+    assert EagleDrafter(target, heads["eagle"], dtype=torch.bfloat16).dtype == torch.bfloat16

@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 import specdec_kernels as sk  # noqa: E402
 from specdec_kernels.heads import MtpDrafter, train_draft_head  # noqa: E402
 from specdec_kernels.heads.common import read_head  # noqa: E402
+from specdec_kernels.heads.drafters import head_dtype  # noqa: E402
 from specdec_kernels.heads.train import build_mtp_head, mtp_passes  # noqa: E402
 from test_generate import hf_greedy, left_pad, one_thread, repetitive_prompts  # noqa: E402,F401
 from test_heads import random_prompts  # noqa: E402
@@ -80,7 +81,8 @@ def test_train_mtp_head_any_family(tmp_path, family):
     assert config["training"]["unroll"] == 1
     head = module_of(target, out)  # strict load: every block weight was written, under the loader's names
     embed = target.get_input_embeddings()
-    assert MtpDrafter(target, out).dtype == torch.bfloat16  # a trained head drafts in bf16 by default (as EAGLE's)
+    # a trained head drafts in bf16 where the CPU computes in it, else fp32 (as EAGLE's)
+    assert MtpDrafter(target, out).dtype == head_dtype("cpu")
     # fp32 here: the drafts must equal the training module's forward to fp32 rounding.
     drafter = MtpDrafter(target, out, max_nodes=VOCAB, depth=1, top_k=VOCAB, min_score=0.0,
                          draft_vocab=torch.arange(VOCAB), dtype=torch.float32)

@@ -46,10 +46,11 @@ from ..ops.sampling import target_probs
 from ..ops.tree import TokenTree
 from .common import check_target, input_embedding, lm_head_weight, read_head, text_config
 from .modules import EagleHead, MedusaHeads, rope
-from .online import OnlineLearner, OnlineOptions, training_copy
+from .online import OnlineLearner, OnlineOptions, native_bf16_cpu, training_copy
 
 _TIE = 1e-6  # per-depth penalty on log scores: a parent always outranks its children
 _LAYOUTS = {}  # (head shapes, CPU threads) -> small_linear_rows, measured once per process
+CATCH_UP_CHUNK = 64  # entries per call of a long catch-up of the fused (CPU) head path
 
 
 def _load(module_cls, target, head, kind):
@@ -84,6 +85,14 @@ def _small_linear_rows(module, w_draft):
     if key not in _LAYOUTS:
         _LAYOUTS[key] = choose_small_linear_rows(weights, counts=(1, 2, 4, 8, 16, 32), repeats=3)
     return _LAYOUTS[key]
+
+
+def head_dtype(device) -> torch.dtype:
+    """The heads' default compute dtype on `device`: bfloat16 on a GPU and on a CPU with bf16
+    arithmetic (AVX512-BF16 or AMX: `online.native_bf16_cpu`), float32 on other CPUs (there
+    torch and our kernels convert every bf16 product to fp32 first, and bf16 runs slower)."""
+    device = torch.device(device)
+    return torch.bfloat16 if device.type != "cpu" or native_bf16_cpu() else torch.float32
 
 
 def _no_draft(history, lengths) -> Draft:
@@ -122,8 +131,10 @@ class _HeadDrafter(Drafter):
         for name, value in (("max_nodes", max_nodes), ("depth", depth), ("top_k", top_k)):
             if int(value) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if dtype is None:
+            dtype = head_dtype(lm_head_weight(target).device)
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"dtype must be torch.float32, bfloat16 or float16, got {dtype}")
+            raise ValueError(f"dtype must be None, torch.float32, bfloat16 or float16, got {dtype}")
         self.dtype = dtype
         self.min_score = 0.0
         options = OnlineOptions.coerce(online)
@@ -320,7 +331,19 @@ class _HeadDrafter(Drafter):
         feats = self.features.view(-1, hidden)[torch.tensor([b * capacity + i for b, row in enumerate(idx) for i in row])]
         tokens = torch.take(history, torch.tensor([[b * width + i + 1 for i in row] for b, row in enumerate(idx)]))
         x = self._block_inputs(feats.view(batch, count, hidden), tokens, positions if min(start) == 0 else None)
-        feed, g = run(x, positions, _causal_mask(count), torch.tensor(start, dtype=torch.int32))
+        if count <= CATCH_UP_CHUNK:
+            feed, g = run(x, positions, _causal_mask(count), torch.tensor(start, dtype=torch.int32))
+        else:
+            # A long catch-up (the prompt, after the prefill) in chunks: each chunk reads the
+            # entries before it as its prefix. As one call, every entry was a node of a causal
+            # "tree" whose mask the tree attention walks per key and query (T^2): the head's
+            # catch-up over a 691-token prompt took 262 ms, eight target layers' worth.
+            parts = [run(x[:, c: c + CATCH_UP_CHUNK], positions[:, c: c + CATCH_UP_CHUNK],
+                         _causal_mask(min(CATCH_UP_CHUNK, count - c)),
+                         torch.tensor([s + c for s in start], dtype=torch.int32))
+                     for c in range(0, count, CATCH_UP_CHUNK)]
+            g = torch.cat([part[1] for part in parts], 1)
+            feed = g if parts[0][0] is parts[0][1] else torch.cat([part[0] for part in parts], 1)
         # The root's children come from the output at the last entry.
         at = torch.tensor([b * count + min(n - s, count - 1) for b, (s, n) in enumerate(zip(start, last))])
         g_root = g.reshape(batch * count, -1)[at]
@@ -538,12 +561,14 @@ class EagleDrafter(_HeadDrafter):
             (every node costs target compute there), 0 on a GPU. With the planner, it prunes
             by the scores instead, calibrated by what each row accepted. Sampled trees keep
             every node (dropping a sampled child by its own probability would bias the sample).
-        dtype: the head's compute dtype. bfloat16 (default) halves the weight traffic
-            (one depth reads ~36 MB in fp32: the layer and 8192 LM-head rows, ~7% of a target
-            forward). With the layer as one `decoder_layer` op on a CPU (fp32 or bf16) bf16
-            drafted faster on the Intel Xeon too (a 3-node tree 4.0 against 5.6 ms, best of
-            40; with torch's modules its small bf16 matmuls had been the slower ones). Drafts
-            are proposals only, so outputs stay exact in any dtype.
+        dtype: the head's compute dtype; None (default): `head_dtype` (bfloat16 on a GPU and
+            on a CPU with bf16 arithmetic, float32 on other CPUs). bfloat16 halves the weight
+            traffic (one depth reads ~36 MB in fp32: the layer and 8192 LM-head rows, ~7% of a
+            target forward). With the layer as one `decoder_layer` op on a CPU (fp32 or bf16)
+            bf16 drafted faster on the Intel Xeon (AVX512-BF16; a 3-node tree 4.0 against 5.6
+            ms, best of 40); on an AMD EPYC without bf16 arithmetic every bf16 product is
+            converted first and bf16 drafting was the slower (the head's catch-up over a
+            691-token prompt 262 ms). Drafts are proposals only, so outputs stay exact in any dtype.
         online: False (a frozen head), True, a dict of `heads.online.OnlineOptions` settings,
             or an `OnlineOptions`: the head keeps learning from the target's verified
             features while it serves (`self.online`, an `OnlineLearner`: stats, `update`;
@@ -551,7 +576,7 @@ class EagleDrafter(_HeadDrafter):
     """
 
     def __init__(self, target, head, *, max_nodes: Optional[int] = None, depth: Optional[int] = None,
-                 top_k: Optional[int] = None, min_score: Optional[float] = None, dtype=torch.bfloat16, online=False):
+                 top_k: Optional[int] = None, min_score: Optional[float] = None, dtype=None, online=False):
         module = _load(EagleHead, target, head, "eagle")
         small = lm_head_weight(target).device.type == "cpu"
         # On a CPU every verified node costs target compute (a 5-node tree ~1.5x one token
@@ -712,7 +737,7 @@ class MedusaDrafter(_HeadDrafter):
     """
 
     def __init__(self, target, heads, *, max_nodes: Optional[int] = None, top_k: Optional[int] = None,
-                 dtype=torch.bfloat16, online=False):
+                 dtype=None, online=False):
         module = _load(MedusaHeads, target, heads, "medusa")
         small = lm_head_weight(target).device.type == "cpu"
         max_nodes = max_nodes if max_nodes is not None else (4 if small else 24)

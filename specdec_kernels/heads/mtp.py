@@ -65,7 +65,7 @@ from ..ops.small_linear import routed_linear
 from .common import additive_block_mask, block_config as _block_config, block_mask, cache_kwarg, decoder_layer_class
 from .common import input_embedding, lm_head_weight, text_config
 from .common import target_norm as _norm
-from .drafters import _HeadDrafter, _small_linear_rows, fuses_block
+from .drafters import _HeadDrafter, _small_linear_rows, fuses_block, head_dtype
 
 LAYOUTS = ("deepseek", "mimo", "qwen3_next")
 # (embedding norm, hidden norm, projection, final norm) key names per layout; the projection's
@@ -392,9 +392,9 @@ class MtpDrafter(_HeadDrafter):
         max_nodes, depth, top_k, min_score: the best-first tree, as `EagleDrafter` takes
             them (same defaults: 4 nodes, depth 3, top_k 2 on a CPU; 24, 6, 6 on a GPU).
         dtype: compute dtype of the MTP layers. Default: the target's for a checkpoint's own
-            layers (the drafts follow the published forward), bfloat16 for a trained head (as
-            `EagleDrafter`: half the weight bytes per depth; drafts are proposals, so outputs
-            stay exact). A dtype other than the target's makes a converted copy of the LM-head
+            layers (the drafts follow the published forward), `head_dtype` for a trained head
+            (as `EagleDrafter`: bfloat16 where the device computes in it, half the weight bytes
+            per depth, else float32; drafts are proposals, so outputs stay exact). A dtype other than the target's makes a converted copy of the LM-head
             rows it drafts from.
         draft_vocab: None (default): the whole vocabulary for a model's own MTP layers, and
             a trained head's own draft vocabulary (its N most frequent tokens, as EAGLE
@@ -428,7 +428,7 @@ class MtpDrafter(_HeadDrafter):
             if int(value) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if dtype is None:
-            dtype = torch.bfloat16 if module.draft_vocab is not None else weight.dtype
+            dtype = head_dtype(weight.device) if module.draft_vocab is not None else weight.dtype
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be torch.float32, bfloat16 or float16, got {dtype}")
         # (_HeadDrafter.__init__ is not called: its draft vocabulary, small-linear timing and
