@@ -797,13 +797,17 @@ __global__ void __launch_bounds__(kTreeAttnSimtWarps * 32) tree_attention_simt_k
 inline int tree_attention_mma_warps(int head_dim, int64_t rows) { return head_dim == 256 || rows <= 64 ? 4 : 8; }
 
 // KV splits of the prefix, from shapes only (no host sync): enough CTAs for about two per SM,
-// at most one split per 256 allocated cache slots, and the fp32 partials (8 B per row and
-// dim, written and read back) at most a quarter of the 16-bit K/V bytes (4 B per key and dim).
+// at most one split per 64 allocated cache slots (one key tile), and the fp32 partials (8 B
+// per row and dim, written and read back) at most a quarter of the 16-bit K/V bytes (4 B per
+// key and dim). (One split per 256 slots until the eleventh session: a decode query of the
+// default model, 3 KV heads over ~300 keys, then ran 6 CTAs of 2-3 tiles in series, 17.7 us a
+// layer on an H200. Splits past a row's length are empty and cost a CTA start each. Not yet
+// measured on a GPU.)
 inline int tree_attention_num_splits(int64_t batch, int64_t num_kv_heads, int64_t m_tiles, int64_t rows,
                                      int64_t cache_len, int num_sms) {
   const int64_t ctas = std::max<int64_t>(1, batch * num_kv_heads * m_tiles);
   const int64_t want = (2 * static_cast<int64_t>(num_sms) + ctas - 1) / ctas;
-  const int64_t by_length = std::max<int64_t>(1, cache_len / 256);
+  const int64_t by_length = std::max<int64_t>(1, cache_len / 64);
   const int64_t by_partials = std::max<int64_t>(1, cache_len / (8 * std::max<int64_t>(1, rows)));
   return static_cast<int>(std::max<int64_t>(1, std::min({want, by_length, by_partials, int64_t{kTreeAttnMaxSplits}})));
 }
