@@ -245,9 +245,9 @@ inline bool narrow_vectors() {
   }();
   return narrow;
 }
-SPECDEC_CPU_MULTIVERSION
-inline void tile_scores(const float* queries_t, int64_t stride, int64_t lanes, StridedRows keys, int64_t num_keys,
-                        int64_t head_dim, float* scores) {
+template <typename Rows>
+SPECDEC_CPU_INLINE void tile_scores_blocks(const float* queries_t, int64_t stride, int64_t lanes, const Rows& keys,
+                                           int64_t num_keys, int64_t head_dim, float* scores) {
   if (narrow_vectors()) {
     tile_scores_impl<true>(queries_t, stride, lanes, keys, num_keys, head_dim, scores);
   } else {
@@ -255,13 +255,14 @@ inline void tile_scores(const float* queries_t, int64_t stride, int64_t lanes, S
   }
 }
 SPECDEC_CPU_MULTIVERSION
+inline void tile_scores(const float* queries_t, int64_t stride, int64_t lanes, StridedRows keys, int64_t num_keys,
+                        int64_t head_dim, float* scores) {
+  tile_scores_blocks(queries_t, stride, lanes, keys, num_keys, head_dim, scores);
+}
+SPECDEC_CPU_MULTIVERSION
 inline void tile_scores(const float* queries_t, int64_t stride, int64_t lanes, RowList keys, int64_t num_keys,
                         int64_t head_dim, float* scores) {
-  if (narrow_vectors()) {
-    tile_scores_impl<true>(queries_t, stride, lanes, keys, num_keys, head_dim, scores);
-  } else {
-    tile_scores_impl<false>(queries_t, stride, lanes, keys, num_keys, head_dim, scores);
-  }
+  tile_scores_blocks(queries_t, stride, lanes, keys, num_keys, head_dim, scores);
 }
 
 // acc[r][c*16 + lane] += sum_n probs[n][r] * values[n][c*16 + lane], r < kRows, c < kVecs.
@@ -389,10 +390,12 @@ SPECDEC_CPU_INLINE void tile_softmax_pv_impl(float* scores, int64_t num_keys, in
     default: break;
   }
 }
-SPECDEC_CPU_MULTIVERSION
-inline void tile_softmax_pv(float* scores, int64_t num_keys, int64_t stride, int64_t lanes, int64_t rows,
-                            StridedRows values, int64_t padded_dim, float* row_max, float* row_sum, float* alpha,
-                            float* acc) {
+// The block layout this CPU runs (narrow_vectors), inlined into each clone below (target_clones
+// takes no templates, hence one clone set per row kind).
+template <typename Rows>
+SPECDEC_CPU_INLINE void tile_softmax_pv_blocks(float* scores, int64_t num_keys, int64_t stride, int64_t lanes,
+                                               int64_t rows, const Rows& values, int64_t padded_dim, float* row_max,
+                                               float* row_sum, float* alpha, float* acc) {
   if (narrow_vectors()) {
     tile_softmax_pv_impl<true>(scores, num_keys, stride, lanes, rows, values, padded_dim, row_max, row_sum, alpha,
                                acc);
@@ -403,15 +406,15 @@ inline void tile_softmax_pv(float* scores, int64_t num_keys, int64_t stride, int
 }
 SPECDEC_CPU_MULTIVERSION
 inline void tile_softmax_pv(float* scores, int64_t num_keys, int64_t stride, int64_t lanes, int64_t rows,
+                            StridedRows values, int64_t padded_dim, float* row_max, float* row_sum, float* alpha,
+                            float* acc) {
+  tile_softmax_pv_blocks(scores, num_keys, stride, lanes, rows, values, padded_dim, row_max, row_sum, alpha, acc);
+}
+SPECDEC_CPU_MULTIVERSION
+inline void tile_softmax_pv(float* scores, int64_t num_keys, int64_t stride, int64_t lanes, int64_t rows,
                             RowList values, int64_t padded_dim, float* row_max, float* row_sum, float* alpha,
                             float* acc) {
-  if (narrow_vectors()) {
-    tile_softmax_pv_impl<true>(scores, num_keys, stride, lanes, rows, values, padded_dim, row_max, row_sum, alpha,
-                               acc);
-  } else {
-    tile_softmax_pv_impl<false>(scores, num_keys, stride, lanes, rows, values, padded_dim, row_max, row_sum, alpha,
-                                acc);
-  }
+  tile_softmax_pv_blocks(scores, num_keys, stride, lanes, rows, values, padded_dim, row_max, row_sum, alpha, acc);
 }
 
 // Soft-capping of a tile of scores [num_keys][stride], first `lanes` query lanes (a multiple
