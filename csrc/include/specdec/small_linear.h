@@ -66,7 +66,7 @@ inline void small_linear_rows_portable(const float* x, int64_t rows, int64_t k_d
 }
 
 #ifdef SPECDEC_SMALL_LINEAR_X86
-// How far ahead in the weights the AVX-512 kernels (and the AVX2 one-row kernel) prefetch (bytes; the same k of a weight row
+// How far ahead in the weights the AVX-512 and AVX2 kernels prefetch (bytes; the same k of a weight row
 // 2-8 rows further on, since the rows lie one after another). The hardware prefetchers alone
 // kept a 1-8 row product of the default model's 211 weights (538 MB, not cache resident) at
 // 6-9 GB/s from 4 rows on, on one core of a Xeon whose memory gives ~14 GB/s; with 18 KB
@@ -80,89 +80,11 @@ __attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// WR weight rows (1 or 4) against input rows xa and xb (xb may repeat xa: its results are
-// then not stored), writing y[ma, n + j] and, if has_b, y[ma + 1, n + j].
-template <int WR>
-__attribute__((target("avx2,fma"))) inline void small_linear_block_avx2(const float* xa, const float* xb, bool has_b,
-                                                                        int64_t k_dim, const float* w, int64_t n,
-                                                                        const float* bias, float* ya, float* yb) {
-  __m256 acc_a[WR], acc_b[WR];
-  for (int j = 0; j < WR; ++j) acc_a[j] = acc_b[j] = _mm256_setzero_ps();
-  const int64_t k8 = k_dim & ~int64_t(7);
-  for (int64_t k = 0; k < k8; k += 8) {
-    const __m256 va = _mm256_loadu_ps(xa + k);
-    const __m256 vb = _mm256_loadu_ps(xb + k);
-    for (int j = 0; j < WR; ++j) {
-      const __m256 wv = _mm256_loadu_ps(w + (n + j) * k_dim + k);
-      acc_a[j] = _mm256_fmadd_ps(wv, va, acc_a[j]);
-      acc_b[j] = _mm256_fmadd_ps(wv, vb, acc_b[j]);
-    }
-  }
-  for (int j = 0; j < WR; ++j) {
-    const float* wn = w + (n + j) * k_dim;
-    float sa = hsum8(acc_a[j]), sb = hsum8(acc_b[j]);
-    for (int64_t k = k8; k < k_dim; ++k) {
-      sa += xa[k] * wn[k];
-      sb += xb[k] * wn[k];
-    }
-    const float b = bias != nullptr ? bias[n + j] : 0.f;
-    ya[n + j] = sa + b;
-    if (has_b) yb[n + j] = sb + b;
-  }
-}
-
-// Weight rows [n, n + WR) against every input row, two input rows per pass.
-template <int WR>
-__attribute__((target("avx2,fma"))) inline void small_linear_pass_avx2(const float* x, int64_t rows, int64_t k_dim,
-                                                                       const float* w, int64_t n, const float* bias,
-                                                                       float* y, int64_t n_dim) {
-  for (int64_t m = 0; m < rows; m += 2) {
-    const bool has_b = m + 1 < rows;
-    const float* xa = x + m * k_dim;
-    small_linear_block_avx2<WR>(xa, has_b ? xa + k_dim : xa, has_b, k_dim, w, n, bias, y + m * n_dim,
-                                y + (has_b ? m + 1 : m) * n_dim);
-  }
-}
-
-// One input row (plain decoding) against WR weight rows: 8 weight rows streamed at once, a
-// prefetch per row and cache line kSmallLinearPrefetchBytes ahead (the next block's rows), and
-// no second input row's dead work. Each output's sum runs in the order of
-// small_linear_block_avx2 (8 lane partial sums over k, hsum8, then the tail), so the results
-// are bit for bit those of the 2-row block.
-template <int WR>
-__attribute__((target("avx2,fma"))) inline void small_linear_row1_avx2(const float* x, int64_t k_dim, const float* w,
-                                                                       int64_t n, const float* bias, float* y) {
-  __m256 acc[WR];
-  const float* wr[WR];
-  for (int j = 0; j < WR; ++j) {
-    acc[j] = _mm256_setzero_ps();
-    wr[j] = w + (n + j) * k_dim;
-  }
-  const int64_t k16 = k_dim & ~int64_t(15), k8 = k_dim & ~int64_t(7);
-  int64_t k = 0;
-  for (; k < k16; k += 16) {
-    const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
-    for (int j = 0; j < WR; ++j) {
-      // (a prefetch past the end of the weights is harmless: prefetches never fault)
-      _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kSmallLinearPrefetchBytes, _MM_HINT_T0);
-      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(wr[j] + k), x0, acc[j]);
-      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(wr[j] + k + 8), x1, acc[j]);
-    }
-  }
-  for (; k < k8; k += 8) {
-    const __m256 x0 = _mm256_loadu_ps(x + k);
-    for (int j = 0; j < WR; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(wr[j] + k), x0, acc[j]);
-  }
-  for (int j = 0; j < WR; ++j) {
-    float s = hsum8(acc[j]);
-    for (int64_t kk = k8; kk < k_dim; ++kk) s += x[kk] * wr[j][kk];
-    y[n + j] = s + (bias != nullptr ? bias[n + j] : 0.f);
-  }
-}
-
 // XR input rows (1-3) against WR weight rows, one weight vector loaded at a time: XR * WR
-// accumulators. With `prefetch`, a prefetch per weight row and cache line
-// kSmallLinearPrefetchBytes ahead. Each output's sum in small_linear_block_avx2's order.
+// accumulators (at most 12 of the 16 registers, with the XR inputs and the weight vector).
+// With `prefetch`, a prefetch per weight row and cache line kSmallLinearPrefetchBytes ahead
+// (the next block's rows). Each output's sum in one fixed order, whatever the block: 8 lane
+// partial sums over k, hsum8, then the last k_dim % 8 terms.
 template <int WR, int XR>
 __attribute__((target("avx2,fma"))) inline void small_linear_rows_block_avx2(const float* x, int64_t k_dim,
                                                                              const float* w, int64_t n,
@@ -194,27 +116,30 @@ __attribute__((target("avx2,fma"))) inline void small_linear_rows_block_avx2(con
   }
 }
 
+// Weight rows [n, n + WR) against every input row, in groups of 3: the first group's pass
+// reads the WR weight rows from memory and prefetches the next block's, the later ones find
+// them in L1.
+template <int WR>
+__attribute__((target("avx2,fma"))) inline void small_linear_pass_avx2(const float* x, int64_t rows, int64_t k_dim,
+                                                                       const float* w, int64_t n, const float* bias,
+                                                                       float* y, int64_t n_dim) {
+  int64_t m = 0;
+  for (; m + 3 <= rows; m += 3) {
+    small_linear_rows_block_avx2<WR, 3>(x + m * k_dim, k_dim, w, n, bias, y + m * n_dim, n_dim, m == 0);
+  }
+  if (rows - m == 2) small_linear_rows_block_avx2<WR, 2>(x + m * k_dim, k_dim, w, n, bias, y + m * n_dim, n_dim, m == 0);
+  if (rows - m == 1) small_linear_rows_block_avx2<WR, 1>(x + m * k_dim, k_dim, w, n, bias, y + m * n_dim, n_dim, m == 0);
+}
+
 __attribute__((target("avx2,fma"))) inline void small_linear_rows_avx2(const float* x, int64_t rows, int64_t k_dim,
                                                                        const float* w, const float* bias, float* y,
                                                                        int64_t n_dim, int64_t n_begin,
                                                                        int64_t n_end) {
   int64_t n = n_begin;
-  if (rows == 1) {
-    for (; n + 8 <= n_end; n += 8) small_linear_row1_avx2<8>(x, k_dim, w, n, bias, y);
-    for (; n < n_end; ++n) small_linear_row1_avx2<1>(x, k_dim, w, n, bias, y);
-    return;
+  if (rows == 1) {  // plain decoding: 8 weight rows streamed at once
+    for (; n + 8 <= n_end; n += 8) small_linear_rows_block_avx2<8, 1>(x, k_dim, w, n, bias, y, n_dim, true);
   }
-  for (; n + 4 <= n_end; n += 4) {
-    // Input rows in groups of 3 (12 accumulators, 3 inputs and one weight vector: the 16
-    // registers); the first group's pass reads the 4 weight rows from memory and prefetches
-    // the next block's, the later ones find them in L1.
-    int64_t m = 0;
-    for (; m + 3 <= rows; m += 3) {
-      small_linear_rows_block_avx2<4, 3>(x + m * k_dim, k_dim, w, n, bias, y + m * n_dim, n_dim, m == 0);
-    }
-    if (rows - m == 2) small_linear_rows_block_avx2<4, 2>(x + m * k_dim, k_dim, w, n, bias, y + m * n_dim, n_dim, m == 0);
-    if (rows - m == 1) small_linear_rows_block_avx2<4, 1>(x + m * k_dim, k_dim, w, n, bias, y + m * n_dim, n_dim, m == 0);
-  }
+  for (; n + 4 <= n_end; n += 4) small_linear_pass_avx2<4>(x, rows, k_dim, w, n, bias, y, n_dim);
   for (; n < n_end; ++n) small_linear_pass_avx2<1>(x, rows, k_dim, w, n, bias, y, n_dim);
 }
 #endif

@@ -210,10 +210,13 @@ class TreeKVCache(Cache):
             return keys.transpose(1, 2), values.transpose(1, 2)
         return layer.keys, layer.values  # the pools, [num_pages, H, N, D]: attention reads them via the block table
 
-    def set_lengths(self, seqlens: torch.Tensor) -> None:
-        """Set the per-row lengths (e.g. after a prefill, or to drop scratch entries)."""
+    def set_lengths(self, seqlens: torch.Tensor, max_len: Optional[int] = None) -> None:
+        """Set the per-row lengths (e.g. after a prefill, or to drop scratch entries).
+        max_len: an upper bound of them known on the host, kept as `max_len` instead of reading
+        their maximum back from the device (a host sync on a GPU): views handed to attention
+        are then that much longer, and attention reads each row to its own length."""
         self.seqlens = seqlens.to(device=self.seqlens.device, dtype=torch.int32).contiguous()
-        self.max_len = int(self.seqlens.max())
+        self.max_len = int(self.seqlens.max()) if max_len is None else int(max_len)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch rows `rows` (int64 indices, in the new order): every layer's buffers
@@ -253,17 +256,11 @@ class TreeKVCache(Cache):
         only what it emitted).
 
         max_count: None, or a bound on counts known on the host (the tree's width): `max_len`
-        then grows by it instead of being read back from the device (a host sync on a GPU),
-        and stays an upper bound of the rows' lengths until the next `set_lengths` (views
-        handed to attention are that much longer; attention reads each row to its own length).
+        then grows by it, an upper bound until the next exact `set_lengths` (see there).
         """
         prefix = self.seqlens
         compact_kv_cache_(self.buffers(), prefix, accepted_nodes, num_accepted, block_table=self.block_table)
-        if max_count is None:
-            self.set_lengths(prefix + counts.to(prefix.dtype))
-        else:
-            self.seqlens = prefix + counts.to(prefix.dtype)
-            self.max_len += int(max_count)
+        self.set_lengths(prefix + counts.to(prefix.dtype), None if max_count is None else self.max_len + max_count)
 
     # transformers' Cache API (what models and mask builders may ask)
     def get_seq_length(self, layer_idx: int = 0) -> int:
