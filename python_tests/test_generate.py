@@ -517,6 +517,48 @@ def test_tree_forward_matches_plain_forward_of_each_path(target):
     assert target.config._attn_implementation != hf.NAME  # restored
 
 
+@pytest.mark.parametrize("page_size", [None, 4])
+@pytest.mark.parametrize("return_hidden", [False, True, (0, -1)])
+def test_prefill_of_rows_one_at_a_time_equals_the_padded_batch(target, monkeypatch, page_size, return_hidden):
+    """Rows of very different lengths prefill one at a time (no padding computed): the cache
+    rows and the hidden states equal the padded batch's, and the lengths are the prefixes."""
+    import specdec_kernels.loop.hf.attention as hf_attention
+
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.tensor([30, 4, 1, 17])  # one row with nothing to prefill
+    history = torch.randint(1, VOCAB, (4, 40), generator=g)
+    results = []
+    for limit in (1e9, 1.0):  # always the padded batch; then rows one at a time
+        monkeypatch.setattr(hf_attention, "PADDING_LIMIT", limit)
+        cache = hf.TreeKVCache.for_model(target, 4, 40, page_size=page_size)
+        calls = []
+        row = cache.row
+        monkeypatch.setattr(cache, "row", lambda b: calls.append(b) or row(b))
+        with torch.no_grad(), hf.use_tree_attention(target):
+            hidden = hf.prefill(target, cache, history, lengths, return_hidden=return_hidden)
+        assert calls == ([] if limit > 1e8 else [0, 1, 2, 3])
+        assert cache.seqlens.tolist() == [29, 3, 0, 16] and cache.max_len == 29
+        results.append((cache, hidden))
+    (padded, hidden_padded), (rows, hidden_rows) = results
+    for layer in range(len(padded.layers)):
+        for b, n in enumerate([29, 3, 0, 16]):
+            for name in ("k_buf", "v_buf"):
+                if page_size is None:
+                    want, got = getattr(padded.layers[layer], name)[b, :n], getattr(rows.layers[layer], name)[b, :n]
+                else:  # each row's slots through its block table
+                    slots = torch.arange(n)
+                    want, got = [getattr(c.layers[layer], name)[c.block_table[b, slots // page_size].long(),
+                                                                 slots % page_size] for c in (padded, rows)]
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if return_hidden is False:
+        assert hidden_padded is None and hidden_rows is None
+        return
+    assert hidden_rows.shape == hidden_padded.shape
+    for b, n in enumerate([29, 3, 0, 16]):
+        torch.testing.assert_close(hidden_rows[b, :n], hidden_padded[b, :n], atol=1e-5, rtol=1e-5)
+        assert not hidden_rows[b, n:].any()
+
+
 def test_tree_kv_cache_writes_ragged_and_compacts():
     """update() writes at seqlens[b] + j and returns [B, H, max_len + T, D] views of the
     preallocated buffers; compact_() keeps the accepted path and grows the lengths."""

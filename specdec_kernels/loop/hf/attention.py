@@ -233,30 +233,62 @@ def _decoder(model):
     return model.get_decoder()
 
 
+# A batched prefill computes every row to the longest row's length; past this share of padded
+# positions (B x max(prefix) over the real ones) the rows run one at a time instead. A row's
+# forward of ~100+ tokens keeps the products near the CPU's matmul peak, so the padding is
+# pure loss there: eight code-edit prompts of 151-285 tokens padded 2,280 positions for 1,749.
+PADDING_LIMIT = 1.1
+
+
 def prefill(model, cache, history: torch.Tensor, lengths: torch.Tensor, return_hidden: bool = False):
     """Write every row's tokens but its last (`history[b, :lengths[b] - 1]`, left-aligned)
     into an empty `cache`, with plain causal attention; the last token becomes the first
-    tree's root. Row padding lies after each row's real tokens, so causal attention never
-    lets a real token see it, and later writes overwrite it.
+    tree's root. Rows of about one length run as one batch (row padding lies after each
+    row's real tokens, so causal attention never lets a real token see it, and later writes
+    overwrite it); rows whose padding would exceed `PADDING_LIMIT` of the real tokens run one
+    at a time, each through `cache.row(b)`, computing no padding at all.
 
     Returns None, or with return_hidden the final hidden states [B, max(lengths) - 1, H]
-    (row b valid for its first lengths[b] - 1), computed without the LM head; with a tuple
-    of layer indices (see `forward`) those layers, [B, max(lengths) - 1, len(layers), H].
+    (row b valid for its first lengths[b] - 1, zeros past them where rows ran one at a time),
+    computed without the LM head; with a tuple of layer indices (see `forward`) those layers,
+    [B, max(lengths) - 1, len(layers), H].
     """
     prefix = lengths.long() - 1
     num = int(prefix.max())
-    hidden = None
-    if num > 0:
-        positions = torch.arange(num, device=history.device)[None, :].expand(history.shape[0], -1)
-        if return_hidden:
-            hidden = _hidden(model, dict(input_ids=history[:, :num], position_ids=positions, past_key_values=cache,
-                                         use_cache=True), return_hidden)[1]
-        else:
-            forward(model, cache, history[:, :num], positions, logits_to_keep=1)
-    elif return_hidden:
+    batch = history.shape[0]
+    if batch > 1 and num > 0 and batch * num > PADDING_LIMIT * int(prefix.sum()):
+        hidden = _prefill_rows(model, cache, history, [int(n) for n in prefix.tolist()], num, return_hidden)
+    else:
+        hidden = _prefill(model, cache, history, num, return_hidden)
+    cache.set_lengths(prefix)
+    return hidden
+
+
+def _prefill(model, cache, history, num, return_hidden):
+    """The prefill's forward over `history[:, :num]` at positions 0 .. num - 1 (hidden states
+    as `prefill` returns them, or None)."""
+    if num == 0:
+        if not return_hidden:
+            return None
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         layers = () if return_hidden is True else (len(return_hidden),)
-        hidden = torch.zeros(history.shape[0], 0, *layers, cfg.hidden_size, dtype=next(model.parameters()).dtype,
-                             device=history.device)
-    cache.set_lengths(prefix)
+        return torch.zeros(history.shape[0], 0, *layers, cfg.hidden_size, dtype=next(model.parameters()).dtype,
+                           device=history.device)
+    positions = torch.arange(num, device=history.device)[None, :].expand(history.shape[0], -1)
+    if return_hidden:
+        return _hidden(model, dict(input_ids=history[:, :num], position_ids=positions, past_key_values=cache,
+                                   use_cache=True), return_hidden)[1]
+    forward(model, cache, history[:, :num], positions, logits_to_keep=1)
+    return None
+
+
+def _prefill_rows(model, cache, history, prefix, num, return_hidden):
+    """`_prefill` one row at a time, row b over its own prefix[b] tokens through `cache.row(b)`;
+    the rows' hidden states padded with zeros to `num` positions."""
+    parts = [_prefill(model, cache.row(b), history[b: b + 1], n, return_hidden) for b, n in enumerate(prefix)]
+    if not return_hidden:
+        return None
+    hidden = parts[0].new_zeros((len(parts), num) + tuple(parts[0].shape[2:]))
+    for b, part in enumerate(parts):
+        hidden[b, : part.shape[1]] = part[0]
     return hidden

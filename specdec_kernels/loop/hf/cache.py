@@ -210,6 +210,13 @@ class TreeKVCache(Cache):
             return keys.transpose(1, 2), values.transpose(1, 2)
         return layer.keys, layer.values  # the pools, [num_pages, H, N, D]: attention reads them via the block table
 
+    def row(self, index: int) -> "TreeKVCache":
+        """Row `index` as a cache of one row over the same memory: a forward through it writes
+        this cache's row (a prefill without padding: `prefill` runs rows of different lengths
+        one at a time). Its lengths start as a copy of the row's; set this cache's lengths
+        after writing through it."""
+        return _RowView(self, index)
+
     def set_lengths(self, seqlens: torch.Tensor, max_len: Optional[int] = None) -> None:
         """Set the per-row lengths (e.g. after a prefill, or to drop scratch entries).
         max_len: an upper bound of them known on the host, kept as `max_len` instead of reading
@@ -278,3 +285,36 @@ class TreeKVCache(Cache):
         return self.capacity
 
     get_max_cache_shape = get_max_length  # (the name in earlier transformers releases)
+
+
+class _RowView(TreeKVCache):
+    """One row of a `TreeKVCache` (`TreeKVCache.row`): its layers hold the owner's buffers
+    narrowed to the row (dense) or the owner's pools with the row's block table (paged), so
+    writes land in the owner. A layer whose first write brings other shapes (MLA, see
+    `_reshape_layer`) is reshaped in the owner, and the view narrows the new buffers."""
+
+    def __init__(self, owner: TreeKVCache, index: int):
+        self.owner, self.index = owner, int(index)
+        self.page_size = owner.page_size
+        self.block_table = None if owner.block_table is None else owner.block_table[self.index: self.index + 1]
+        self._slots = (1,) + tuple(owner._slots[1:]) if owner.block_table is None else owner._slots
+        Cache.__init__(self, layers=[_TreeKVLayer(self, *self._narrow(layer)) for layer in owner.layers])
+        self.capacity = owner.capacity
+        self.seqlens = owner.seqlens[self.index: self.index + 1].clone()
+        self.max_len = int(self.seqlens[0])
+        self._rows = torch.zeros(1, 1, dtype=torch.long, device=self.seqlens.device)
+
+    def _narrow(self, layer: _TreeKVLayer):
+        if self.block_table is not None:
+            return layer.k_buf, layer.v_buf
+        return layer.k_buf[self.index: self.index + 1], layer.v_buf[self.index: self.index + 1]
+
+    def _reshape_layer(self, layer: _TreeKVLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        index = next(i for i, mine in enumerate(self.layers) if mine is layer)
+        mine = self.owner.layers[index]
+        self.owner._reshape_layer(mine, key_states, value_states)
+        layer.k_buf, layer.v_buf = self._narrow(mine)
+        layer.keys, layer.values = layer.k_buf.transpose(1, 2), layer.v_buf.transpose(1, 2)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        raise NotImplementedError("TreeKVCache.row: a row view cannot drop rows")
