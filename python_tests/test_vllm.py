@@ -320,6 +320,12 @@ def test_choose_lengths():
     assert integ.choose_lengths(rates, np.array([2, 0]), 2, 0.05, 0.01).tolist() == [2, 0]
     assert integ.choose_lengths(rates, np.array([4, 4]), 2, 5.0, 0.01).tolist() == [0, 0]  # tokens too dear
     assert integ.choose_lengths(np.zeros((0, 4)), np.zeros(0, dtype=np.int64), 0, 0.05, 0.0).shape == (0,)
+    # At the fit's break-even (8 decoding rows, c1 / c0 = 0.089: ~0.42) a 0.45 draft pays
+    # without a margin and not with draft_margin 0.5 (drafts charged 1.5 tokens); 0.9 pays both ways.
+    near = np.array([[0.45]])
+    assert integ.choose_lengths(near, np.array([1]), 8, 0.089, 0.01).tolist() == [1]
+    assert integ.choose_lengths(near, np.array([1]), 8, 0.089, 0.01, draft_margin=0.5).tolist() == [0]
+    assert integ.choose_lengths(np.array([[0.9]]), np.array([1]), 8, 0.089, 0.01, draft_margin=0.5).tolist() == [1]
 
 
 def test_step_cost_fits_a_line():
