@@ -312,11 +312,6 @@ class StepCost:
         return float(min(max(ratio, 1e-4), 10.0))
 
 
-# Steps at the start of a request that draft at least one token (when the n-gram index has one),
-# so its acceptance gets measured (see `SpecdecProposer._draft`).
-WARMUP_PROBES = 3
-
-
 def choose_lengths(rates: np.ndarray, available: np.ndarray, decode_rows: int, token_cost: float,
                    min_gain: float, draft_margin: float = 0.0) -> np.ndarray:
     """Draft lengths that maximise a vLLM step's expected tokens per second.
@@ -386,7 +381,6 @@ class SpecdecProposer:
         self._history = [np.zeros(0, dtype=np.int32) for _ in range(self.num_slots)]  # valid [:length]
         self._length = np.zeros(self.num_slots, dtype=np.int64)
         self._pending = [np.zeros(0, dtype=np.int64) for _ in range(self.num_slots)]  # drafts in flight
-        self._warmup = np.zeros(self.num_slots, dtype=np.int64)  # warm-up probes a slot still gets
         self._last_seen = np.full(self.num_slots, -1, dtype=np.int64)  # step a slot was last in the batch
         self._used = np.zeros(self.num_slots, dtype=bool)  # holds a request (live or parked)
         self._row_slot = np.full(self.max_rows, -1, dtype=np.int64)
@@ -396,7 +390,7 @@ class SpecdecProposer:
         self._alpha_sum, self._alpha_count = 0.0, 0
         self.counters = dict(steps=0, decode_rows=0, drafted=0, verified=0, accepted=0, rows_with_drafts=0,
                              new_requests=0, moved_requests=0, propose_seconds=0.0, step_seconds=0.0,
-                             timed_steps=0, probes=0)
+                             timed_steps=0)
         self.accepted_per_depth = np.zeros(self.k, dtype=np.int64)
         self.verified_per_depth = np.zeros(self.k, dtype=np.int64)
         with _LIVE_LOCK:
@@ -485,7 +479,6 @@ class SpecdecProposer:
         self.acceptance.rejected[slot] = 0
         self._length[slot] = 0
         self._pending[slot] = np.zeros(0, dtype=np.int64)
-        self._warmup[slot] = 0
         self._used[slot] = False
 
     def _store(self, slot: int, row: np.ndarray, start: int, end: int) -> None:
@@ -535,7 +528,6 @@ class SpecdecProposer:
                 source.start(slot, self._history[slot][:length])
             slots[i] = slot
             claimed.add(slot)
-            self._warmup[slot] = WARMUP_PROBES
             self.counters["new_requests"] += 1
         # Append what the continuing rows gained since the last step.
         growing = [(int(i), int(slots[i])) for i in range(rows) if lengths[i] > self._length[slots[i]]]
@@ -615,16 +607,6 @@ class SpecdecProposer:
         if s.adaptive:
             rates = self.acceptance.rank_rates()[dslots].numpy()
             counts = choose_lengths(rates, available, len(decoding), self.cost.ratio(), s.min_gain, s.draft_margin)
-            # Warm-up probes: a new request's estimate starts at the prior, below the margin's
-            # break-even once several requests run, so alone it would never draft and never
-            # learn. Its first WARMUP_PROBES steps with a match it drafts at least one token:
-            # a request whose drafts hold (code edits copying their input) climbs past the
-            # break-even within a few steps; one whose drafts fail (most chat) costs a few
-            # rejected tokens.
-            probe = (self._warmup[dslots] > 0) & (counts == 0) & (available > 0)
-            counts = np.where(probe, 1, counts)
-            self._warmup[dslots] -= (available > 0) & (self._warmup[dslots] > 0)
-            self.counters["probes"] += int(probe.sum())
         else:
             counts = available
         for r, i in enumerate(decoding):
