@@ -17,8 +17,9 @@ target's distribution). None of our kernels run inside vLLM. This class only dra
   acceptance per depth, learned from how many of its drafts each request accepted, read from
   the tokens vLLM hands back) and a step-cost model of vLLM (seconds = c0 + c1 * tokens in the
   step, fitted online from the CPU time between calls, prior `token_cost`): each step the drafts go
-  where they maximise the batch's expected tokens per second, and a request whose drafts do not
-  pay gets none (plain decoding) until its estimate recovers (counts decay toward the prior);
+  where they maximise the batch's expected tokens per second, a drafted token charged
+  (1 + `draft_margin`) tokens' cost, and a request whose drafts do not pay gets none (plain
+  decoding) until its estimate recovers (counts decay toward the prior);
 - optionally (`suffix_cache_tokens` > 0) the cross-request suffix cache, `SuffixCacheSource`:
   one `SuffixIndex` over every request's prompt and output, kept after a request finishes, so a
   request drafts from what earlier and concurrent requests produced (agents repeating tool
