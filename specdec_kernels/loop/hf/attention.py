@@ -254,10 +254,10 @@ def prefill(model, cache, history: torch.Tensor, lengths: torch.Tensor, return_h
     [B, max(lengths) - 1, len(layers), H].
     """
     prefix = lengths.long() - 1
-    num = int(prefix.max())
-    batch = history.shape[0]
-    if batch > 1 and num > 0 and batch * num > PADDING_LIMIT * int(prefix.sum()):
-        hidden = _prefill_rows(model, cache, history, [int(n) for n in prefix.tolist()], num, return_hidden)
+    sizes = prefix.tolist()  # (one read from the device for the sizes below)
+    num = max(sizes)
+    if len(sizes) > 1 and num > 0 and len(sizes) * num > PADDING_LIMIT * sum(sizes):
+        hidden = _prefill_rows(model, cache, history, sizes, num, return_hidden)
     else:
         hidden = _prefill(model, cache, history, num, return_hidden)
     cache.set_lengths(prefix)
