@@ -35,6 +35,13 @@ inline void small_linear_many(const at::Tensor& x, c10::ArrayRef<LinearProduct> 
   if (total_blocks == 0) return;
   const int64_t grain = std::max<int64_t>(1, (32768 / x.element_size()) / std::max<int64_t>(k_dim, 1));
   const bool bf16 = x.scalar_type() == at::kBFloat16;
+  // Many fp32 rows: x packed into panels of 8 rows once, for every product and thread.
+  const bool packed = !bf16 && specdec::small_linear_packs_rows(rows);
+  at::Tensor panels;
+  if (packed) {
+    panels = at::empty({specdec::small_linear_packed_floats(rows, k_dim)}, x.options());
+    specdec::small_linear_pack_rows(x.const_data_ptr<float>(), rows, k_dim, panels.mutable_data_ptr<float>());
+  }
   using Bits = specdec::cpu::BFloat16Bits;
   static_assert(sizeof(Bits) == sizeof(at::BFloat16), "bf16 storage must match at::BFloat16 bit for bit");
   at::parallel_for(0, total_blocks, grain, [&](int64_t b0, int64_t b1) {
@@ -50,6 +57,10 @@ inline void small_linear_many(const at::Tensor& x, c10::ArrayRef<LinearProduct> 
               reinterpret_cast<const Bits*>(p.weight->const_data_ptr<at::BFloat16>()),
               p.bias ? reinterpret_cast<const Bits*>(p.bias->const_data_ptr<at::BFloat16>()) : nullptr,
               reinterpret_cast<Bits*>(p.y->mutable_data_ptr<at::BFloat16>()), n_dim, n_begin, n_end);
+        } else if (packed) {
+          specdec::small_linear_rows_packed(panels.const_data_ptr<float>(), rows, k_dim, p.weight->const_data_ptr<float>(),
+                                            p.bias ? p.bias->const_data_ptr<float>() : nullptr,
+                                            p.y->mutable_data_ptr<float>(), n_dim, n_begin, n_end);
         } else {
           specdec::small_linear_rows(x.const_data_ptr<float>(), rows, k_dim, p.weight->const_data_ptr<float>(),
                                      p.bias ? p.bias->const_data_ptr<float>() : nullptr,

@@ -27,8 +27,18 @@ def own_cache_dir(tmp_path, monkeypatch):
 
 
 # Odd K (the k % 8 and k % 16 tails), N not a multiple of 4 (the one-row blocks), odd row
-# counts (the unpaired last row), and rows past the kernel's sweet spot.
-MATCH_SHAPES = [(1, 7), (2, 5, 33), (3, 64), (1, 4, 4, 16), (17, 576), (1, 1), (6, 1537)]
+# counts (the unpaired last row), and rows past the kernel's sweet spot: 8, 16, 17, 40 and 41
+# rows take the packed-panel kernel on an AVX2 CPU (one panel; 2 + 2 panels; 3 + 2; a padded
+# last panel), 1-7 and 10 rows the dot-product blocks.
+MATCH_SHAPES = [(1, 7), (2, 5, 33), (3, 64), (1, 4, 4, 16), (17, 576), (1, 1), (6, 1537), (8, 7), (5, 8, 19),
+                (41, 65)]
+
+
+def _neighbours_replaced(x2d, gen):
+    """x2d with every row but the first replaced by fresh random rows."""
+    other = torch.randn(x2d.shape, generator=gen, dtype=x2d.dtype)
+    other[0] = x2d[0]
+    return other
 
 
 @pytest.mark.skipif(not linear.has_kernel(), reason="needs the compiled extension")
@@ -43,9 +53,12 @@ def test_small_linear_matches_f_linear(gen, bias):
         want = F.linear(x.double(), w.double(), None if b is None else b.double())
         assert got.shape == want.shape and got.dtype == torch.float32 and got.is_contiguous()
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * shape[-1] ** 0.5)
-        # Bit for bit, a row's sums do not depend on the rows beside it (one row takes other kernels).
+        # Bit for bit, a row's sums do not depend on the rows beside it at the same row count;
+        # up to 7 rows the kernels (one row's included) all sum in the same order.
         rows = x.reshape(-1, shape[-1])
-        assert torch.equal(linear.small_linear(rows[:1], w, b), got.reshape(-1, out_features)[:1])
+        assert torch.equal(linear.small_linear(_neighbours_replaced(rows, gen), w, b)[:1], got.reshape(-1, out_features)[:1])
+        if rows.shape[0] <= 7:
+            assert torch.equal(linear.small_linear(rows[:1], w, b), got.reshape(-1, out_features)[:1])
     empty = linear.small_linear(torch.randn(0, 8), torch.randn(5, 8))
     assert empty.shape == (0, 5)
 
@@ -64,8 +77,11 @@ def test_small_linear_narrower_kernels_match_f_linear(isa):
         "    x, w, b = torch.randn(*shape, generator=gen), torch.randn(n, shape[-1], generator=gen), torch.randn(n, generator=gen)\n"
         "    want = F.linear(x.double(), w.double(), b.double())\n"
         "    torch.testing.assert_close(linear.small_linear(x, w, b).double(), want, rtol=1e-5, atol=1e-5 * shape[-1] ** 0.5)\n"
-        "    rows = x.reshape(-1, shape[-1])  # a row's sums do not depend on the rows beside it (the 1-row kernels)\n"
-        "    assert torch.equal(linear.small_linear(rows[:1], w, b), linear.small_linear(rows, w, b)[:1])\n"
+        "    rows = x.reshape(-1, shape[-1])  # a row's sums do not depend on the rows beside it\n"
+        "    other = torch.randn(rows.shape, generator=gen); other[0] = rows[0]\n"
+        "    assert torch.equal(linear.small_linear(other, w, b)[:1], linear.small_linear(rows, w, b)[:1])\n"
+        "    if rows.shape[0] <= 7:  # ...and up to 7 rows every kernel sums as the 1-row ones do\n"
+        "        assert torch.equal(linear.small_linear(rows[:1], w, b), linear.small_linear(rows, w, b)[:1])\n"
         "    xb, wb, bb = x.bfloat16(), w.bfloat16(), b.bfloat16()\n"
         "    want = F.linear(xb.double(), wb.double(), bb.double())\n"
         "    torch.testing.assert_close(linear.small_linear(xb, wb, bb).double(), want, rtol=1e-2, atol=1e-2 * shape[-1] ** 0.5)\n"
@@ -166,15 +182,16 @@ def _tiny_llama(seed=0):
 
 @needs_kernel
 @pytest.mark.parametrize("outcomes,expected", [
-    ("WWWWWWW", (1, 64)),
-    ("WWLWWWW", (1, 2)),  # a loss ends the run: later wins do not count
-    ("WWTWWWW", (1, 64)),  # a tie (within the margin) does not
-    ("WWSWWWW", (1, 64)),  # nor a small loss (up to 10%: noise at a near-tie)
-    ("TTWWWTT", (1, 16)),  # ties after the run stay with F.linear; ties before it join it
-    ("SWWWWWW", (1, 64)),  # and so does a small loss before it (1-2 rows: noise at a near-tie)
-    ("LWWWLWW", (2, 8)),  # a loss before the first win stays with F.linear
-    ("TTTTTTT", (0, 0)),
-    ("LLLLLLL", (0, 0)),
+    ("WWWWWWWW", (1, 128)),
+    ("WWWWWWWL", (1, 64)),  # a loss at the last count ends the run there
+    ("WWLWWWWW", (1, 2)),  # a loss ends the run: later wins do not count
+    ("WWTWWWWW", (1, 128)),  # a tie (within the margin) does not
+    ("WWSWWWWW", (1, 128)),  # nor a small loss (up to 10%: noise at a near-tie)
+    ("TTWWWTTT", (1, 16)),  # ties after the run stay with F.linear; ties before it join it
+    ("SWWWWWWW", (1, 128)),  # and so does a small loss before it (1-2 rows: noise at a near-tie)
+    ("LWWWLWWW", (2, 8)),  # a loss before the first win stays with F.linear
+    ("TTTTTTTT", (0, 0)),
+    ("LLLLLLLL", (0, 0)),
 ])
 def test_choose_small_linear_rows_takes_the_first_run_of_wins(monkeypatch, outcomes, expected):
     """W: ours 2x faster, T: the same time, S: ours 6% slower, L: ours 20% slower (a win needs

@@ -40,7 +40,7 @@ from typing import List, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-LAYOUT_ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts at which the two are compared (64: batch-8 trees of 8)
+LAYOUT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)  # row counts at which the two are compared (128: batch-8 trees of 16)
 DTYPES = (torch.float32, torch.bfloat16)  # what the kernel computes in
 NEVER = (0, 0)
 _MARGIN = 0.97  # ours must be at least 3% faster to be chosen (noise is not a win)
