@@ -10,6 +10,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "specdec/small_linear.h"
 
@@ -37,11 +38,14 @@ inline void small_linear_many(const at::Tensor& x, c10::ArrayRef<LinearProduct> 
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   // Many fp32 rows: x packed into panels of 8 rows once, for every product and thread.
   const bool packed = !bf16 && specdec::small_linear_packs_rows(rows);
-  at::Tensor panels;
+  // (A buffer per calling thread, kept: a fresh allocation of this size per product
+  // page-faulted its way through ~10% of a 256-row product's time.)
+  thread_local std::vector<float> panels;
   if (packed) {
-    panels = at::empty({specdec::small_linear_packed_floats(rows, k_dim)}, x.options());
-    specdec::small_linear_pack_rows(x.const_data_ptr<float>(), rows, k_dim, panels.mutable_data_ptr<float>());
+    panels.resize(std::max<size_t>(panels.size(), specdec::small_linear_packed_floats(rows, k_dim)));
+    specdec::small_linear_pack_rows(x.const_data_ptr<float>(), rows, k_dim, panels.data());
   }
+  const float* xp = panels.data();  // (the workers' own thread_local `panels` are other, empty buffers)
   using Bits = specdec::cpu::BFloat16Bits;
   static_assert(sizeof(Bits) == sizeof(at::BFloat16), "bf16 storage must match at::BFloat16 bit for bit");
   at::parallel_for(0, total_blocks, grain, [&](int64_t b0, int64_t b1) {
@@ -58,7 +62,7 @@ inline void small_linear_many(const at::Tensor& x, c10::ArrayRef<LinearProduct> 
               p.bias ? reinterpret_cast<const Bits*>(p.bias->const_data_ptr<at::BFloat16>()) : nullptr,
               reinterpret_cast<Bits*>(p.y->mutable_data_ptr<at::BFloat16>()), n_dim, n_begin, n_end);
         } else if (packed) {
-          specdec::small_linear_rows_packed(panels.const_data_ptr<float>(), rows, k_dim, p.weight->const_data_ptr<float>(),
+          specdec::small_linear_rows_packed(xp, rows, k_dim, p.weight->const_data_ptr<float>(),
                                             p.bias ? p.bias->const_data_ptr<float>() : nullptr,
                                             p.y->mutable_data_ptr<float>(), n_dim, n_begin, n_end);
         } else {
