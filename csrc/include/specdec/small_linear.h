@@ -9,8 +9,11 @@
 //
 // Header-only, no torch dependency. `small_linear_rows` picks the AVX-512F kernel (4 weight
 // rows x 4 input rows, 16 lanes; below) when the CPU has it, else the AVX2+FMA kernel, else a
-// portable loop (checked once at run time; the file is built without -mavx2/-mavx512f). Sums run in a fixed order per (m, n): 8 lane partial sums over k, then the
-// lanes added pairwise, then the k % 8 tail, so results are deterministic and agree with
+// portable loop (checked once at run time; the file is built without -mavx2/-mavx512f). On
+// AVX2 without AVX-512, products of 8 and 11+ rows take a packed-panel kernel instead
+// (`small_linear_packs_rows`, below: inputs packed 8 rows to a vector, weights broadcast).
+// The dot-product kernels sum in a fixed order per (m, n): 8 lane partial sums over k, then
+// the lanes added pairwise, then the k % 8 tail, so results are deterministic and agree with
 // any other summation order to fp32 rounding.
 //
 // bf16 (`small_linear_rows_bf16`): x, w, bias and y all bf16, sums in fp32 and rounded once
