@@ -13,7 +13,7 @@ on one core of a Xeon (memory ~14 GB/s) the default model's 211 weights (538 MB)
 40 / 43 / 54 ms for 1 / 2 / 4 / 8 rows, `F.linear` 40 / 41 / 69 / 93 ms in the same run.
 On an AVX2 CPU, 8 and 11+ rows (where the product is bound by the FMAs, not the weight reads)
 run a packed-panel kernel instead: x packed in panels of 8 rows, each weight broadcast into
-them, ~90% of the FMA peak (docs/loop.md, "Products of 8+ rows near the FMA peak"). A row's
+them, up to ~90% of the FMA peak in a standalone harness (docs/loop.md, "Products of 8+ rows near the FMA peak"). A row's
 sums never depend on the rows beside it at a given row count; between 1-7 rows and 8 or 11+
 they round differently.
 
