@@ -241,3 +241,82 @@ def test_generate_with_fused_layers_matches_hf(monkeypatch, name):
     want = model.generate(prompt, max_new_tokens=24, do_sample=False, min_new_tokens=24)
     assert torch.equal(out.sequences[:, prompt.shape[1]:], want[:, prompt.shape[1]:])
     assert calls
+
+
+def prefill_with(model, prefill, lengths, return_hidden, page_size=None, rows=(1, 32)):
+    """Prefill ragged prompts of `lengths` (a one-token row included) by `prefill`: (its
+    output, the cache's buffers and lengths)."""
+    gen = torch.Generator().manual_seed(len(lengths))
+    history = torch.randint(0, VOCAB, (len(lengths), max(lengths) + 4), generator=gen)
+    with torch.inference_mode(), hf.use_tree_attention(model), small_linears(model, rows):
+        cache = hf.TreeKVCache.for_model(model, len(lengths), max(lengths) + 8, page_size=page_size)
+        out = prefill(model, cache, history, torch.tensor(lengths), return_hidden=return_hidden)
+        return out, [buf.clone() for buf in cache.buffers()], cache.seqlens.clone()
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_fused_prefill_matches_the_models_own(monkeypatch, name):
+    """`LeanForward.prefill` (each row in equal chunks through the fused layers; chunks of at
+    most 5 tokens here; rows of up to 15 tokens run in 1-3 chunks, longer rows through
+    `hf.prefill`) agrees with `hf.prefill` to rounding: the hidden states in every `return_hidden` form (zeros past a row's length),
+    the keys and values it writes and the lengths it sets."""
+    import specdec_kernels.loop.hf.lean as lean_module
+
+    monkeypatch.setattr(lean_module, "PREFILL_MIN_CHUNK", 5)
+    model = build(name)
+    lean = LeanForward.for_model(model, (1, 5))
+    assert lean.prefill_chunk(hf.TreeKVCache.for_model(model, 1, 8)) == 5
+    lengths = [24, 1, 14, 6, 2]  # row 0's 23 tokens: past three chunks, `hf.prefill`; row 2's 13: chunks of 5, 5, 3
+    chunked = []
+    real = LeanForward._prefill_row
+    monkeypatch.setattr(LeanForward, "_prefill_row", lambda self, *args: chunked.append(args[2]) or real(self, *args))
+    for return_hidden in (False, True, (0, 2, -1)):
+        got = prefill_with(model, lean.prefill, lengths, return_hidden, rows=(1, 5))
+        want = prefill_with(model, hf.prefill, lengths, return_hidden, rows=(1, 5))
+        if return_hidden is False:
+            assert got[0] is None and want[0] is None
+        else:
+            assert got[0].shape == want[0].shape == (len(lengths), max(lengths) - 1) + want[0].shape[2:]
+            torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+        for got_buf, want_buf in zip(got[1], want[1]):  # the slots each row holds (the rest is scratch)
+            for b, n in enumerate(lengths):
+                torch.testing.assert_close(got_buf[b, : n - 1], want_buf[b, : n - 1], atol=1e-5, rtol=1e-5)
+        assert torch.equal(got[2], want[2])
+    assert chunked == [0, 13, 5, 1] * 3  # each row's tokens but its last (row 0's ran `hf.prefill`)
+
+
+def test_fused_prefill_runs_only_where_it_pays(monkeypatch):
+    """The chunked prefill needs our kernel measured faster than BLAS up to PREFILL_MIN_CHUNK
+    rows, fused layers and a dense cache; otherwise `LeanForward.prefill` is `hf.prefill`
+    (bit for bit). `generate` runs it where it applies, and its greedy output equals HF's."""
+    import specdec_kernels.loop.generate as generate_module
+    import specdec_kernels.loop.hf.lean as lean_module
+
+    model = build("llama", seed=5)
+    dense = hf.TreeKVCache.for_model(model, 1, 8)
+    assert LeanForward.for_model(model, (1, 64)).prefill_chunk(dense) == 64
+    assert LeanForward.for_model(model, (1, 63)).prefill_chunk(dense) == 0
+    assert LeanForward.for_model(model, (1, 64)).prefill_chunk(hf.TreeKVCache.for_model(model, 1, 8, page_size=4)) == 0
+    assert LeanForward.for_model(model, (0, 0)).prefill_chunk(dense) == 0
+    for rows in ((1, 63), (0, 0)):
+        got = prefill_with(model, LeanForward.for_model(model, rows).prefill, [30, 12], True, rows=rows)
+        want = prefill_with(model, hf.prefill, [30, 12], True, rows=rows)
+        assert_identical(got[0], want[0])
+        assert_identical(tuple(got[1]), tuple(want[1]))
+
+    monkeypatch.setattr(lean_module, "PREFILL_MIN_CHUNK", 8)
+    monkeypatch.setattr(generate_module, "_small_linear_rows", lambda target, planner: (1, 8))
+    calls = []
+    real = LeanForward._prefill_row
+
+    def counted(self, *args):
+        calls.append(args[2])
+        return real(self, *args)
+
+    monkeypatch.setattr(LeanForward, "_prefill_row", counted)
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, VOCAB, (2, 7), generator=gen).repeat(1, 3)
+    out = sk.generate(model, prompt, max_new_tokens=20, drafter=sk.NgramDrafter(), adaptive=False)
+    want = model.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20)
+    assert torch.equal(out.sequences[:, prompt.shape[1]:], want[:, prompt.shape[1]:])
+    assert calls == [20, 20]  # each row's 21 tokens but the last, in three chunks of 7

@@ -403,13 +403,14 @@ def generate(
     # Few-row linears by our CPU kernel where the cost model found it faster (specdec_kernels/small_linear.py).
     linear_rows = _small_linear_rows(target, planner)
     static = compiled.static_forward(target, compile, device, kv_page_size is not None)
-    # Tree steps of Llama-family models on a CPU: the same math with fewer ops (loop/hf/lean.py).
-    tree_forward = static.forward if static is not None else hf.tree_step_forward(target, linear_rows)
+    # Tree steps and the prefill of Llama-family models on a CPU: the same math with fewer ops (loop/hf/lean.py).
+    tree_forward, prefill = (static.forward, hf.prefill) if static is not None else \
+        hf.step_functions(target, linear_rows)
     with hf.use_tree_attention(target, *drafter.models), config.value_checks(False), \
             small_linears(target, linear_rows):
         cache = hf.TreeKVCache.for_model(target, batch, capacity, page_size=kv_page_size) if static is None else \
             static.cache(target, batch, capacity)
-        hidden = hf.prefill(target, cache, rows.history, rows.lengths, return_hidden=with_hidden)
+        hidden = prefill(target, cache, rows.history, rows.lengths, return_hidden=with_hidden)
         drafter.start(rows.history, rows.lengths, capacity)
         if with_hidden:
             drafter.observe(hidden)

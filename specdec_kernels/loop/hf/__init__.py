@@ -4,13 +4,14 @@
 attention implementation; `TreeKVCache`: a preallocated ragged KV cache for `past_key_values`;
 `forward(...)` / `prefill(...)`: one tree or prefill forward through a model and a `TreeKVCache`;
 `LeanForward.for_model(model)`: the same tree forward with fewer ops for Llama-family models on a CPU;
-`tree_step_forward(model)`: whichever of the two `generate` runs.
+`tree_step_forward(model)`: whichever of the two `generate` runs; `step_functions(model)`: that and
+the prefill it runs (the lean one's fused chunks where they pay).
 (`specdec_kernels.integrations.hf` is the other direction: our loop behind `model.generate`.)
 """
 
 from .attention import NAME, forward, prefill, register, specdec_tree_attention, specdec_tree_mask, use_tree_attention
 from .cache import TreeKVCache
-from .lean import LeanForward, tree_step_forward
+from .lean import LeanForward, step_functions, tree_step_forward
 
 __all__ = ["NAME", "LeanForward", "TreeKVCache", "forward", "prefill", "register", "specdec_tree_attention", "specdec_tree_mask",
-           "tree_step_forward", "use_tree_attention"]
+           "step_functions", "tree_step_forward", "use_tree_attention"]

@@ -27,6 +27,15 @@ dense cache, each layer is instead one `torch.ops.specdec.decoder_layer` call
 default model's fp32 step 36.5 -> 25.9 ms at 2 threads). Its element-wise steps round where
 transformers' do, so it differs from the op-by-op path only in the order of RMSNorm's sum of
 squares (`config.fused_layers = False` or SPECDEC_FUSED_LAYERS=0 turns it off).
+
+The prefill takes the same ops where they pay (`LeanForward.prefill`): each row's prompt in
+equal chunks of at most `linear_rows[1]` tokens (the most rows at which `small_linear`
+measured faster than torch's BLAS), each chunk one step whose "tree" is a causal chain. Its
+products then run at the row counts where our kernel is fastest and its element-wise steps
+without transformers' per-op overhead: the default model's prefill of 84-357-token prompts
+1.1-1.4x faster than transformers' forward on MKL here (one row at a time, noisy machine),
+even or slower from ~460 tokens, so longer rows keep `hf.prefill` (`PREFILL_MAX_CHUNKS`). It
+equals `hf.prefill` to fp32 rounding (another summation order in the products), not bit for bit.
 """
 
 from typing import List, Optional
@@ -38,7 +47,9 @@ from ... import config
 from ...ops import decoder_layer as fused
 from ...ops.reference.decoder_layer import rotate
 from ...ops.tree_attention import tree_attention
+from ...ops.tree import pack_tree_mask
 from .attention import forward as model_forward
+from .attention import prefill as model_prefill
 from .attention import stack_hidden
 from .families import layer_types
 
@@ -50,6 +61,13 @@ FAMILIES = {
     "qwen3": ("Qwen3ForCausalLM", "Qwen3DecoderLayer", "Qwen3Attention", "Qwen3MLP", "Qwen3RMSNorm"),
 }
 QK_NORM = frozenset({"qwen3"})  # families that RMS-normalise each query and key head before the rotation
+# The prefill runs through the fused layers only where `small_linear` measured faster than
+# torch's BLAS up to at least this many rows: smaller chunks would leave the products short of
+# the FMA peak that BLAS reaches on a whole prompt.
+PREFILL_MIN_CHUNK = 64
+# Rows longer than this many chunks run `hf.prefill`: on the default model here the chunks
+# were 1.1-1.4x faster up to ~360 tokens but even or slower from ~460 (0.8-1.05x).
+PREFILL_MAX_CHUNKS = 3
 
 
 def _has_hooks(module: torch.nn.Module) -> bool:
@@ -220,14 +238,7 @@ class LeanForward:
         layers_wanted = return_hidden not in (False, True)
         states: List[torch.Tensor] = [h] if layers_wanted else []
         if self.fuses(batch * num_tokens, cache):
-            cos, sin = cos.squeeze(2), sin.squeeze(2)
-            for index, (layer, (weights, eps)) in enumerate(zip(self.layers, self.fused_layers)):
-                cache_layer = cache.layers[index]
-                h = torch.ops.specdec.decoder_layer(h, cos, sin, weights, cache_layer.k_buf, cache_layer.v_buf,
-                                                    tree_mask, cache.seqlens, layer.self_attn.scaling, eps,
-                                                    self.linear_rows[1] + 1)
-                if layers_wanted and index + 1 < len(self.layers):
-                    states.append(h)
+            h = self._fused_layers(h, cos.squeeze(2), sin.squeeze(2), cache, tree_mask, states if layers_wanted else None)
             return self._finish(model, h, states, logits_to_keep, return_hidden)
         for index, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -248,6 +259,85 @@ class LeanForward:
                 states.append(h)
         return self._finish(model, h, states, logits_to_keep, return_hidden)
 
+    def _fused_layers(self, h, cos, sin, cache, tree_mask, states=None):
+        """Every layer as one `decoder_layer` op over `h [B, T, hidden]` (cos / sin [B, T, D]);
+        each layer's output but the last appended to `states` when given."""
+        for index, (layer, (weights, eps)) in enumerate(zip(self.layers, self.fused_layers)):
+            cache_layer = cache.layers[index]
+            h = torch.ops.specdec.decoder_layer(h, cos, sin, weights, cache_layer.k_buf, cache_layer.v_buf,
+                                                tree_mask, cache.seqlens, layer.self_attn.scaling, eps,
+                                                self.linear_rows[1] + 1)
+            if states is not None and index + 1 < len(self.layers):
+                states.append(h)
+        return h
+
+    def prefill_chunk(self, cache) -> int:
+        """The most tokens a prefill chunk of one row runs on `cache` through the fused layers
+        (`linear_rows[1]`), or 0 where the prefill runs `hf.prefill` instead: no fused
+        layers, a paged cache, or our kernel faster than BLAS only below `PREFILL_MIN_CHUNK`
+        rows."""
+        chunk = self.linear_rows[1]
+        return chunk if chunk >= PREFILL_MIN_CHUNK and self.fuses(chunk, cache) else 0
+
+    def prefill(self, model, cache, history: torch.Tensor, lengths: torch.Tensor, return_hidden=False):
+        """`hf.prefill(model, cache, history, lengths, return_hidden)`: the same arguments and
+        results (to fp32 rounding), one row at a time (no padding is computed), each row's
+        tokens but its last run through the fused layers in equal chunks of at most
+        `prefill_chunk(cache)` tokens; a row of more than PREFILL_MAX_CHUNKS chunks through
+        `hf.prefill`. `hf.prefill` itself for the whole batch where the chunk is 0, every row
+        is that long, or `model` is another model."""
+        chunk = self.prefill_chunk(cache)
+        prefix = (lengths.long() - 1).tolist()
+        longest = chunk * PREFILL_MAX_CHUNKS
+        if chunk == 0 or model is not self.model or min(prefix) > longest:
+            return model_prefill(model, cache, history, lengths, return_hidden)
+        layers_wanted = return_hidden not in (False, True)
+        parts = [self._prefill_row(cache.row(b), history[b: b + 1], n, chunk, return_hidden) if n <= longest else
+                 model_prefill(model, cache.row(b), history[b: b + 1], lengths[b: b + 1], return_hidden)
+                 for b, n in enumerate(prefix)]
+        cache.set_lengths(lengths.long() - 1)
+        if not return_hidden:
+            return None
+        hidden = torch.zeros((len(prefix), max(prefix)) + ((len(return_hidden),) if layers_wanted else ())
+                             + (self.model.config.hidden_size,), dtype=self.inner.norm.weight.dtype,
+                             device=history.device)
+        for b, part in enumerate(parts):
+            if part is not None:
+                hidden[b, : part.shape[1]] = part[0]
+        return hidden
+
+    def _prefill_row(self, cache, tokens, num, chunk, return_hidden):
+        """One row's prefill over `tokens[:, :num]` through `cache` (a one-row cache), in
+        ceil(num / chunk) chunks of equal size (a short last chunk would read every weight for
+        a few rows); the hidden states `prefill` asks for, [1, num, ...], or None."""
+        if num <= 0:
+            return None
+        size = -(-num // -(-num // chunk))
+        layers_wanted = return_hidden not in (False, True)
+        parts = []
+        for start in range(0, num, size):
+            count = min(size, num - start)
+            cache.set_lengths(torch.tensor([start]), max_len=start)
+            positions = torch.arange(start, start + count, device=tokens.device)[None]
+            h = self.inner.embed_tokens.forward(tokens[:, start: start + count])
+            cos, sin = self.inner.rotary_emb(h, position_ids=positions)
+            states = [h] if layers_wanted else None
+            h = self._fused_layers(h, cos, sin, cache, self._chain_mask(count, tokens.device), states)
+            h = self.inner.norm.forward(h)
+            if layers_wanted:
+                states.append(h)
+                parts.append(stack_hidden(self.model, states, return_hidden))
+            elif return_hidden:
+                parts.append(h)
+        return torch.cat(parts, 1) if parts else None
+
+    def _chain_mask(self, count: int, device) -> torch.Tensor:
+        """The packed tree mask of a causal chain of `count` nodes (node i sees nodes 0 .. i), kept per size."""
+        masks = self.__dict__.setdefault("_chain_masks", {})
+        if (count, device) not in masks:
+            masks[(count, device)] = pack_tree_mask(torch.ones(count, count, dtype=torch.bool, device=device).tril())
+        return masks[(count, device)]
+
     def _finish(self, model, h, states, logits_to_keep, return_hidden):
         # The final norm and the LM head, and the hidden states asked for.
         h = self.inner.norm.forward(h)
@@ -261,10 +351,16 @@ class LeanForward:
         return logits, stack_hidden(model, states, return_hidden)
 
 
-def tree_step_forward(model, linear_rows=(0, 0)):
-    """The forward `generate` runs `model`'s tree steps with (`hf.forward`'s signature): a
-    `LeanForward`'s where it applies, else `hf.forward` itself; `linear_rows`: the row counts
-    at which the target's linears run `small_linear` (`LeanForward`). Decide once per call: the
-    check walks every module (~4 ms on the default model)."""
+def step_functions(model, linear_rows=(0, 0)):
+    """(tree forward, prefill) that `generate` runs `model` with (`hf.forward`'s and
+    `hf.prefill`'s signatures): a `LeanForward`'s where it applies, else `hf.forward` and
+    `hf.prefill` themselves; `linear_rows`: the row counts at which the target's linears run
+    `small_linear` (`LeanForward`). Decide once per call: the check walks every module (~4 ms
+    on the default model)."""
     lean = LeanForward.for_model(model, linear_rows)
-    return model_forward if lean is None else lean.forward
+    return (model_forward, model_prefill) if lean is None else (lean.forward, lean.prefill)
+
+
+def tree_step_forward(model, linear_rows=(0, 0)):
+    """The tree forward of `step_functions(model, linear_rows)`."""
+    return step_functions(model, linear_rows)[0]
