@@ -257,16 +257,17 @@ def prefill_with(model, prefill, lengths, return_hidden, page_size=None, rows=(1
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_fused_prefill_matches_the_models_own(monkeypatch, name):
     """`LeanForward.prefill` (each row in equal chunks through the fused layers; chunks of at
-    most 5 tokens here; rows of up to 15 tokens run in 1-3 chunks, longer rows through
-    `hf.prefill`) agrees with `hf.prefill` to rounding: the hidden states in every `return_hidden` form (zeros past a row's length),
+    most 5 tokens here; rows of up to 15 tokens (PREFILL_MAX_TOKENS, lowered) run in 1-3
+    chunks, longer rows through `hf.prefill`) agrees with `hf.prefill` to rounding: the hidden states in every `return_hidden` form (zeros past a row's length),
     the keys and values it writes and the lengths it sets."""
     import specdec_kernels.loop.hf.lean as lean_module
 
     monkeypatch.setattr(lean_module, "PREFILL_MIN_CHUNK", 5)
+    monkeypatch.setattr(lean_module, "PREFILL_MAX_TOKENS", 15)
     model = build(name)
     lean = LeanForward.for_model(model, (1, 5))
     assert lean.prefill_chunk(hf.TreeKVCache.for_model(model, 1, 8)) == 5
-    lengths = [24, 1, 14, 6, 2]  # row 0's 23 tokens: past three chunks, `hf.prefill`; row 2's 13: chunks of 5, 5, 3
+    lengths = [24, 1, 14, 6, 2]  # row 0's 23 tokens: past 15, `hf.prefill`; row 2's 13: chunks of 5, 5, 3
     chunked = []
     real = LeanForward._prefill_row
     monkeypatch.setattr(LeanForward, "_prefill_row", lambda self, *args: chunked.append(args[2]) or real(self, *args))

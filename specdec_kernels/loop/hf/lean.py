@@ -32,9 +32,9 @@ The prefill takes the same ops where they pay (`LeanForward.prefill`): each row'
 equal chunks of at most `linear_rows[1]` tokens (the most rows at which `small_linear`
 measured faster than torch's BLAS), each chunk one step whose "tree" is a causal chain. Its
 products then run at the row counts where our kernel is fastest and its element-wise steps
-without transformers' per-op overhead: the default model's prefill of 84-357-token prompts
-1.1-1.4x faster than transformers' forward on MKL here (one row at a time, noisy machine),
-even or slower from ~460 tokens, so longer rows keep `hf.prefill` (`PREFILL_MAX_CHUNKS`). It
+without transformers' per-op overhead: the default model's prefill of 84-285-token prompts
+1.1-1.36x faster than transformers' forward on MKL here (one row at a time), even or slower
+from ~360 tokens, so longer rows keep `hf.prefill` (`PREFILL_MAX_TOKENS`). It
 equals `hf.prefill` to fp32 rounding (another summation order in the products), not bit for bit.
 """
 
@@ -65,9 +65,11 @@ QK_NORM = frozenset({"qwen3"})  # families that RMS-normalise each query and key
 # torch's BLAS up to at least this many rows: smaller chunks would leave the products short of
 # the FMA peak that BLAS reaches on a whole prompt.
 PREFILL_MIN_CHUNK = 64
-# Rows longer than this many chunks run `hf.prefill`: on the default model here the chunks
-# were 1.1-1.4x faster up to ~360 tokens but even or slower from ~460 (0.8-1.05x).
-PREFILL_MAX_CHUNKS = 3
+# Rows of more tokens run `hf.prefill`: BLAS gains on longer products (MKL here: ~130 GFLOP/s
+# at 128 rows, ~145-166 from 192 rows on) and transformers' per-op overhead is spread over
+# more tokens. On the default model here the chunks were 1.10-1.36x faster on prompts of
+# 84-285 tokens, 0.88-1.14x at 357, 0.90-1.06x at 463-692 (prefill alone, three passes).
+PREFILL_MAX_TOKENS = 320
 
 
 def _has_hooks(module: torch.nn.Module) -> bool:
@@ -283,16 +285,15 @@ class LeanForward:
         """`hf.prefill(model, cache, history, lengths, return_hidden)`: the same arguments and
         results (to fp32 rounding), one row at a time (no padding is computed), each row's
         tokens but its last run through the fused layers in equal chunks of at most
-        `prefill_chunk(cache)` tokens; a row of more than PREFILL_MAX_CHUNKS chunks through
+        `prefill_chunk(cache)` tokens; a row of more than PREFILL_MAX_TOKENS through
         `hf.prefill`. `hf.prefill` itself for the whole batch where the chunk is 0, every row
         is that long, or `model` is another model."""
         chunk = self.prefill_chunk(cache)
         prefix = (lengths.long() - 1).tolist()
-        longest = chunk * PREFILL_MAX_CHUNKS
-        if chunk == 0 or model is not self.model or min(prefix) > longest:
+        if chunk == 0 or model is not self.model or min(prefix) > PREFILL_MAX_TOKENS:
             return model_prefill(model, cache, history, lengths, return_hidden)
         layers_wanted = return_hidden not in (False, True)
-        parts = [self._prefill_row(cache.row(b), history[b: b + 1], n, chunk, return_hidden) if n <= longest else
+        parts = [self._prefill_row(cache.row(b), history[b: b + 1], n, chunk, return_hidden) if n <= PREFILL_MAX_TOKENS else
                  model_prefill(model, cache.row(b), history[b: b + 1], lengths[b: b + 1], return_hidden)
                  for b, n in enumerate(prefix)]
         cache.set_lengths(lengths.long() - 1)
