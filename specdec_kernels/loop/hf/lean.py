@@ -68,7 +68,7 @@ PREFILL_MIN_CHUNK = 64
 # Rows of more tokens run `hf.prefill`: BLAS gains on longer products (MKL here: ~130 GFLOP/s
 # at 128 rows, ~145-166 from 192 rows on) and transformers' per-op overhead is spread over
 # more tokens. On the default model here the chunks were 1.10-1.36x faster on prompts of
-# 84-285 tokens, 0.88-1.14x at 357, 0.90-1.06x at 463-692 (prefill alone, three passes).
+# 84-285 tokens, 0.88-1.14x at 357, 0.90-1.06x at 463-692 (prefill alone, two passes).
 PREFILL_MAX_TOKENS = 320
 
 
