@@ -210,6 +210,7 @@ class LeanForward:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.qk_norm = cfg.model_type in QK_NORM
         self.linear_rows = tuple(int(r) for r in linear_rows)
+        self._chain_masks = {}  # (nodes, device) -> the packed mask of a causal chain (the prefill's chunks)
         # The fused layers' parameters, when every layer qualifies (see _layer_weights).
         self.fused_layers = None
         if config.fused_layers and self.linear_rows[0] >= 1 and fused.has_kernel():
@@ -289,17 +290,18 @@ class LeanForward:
         `hf.prefill`. `hf.prefill` itself for the whole batch where the chunk is 0, every row
         is that long, or `model` is another model."""
         chunk = self.prefill_chunk(cache)
-        prefix = (lengths.long() - 1).tolist()
-        if chunk == 0 or model is not self.model or min(prefix) > PREFILL_MAX_TOKENS:
+        prefix = lengths.long() - 1
+        sizes = prefix.tolist()  # (one read from the device)
+        if chunk == 0 or model is not self.model or min(sizes) > PREFILL_MAX_TOKENS:
             return model_prefill(model, cache, history, lengths, return_hidden)
         layers_wanted = return_hidden not in (False, True)
         parts = [self._prefill_row(cache.row(b), history[b: b + 1], n, chunk, return_hidden) if n <= PREFILL_MAX_TOKENS else
                  model_prefill(model, cache.row(b), history[b: b + 1], lengths[b: b + 1], return_hidden)
-                 for b, n in enumerate(prefix)]
-        cache.set_lengths(lengths.long() - 1)
+                 for b, n in enumerate(sizes)]
+        cache.set_lengths(prefix)
         if not return_hidden:
             return None
-        hidden = torch.zeros((len(prefix), max(prefix)) + ((len(return_hidden),) if layers_wanted else ())
+        hidden = torch.zeros((len(sizes), max(sizes)) + ((len(return_hidden),) if layers_wanted else ())
                              + (self.model.config.hidden_size,), dtype=self.inner.norm.weight.dtype,
                              device=history.device)
         for b, part in enumerate(parts):
@@ -334,10 +336,10 @@ class LeanForward:
 
     def _chain_mask(self, count: int, device) -> torch.Tensor:
         """The packed tree mask of a causal chain of `count` nodes (node i sees nodes 0 .. i), kept per size."""
-        masks = self.__dict__.setdefault("_chain_masks", {})
-        if (count, device) not in masks:
-            masks[(count, device)] = pack_tree_mask(torch.ones(count, count, dtype=torch.bool, device=device).tril())
-        return masks[(count, device)]
+        if (count, device) not in self._chain_masks:
+            self._chain_masks[(count, device)] = pack_tree_mask(
+                torch.ones(count, count, dtype=torch.bool, device=device).tril())
+        return self._chain_masks[(count, device)]
 
     def _finish(self, model, h, states, logits_to_keep, return_hidden):
         # The final norm and the LM head, and the hidden states asked for.
