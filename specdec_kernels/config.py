@@ -24,6 +24,10 @@ fused_layers: whether the lean forward runs each decoder layer as one `decoder_l
     Python between them, equal to the lean forward with those linears routed up to the order
     of RMSNorm's sum of squares. On by
     default; SPECDEC_FUSED_LAYERS=0 at import turns it off (read when `generate` starts).
+huge_pages: whether `generate` moves the large weights of CPU targets and draft models into
+    transparent huge pages (`loop.memory.weights_in_huge_pages`: the same values in 2 MB
+    pages, which a decoding step streams faster). On by default; SPECDEC_HUGE_PAGES=0 at
+    import turns it off (read when `generate` starts).
 """
 
 import contextlib
@@ -36,6 +40,7 @@ check_values: bool = True
 triton_by_default: bool = os.environ.get("SPECDEC_TRITON_BY_DEFAULT", "1") != "0"
 lean_forward: bool = os.environ.get("SPECDEC_LEAN_FORWARD", "1") != "0"
 fused_layers: bool = os.environ.get("SPECDEC_FUSED_LAYERS", "1") != "0"
+huge_pages: bool = os.environ.get("SPECDEC_HUGE_PAGES", "1") != "0"
 
 _check_values_here: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("specdec_check_values", default=None)
 

@@ -18,6 +18,7 @@ import torch
 from .. import config
 from .drafters import Drafter, Sampling, no_draft, upkeep_seconds
 from .logits_processing import TreeLogitsProcessor, sampling_settings
+from .memory import weights_in_huge_pages
 from ..ops.philox import row_seeds
 from ..ops.small_linear import small_linears
 from .planner import Planner
@@ -400,6 +401,8 @@ def generate(
     clock = device_clock if timing else (lambda device: time.perf_counter())
     # The loop builds every op input itself: re-reading them would cost a host sync per op call
     # on GPU (one per layer per step) and about 0.2 ms per tree-attention call on CPU.
+    if device.type == "cpu" and config.huge_pages:
+        weights_in_huge_pages(target, *drafter.models)  # (once per model: later calls find them moved)
     # Few-row linears by our CPU kernel where the cost model found it faster (specdec_kernels/small_linear.py).
     linear_rows = _small_linear_rows(target, planner)
     static = compiled.static_forward(target, compile, device, kv_page_size is not None)
