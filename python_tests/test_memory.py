@@ -95,6 +95,16 @@ def test_never_mode_and_small_modules_are_left_alone(monkeypatch):
     ptr = one_mb.weight.data_ptr()
     assert memory.weights_in_huge_pages(one_mb) == 0 and one_mb.weight.data_ptr() == ptr
 
+    class Wrapped(torch.Tensor):  # a tensor subclass (as quantized weights are): never replaced by a plain tensor
+        pass
+
+    odd = torch.nn.Module()
+    odd.weight = torch.nn.Parameter(torch.randn(1024, 1024).as_subclass(Wrapped))  # 4 MB
+    odd.view = torch.nn.Parameter(torch.randn(2048, 1024)[1:])  # a view from an offset: stays with its storage
+    ptrs = [p.data_ptr() for p in odd.parameters()]
+    assert memory.weights_in_huge_pages(odd) == 0
+    assert [p.data_ptr() for p in odd.parameters()] == ptrs and isinstance(odd.weight.data, Wrapped)
+
 
 @needs_thp
 @pytest.mark.parametrize("enabled", [True, False])
