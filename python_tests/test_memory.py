@@ -74,6 +74,14 @@ def test_weights_move_and_keep_their_values():
     if "THPeligible" in entry:
         assert entry["THPeligible"] == "1"
     assert "hg" in entry.get("VmFlags", "hg").split()
+    # Two Parameters over one storage (tied by hand) still share it.
+    by_hand = torch.nn.Module()
+    by_hand.a = torch.nn.Parameter(torch.randn(1024, 1024))
+    by_hand.b = torch.nn.Parameter(by_hand.a.data)
+    assert memory.weights_in_huge_pages(by_hand) > 0
+    assert by_hand.a.data_ptr() == by_hand.b.data_ptr() != 0
+    by_hand.a.data.add_(1)
+    assert torch.equal(by_hand.a, by_hand.b)
     # A second call moves nothing; new tensors (a dtype change) are moved again.
     assert memory.weights_in_huge_pages(model) == 0
     model.to(torch.float64)

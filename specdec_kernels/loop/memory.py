@@ -99,20 +99,25 @@ def weights_in_huge_pages(*modules: torch.nn.Module) -> int:
         if not params:
             setattr(module, _SEEN, seen)
             continue
-        offsets, size = [], 0
+        # One home per storage: two Parameters over one storage (weights tied by hand) stay one.
+        offsets, size = {}, 0
         for p in params:
-            offsets.append(size)
-            size += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
+            if p.untyped_storage().data_ptr() not in offsets:
+                offsets[p.untyped_storage().data_ptr()] = size
+                size += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
         if size < HUGE_PAGE:  # not one whole huge page to fill: nothing to gain
             setattr(module, _SEEN, seen)
             continue
         region = huge_page_buffer(size)
+        homes = {}
         with torch.no_grad():
-            for p, offset in zip(params, offsets):
-                nbytes = p.numel() * p.element_size()
-                home = region[offset: offset + nbytes].view(p.dtype).view(p.shape)
-                home.copy_(p.data)
-                p.data = home
+            for p in params:
+                key = p.untyped_storage().data_ptr()
+                offset, nbytes = offsets[key], p.numel() * p.element_size()
+                if key not in homes:
+                    homes[key] = region[offset: offset + nbytes]
+                    homes[key].view(p.dtype).view(p.shape).copy_(p.data)
+                p.data = homes[key].view(p.dtype).view(p.shape)
         start = region.data_ptr()
         setattr(module, _REGIONS, regions + [(start, start + size)])
         setattr(module, _SEEN, tuple(p.data_ptr() for p in module.parameters()))
