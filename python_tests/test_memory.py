@@ -99,6 +99,15 @@ def test_never_mode_and_small_modules_are_left_alone(monkeypatch):
     assert [p.data_ptr() for p in model.parameters()] == ptrs
     monkeypatch.setattr(memory, "transparent_huge_pages", lambda: "madvise")
     assert memory.weights_in_huge_pages(torch.nn.LayerNorm(64)) == 0  # nothing large enough
+
+    def no_memory(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    with monkeypatch.context() as patch:  # the region cannot be mapped: the weights stay where they are
+        patch.setattr(memory.mmap, "mmap", no_memory)
+        assert memory.huge_page_buffer(1 << 22) is None
+        assert memory.weights_in_huge_pages(model) == 0
+        assert [p.data_ptr() for p in model.parameters()] == ptrs
     one_mb = torch.nn.Linear(512, 512)  # large enough, but not one whole huge page
     ptr = one_mb.weight.data_ptr()
     assert memory.weights_in_huge_pages(one_mb) == 0 and one_mb.weight.data_ptr() == ptr

@@ -305,7 +305,9 @@ def generate(
 
     Args:
         target: a transformers (>= 5) causal LM with standard full attention (Llama, Qwen2,
-            Mistral-like); it runs with `specdec_tree` attention inside this call only.
+            Mistral-like); it runs with `specdec_tree` attention inside this call only. On a
+            CPU its large weights (and a draft model's) are moved into 2 MB pages on the first
+            call, values unchanged (`loop.memory`; `config.huge_pages` turns that off).
         input_ids: int [B, L] prompts (ids in [0, vocab)), left-padded where `attention_mask` is 0.
         drafter: None (plain decoding), `NgramDrafter`, `DraftModelDrafter`, `MergedDrafter`.
         max_new_tokens: most tokens generated per row.
@@ -399,10 +401,10 @@ def generate(
     rows = _Rows(_left_align(input_ids, lengths, capacity), lengths, seeds, max_new_tokens)
     max_depth = 0
     clock = device_clock if timing else (lambda device: time.perf_counter())
-    # The loop builds every op input itself: re-reading them would cost a host sync per op call
-    # on GPU (one per layer per step) and about 0.2 ms per tree-attention call on CPU.
     if device.type == "cpu" and config.huge_pages:
         weights_in_huge_pages(target, *drafter.models)  # (once per model: later calls find them moved)
+    # The loop builds every op input itself: re-reading them would cost a host sync per op call
+    # on GPU (one per layer per step) and about 0.2 ms per tree-attention call on CPU.
     # Few-row linears by our CPU kernel where the cost model found it faster (specdec_kernels/small_linear.py).
     linear_rows = _small_linear_rows(target, planner)
     static = compiled.static_forward(target, compile, device, kv_page_size is not None)

@@ -12,8 +12,8 @@ region (values, dtypes, shapes and tied parameters unchanged; the old storage is
 nothing else holds it). `generate` calls it for CPU targets and draft models
 (`config.huge_pages`). Measured on the AMD EPYC (2 AVX2 cores, 4 KB pages vs 2 MB, same
 process, interleaved): one 440 MB product read 19.5 -> 20.8 GB/s (medians of 30), the default
-model's 210 products 18.9 -> 19.4 GB/s, batch-1 plain `generate` calls 1.065x faster (median of
-18 paired calls; total time 1.027x): see docs/loop.md.
+model's 210 products 18.9 -> 19.4 GB/s, batch-1 `generate` calls (`tools/ab_huge_pages.py`,
+medians of 24 pairs) 1.073x faster plain and 1.016x with `default_drafter`: see docs/loop.md.
 """
 
 import mmap
@@ -52,8 +52,11 @@ def huge_page_buffer(nbytes: int) -> Optional[torch.Tensor]:
         return None
     # Private (Python's default, shared, would be shmem, under other THP rules), and one huge
     # page longer so that the start can be rounded up to a 2 MB boundary.
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the faults then take 2 MB pages
+    try:
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the faults then take 2 MB pages
+    except OSError:  # no address space, or a kernel that refuses the advice: 4 KB pages it is
+        return None
     raw = torch.frombuffer(region, dtype=torch.uint8)  # (keeps the mmap alive)
     start = -raw.data_ptr() % HUGE_PAGE
     return raw[start: start + nbytes]
@@ -109,6 +112,8 @@ def weights_in_huge_pages(*modules: torch.nn.Module) -> int:
             setattr(module, _SEEN, seen)
             continue
         region = huge_page_buffer(size)
+        if region is None:
+            return moved
         homes = {}
         with torch.no_grad():
             for p in params:
