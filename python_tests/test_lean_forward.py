@@ -62,13 +62,14 @@ def random_tree(gen, batch: int, nodes: int):
     return parents, depths, tokens
 
 
-def one_step(model, forward, seed: int, page_size=None, return_hidden=False, logits_to_keep=0, rows=(1, 32)):
+def one_step(model, forward, seed: int, page_size=None, return_hidden=False, logits_to_keep=0, rows=(1, 32),
+             batch=3, nodes=7):
     """Prefill ragged prompts, then one tree step by `forward`: (its output, the cache's buffers)."""
     gen = torch.Generator().manual_seed(seed)
-    batch, prompt = 3, 37
+    prompt = 37
     history = torch.randint(0, VOCAB, (batch, prompt), generator=gen)
-    lengths = torch.tensor([prompt, prompt - 9, prompt - 21])
-    parents, depths, tokens = random_tree(gen, batch, nodes=7)
+    lengths = torch.tensor([prompt, prompt - 9, prompt - 21][:batch])
+    parents, depths, tokens = random_tree(gen, batch, nodes=nodes)
     with torch.inference_mode(), hf.use_tree_attention(model), small_linears(model, rows):
         cache = hf.TreeKVCache.for_model(model, batch, 96, page_size=page_size)
         hf.prefill(model, cache, history, lengths)
@@ -210,6 +211,77 @@ def test_fused_layers_match_the_lean_forward(name):
     torch.testing.assert_close(got_cache, want_cache, atol=1e-5, rtol=1e-5)
     assert_identical(one_step(model, fused.forward, 3, page_size=8)[0], one_step(model, lean.forward, 3, page_size=8)[0])
     assert LeanForward.for_model(model, (0, 0)).fused_layers is None
+
+
+@pytest.mark.parametrize("name", ("llama", "qwen2"))
+def test_greedy_steps_return_the_greedy_token_of_the_logits(monkeypatch, name):
+    """forward(..., greedy=True) returns `greedy_tokens` of the logits the same step computes,
+    bit for bit, with the same hidden states and cache writes, fused and op by op (from
+    `small_linear_argmax`: a bf16 copy of the head, kept on it until its weight changes);
+    `greedy_rows` holds only where the head's product runs small_linear, up to
+    ARGMAX_MAX_ROWS rows, and with config.argmax_head on."""
+    from functools import partial
+
+    from specdec_kernels.loop.hf.lean import ARGMAX_MAX_ROWS
+    from specdec_kernels.ops.sampling import greedy_tokens
+
+    model = build(name)
+    fused, by_ops = LeanForward.for_model(model, (1, 32)), LeanForward.for_model(model, (1, 32))
+    by_ops.fused_layers = None
+    for lean in (fused, by_ops):
+        assert lean.greedy_rows(1) and lean.greedy_rows(ARGMAX_MAX_ROWS) and not lean.greedy_rows(ARGMAX_MAX_ROWS + 1)
+        for seed, return_hidden, batch, nodes in ((1, False, 2, 4), (2, True, 1, 7), (3, (0, 1, -1), 2, 3)):
+            want, want_cache = one_step(model, lean.forward, seed, return_hidden=return_hidden, batch=batch, nodes=nodes)
+            got, got_cache = one_step(model, partial(lean.forward, greedy=True), seed, return_hidden=return_hidden,
+                                      batch=batch, nodes=nodes)
+            if return_hidden is False:
+                want, got = (want,), (got,)
+            assert_identical(got[0], greedy_tokens(want[0]))
+            assert_identical(got[1:], want[1:])
+            assert_identical(tuple(got_cache), tuple(want_cache))
+    kept = model.lm_head.__dict__["_specdec_argmax_weights"]
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.5)  # a changed head: a new copy, the new argmax
+    want, _ = one_step(model, fused.forward, 4, batch=2, nodes=4)
+    got, _ = one_step(model, partial(fused.forward, greedy=True), 4, batch=2, nodes=4)
+    assert_identical(got, greedy_tokens(want))
+    assert model.lm_head.__dict__["_specdec_argmax_weights"] is not kept
+    with pytest.raises(ValueError, match="greedy_rows"):  # 21 rows
+        one_step(model, partial(fused.forward, greedy=True), 5)
+    assert not LeanForward.for_model(model, (2, 32)).greedy_rows(1)  # the head on F.linear at 1 row
+    assert not LeanForward.for_model(model).greedy_rows(1)
+    monkeypatch.setattr(config, "argmax_head", False)
+    assert not fused.greedy_rows(1)
+
+
+@pytest.mark.parametrize("argmax_head", (True, False), ids=("argmax_head", "logits"))
+def test_generate_greedy_takes_the_argmax_head_and_matches_hf(monkeypatch, argmax_head):
+    """Greedy `generate` takes each node's token from `small_linear_argmax` where it applies
+    (plain decoding at batch 1, n-gram trees at batch 2) and not when turned off or sampling;
+    output equal to HF `generate` either way."""
+    import specdec_kernels.loop.generate as generate_module
+    from specdec_kernels.ops import small_linear as linear
+
+    calls = []
+    real = linear.small_linear_argmax
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(config, "argmax_head", argmax_head)
+    monkeypatch.setattr(linear, "small_linear_argmax", counted)
+    monkeypatch.setattr(generate_module, "_small_linear_rows", lambda target, planner: (1, 64))
+    model = build("llama", seed=3)
+    prompt = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0)).repeat(1, 4)
+    for rows, drafter in ((prompt[:1], None), (prompt, sk.NgramDrafter())):
+        out = sk.generate(model, rows, max_new_tokens=24, drafter=drafter, adaptive=False)
+        want = model.generate(rows, max_new_tokens=24, do_sample=False, min_new_tokens=24)
+        assert torch.equal(out.sequences[:, rows.shape[1]:], want[:, rows.shape[1]:])
+        assert bool(calls) == argmax_head
+        calls.clear()
+    sk.generate(model, prompt[:1], max_new_tokens=8, temperature=0.8, seed=1)
+    assert not calls
 
 
 def test_fused_layers_are_off_when_turned_off(monkeypatch):

@@ -577,6 +577,39 @@ def test_greedy_is_argmax_chain_lowest_index_on_ties(gen, dtype, with_probs):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("kind", ["chain", "star", "bushy", "random"])
+def test_verify_greedy_equals_verify_at_temperature_zero(gen, kind):
+    """`verify_greedy` from each node's greedy token gives `verify`'s greedy result exactly:
+    integer logits (ties), NaN and +inf among them, trees holding the argmax chain, repeated
+    siblings, ragged rows with padding nodes; T = 1 (plain decoding) too."""
+    from specdec_kernels import verify_greedy
+    from specdec_kernels.ops.sampling import greedy_tokens
+
+    for batch, num_nodes in ((6, 12), (3, 1), (1, 5)):
+        vocab = 9
+        logits = randint(gen, 0, 3, (batch, num_nodes, vocab)).float()
+        logits[0, 0, 2] = float("nan")
+        logits[-1, -1, 4] = float("inf")
+        parents = random_parents(gen, batch, num_nodes, kind, ragged=True)
+
+        def often_the_argmax(b, p, taken):
+            best = int(greedy_tokens(logits[b, p]))
+            return best if float(torch.rand((), generator=gen)) < 0.6 else int(randint(gen, 0, vocab))
+
+        tokens = sibling_tokens(gen, parents, vocab, often_the_argmax)
+        # (repeated siblings need draft probabilities, which a greedy row does not read)
+        draft_probs = torch.full((batch, num_nodes, vocab), 1.0 / vocab)
+        want = verify(logits, tokens, parents, draft_probs=draft_probs, temperature=0.0)
+        got = verify_greedy(greedy_tokens(logits), tokens, parents)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"must all be \[B, T\]"):
+        verify_greedy(torch.zeros(2, 3, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int64),
+                      torch.zeros(2, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="integer"):
+        verify_greedy(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.int64), torch.zeros(2, 3, dtype=torch.int64))
+
+
 # --------------------------------------------------------------------------------------------
 # C. Pitfalls
 # --------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ Ops (one entry point each; `backend=` forces an implementation, None picks the b
     tree_mask, pack_tree_mask, TokenTree       token trees and their ancestor masks
     tree_attention                              tree queries over a KV cache
     verify, verify_chain, VerifyOutput          lossless acceptance (greedy and sampled)
+    verify_greedy                               greedy acceptance from each node's target token
     compact_kv_cache_                           keep the accepted path in the KV cache
     ngram_propose, ngram_propose_tree           prompt-lookup drafting
     NgramIndex                                  incremental n-gram index, one slot per sequence
@@ -30,7 +31,7 @@ from .ops.ngram_index import NgramIndex
 from .ops.suffix_index import SuffixIndex
 from .ops.tree import TokenTree, pack_tree_mask, tree_mask
 from .ops.tree_attention import tree_attention
-from .ops.verify import VerifyOutput, verify, verify_chain
+from .ops.verify import VerifyOutput, verify, verify_chain, verify_greedy
 
 __version__ = "0.1.0"
 
@@ -64,4 +65,5 @@ __all__ = [
     "tree_mask",
     "verify",
     "verify_chain",
+    "verify_greedy",
 ]

@@ -28,6 +28,12 @@ huge_pages: whether `generate` moves the large weights of CPU targets and draft 
     transparent huge pages (`loop.memory.weights_in_huge_pages`: the same values in 2 MB
     pages, which a decoding step streams faster). On by default; SPECDEC_HUGE_PAGES=0 at
     import turns it off (read when `generate` starts).
+argmax_head: whether greedy `generate` calls without logits processing take each node's target
+    token from the lean forward's `small_linear_argmax` (half the LM head's weight bytes: a bf16
+    copy and exact per-row error bounds, then the exact logits of the few candidates) instead
+    of the full logits, at the row counts where that is faster (`LeanForward.greedy_rows`). The
+    same tokens bit for bit as the full logits' argmax. On by default; SPECDEC_ARGMAX_HEAD=0 at
+    import turns it off (read when `generate` starts).
 """
 
 import contextlib
@@ -41,6 +47,7 @@ triton_by_default: bool = os.environ.get("SPECDEC_TRITON_BY_DEFAULT", "1") != "0
 lean_forward: bool = os.environ.get("SPECDEC_LEAN_FORWARD", "1") != "0"
 fused_layers: bool = os.environ.get("SPECDEC_FUSED_LAYERS", "1") != "0"
 huge_pages: bool = os.environ.get("SPECDEC_HUGE_PAGES", "1") != "0"
+argmax_head: bool = os.environ.get("SPECDEC_ARGMAX_HEAD", "1") != "0"
 
 _check_values_here: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("specdec_check_values", default=None)
 

@@ -23,7 +23,7 @@ from ..ops.philox import row_seeds
 from ..ops.small_linear import small_linears
 from .planner import Planner
 from .cost_model import device_clock
-from ..ops.verify import verify
+from ..ops.verify import verify, verify_greedy
 
 _GOLDEN = 0x9E3779B97F4A7C15  # step -> seed offset (odd 64-bit constant)
 
@@ -409,8 +409,11 @@ def generate(
     linear_rows = _small_linear_rows(target, planner)
     static = compiled.static_forward(target, compile, device, kv_page_size is not None)
     # Tree steps and the prefill of Llama-family models on a CPU: the same math with fewer ops (loop/hf/lean.py).
-    tree_forward, prefill = (static.forward, hf.prefill) if static is not None else \
+    tree_forward, prefill, lean = (static.forward, hf.prefill, None) if static is not None else \
         hf.step_functions(target, linear_rows)
+    # Greedy steps without logits processing read only each node's argmax: the lean forward
+    # computes it from half the LM head's bytes (`LeanForward.greedy_rows`), the same tokens.
+    greedy_head = lean if sampling is None and processor is None else None
     with hf.use_tree_attention(target, *drafter.models), config.value_checks(False), \
             small_linears(target, linear_rows):
         cache = hf.TreeKVCache.for_model(target, batch, capacity, page_size=kv_page_size) if static is None else \
@@ -443,14 +446,22 @@ def generate(
                 # Verify: one target forward over every tree node (position = prefix length +
                 # depth), then lossless acceptance.
                 positions = cache.seqlens.long()[:, None] + depths.clamp(min=0)
-                logits = tree_forward(target, cache, tree.tokens, positions, tree.mask(), return_hidden=with_hidden)
-                if with_hidden:
-                    logits, hidden = logits
-                if processor is not None:  # HF's logits processing, each node with its own path
-                    logits = processor(logits, tree.tokens, tree.parents, depths, rows.history, rows.lengths,
-                                       rows.generated, rows.ids)
-                out = verify(logits, tree.tokens, tree.parents, draft_probs=draft.draft_probs, temperature=temperature,
-                             top_k=top_k, top_p=top_p, seed=_step_seeds(rows.seeds, stats.steps))
+                if greedy_head is not None and greedy_head.greedy_rows(tree.tokens.numel()):
+                    target_tokens = tree_forward(target, cache, tree.tokens, positions, tree.mask(),
+                                                 return_hidden=with_hidden, greedy=True)
+                    if with_hidden:
+                        target_tokens, hidden = target_tokens
+                    out = verify_greedy(target_tokens, tree.tokens, tree.parents)
+                else:
+                    logits = tree_forward(target, cache, tree.tokens, positions, tree.mask(), return_hidden=with_hidden)
+                    if with_hidden:
+                        logits, hidden = logits
+                    if processor is not None:  # HF's logits processing, each node with its own path
+                        logits = processor(logits, tree.tokens, tree.parents, depths, rows.history, rows.lengths,
+                                           rows.generated, rows.ids)
+                    out = verify(logits, tree.tokens, tree.parents, draft_probs=draft.draft_probs,
+                                 temperature=temperature, top_k=top_k, top_p=top_p,
+                                 seed=_step_seeds(rows.seeds, stats.steps))
                 if with_hidden:
                     drafter.observe(hidden, out.accepted_nodes, out.num_accepted)
                 t2 = clock(device)

@@ -68,6 +68,13 @@ if hasattr(torch.ops.specdec, "small_linear"):  # (an extension built before the
         return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+if hasattr(torch.ops.specdec, "small_linear_argmax"):  # (an extension built before the op existed lacks it)
+
+    @torch.library.register_fake("specdec::small_linear_argmax")
+    def _small_linear_argmax_fake(x, weight, weight_bf16, row_error):
+        return x.new_empty((x.shape[0],), dtype=torch.int64)
+
+
 if hasattr(torch.ops.specdec, "decoder_layer"):  # (an extension built before the op existed lacks it)
 
     @torch.library.register_fake("specdec::decoder_layer")

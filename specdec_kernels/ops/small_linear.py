@@ -40,7 +40,7 @@ import contextlib
 import math
 import time
 from functools import partial
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +65,55 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tens
     in fp32, rounded once)."""
     out = torch.ops.specdec.small_linear(x.reshape(-1, x.shape[-1]), weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def argmax_weights(weight: torch.Tensor, out: Optional[torch.Tensor] = None) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """(weight_bf16, row_error) for `small_linear_argmax` from fp32 weight [V, K] (an LM head's):
+    a bf16 copy (round to nearest even; into `out`, a bf16 [V, K] tensor, when given), and per
+    weight row v a float32 e_v with |approx - exact| <= ||x|| * e_v for any fp32 x [K], where
+    approx is x . bf16(w_v) and exact is x . w_v, both summed in fp32 in any order:
+    e_v = (||w_v - bf16(w_v)|| + gamma * (||w_v|| + ||bf16(w_v)||)) * (1 + 2^-10), rounded up,
+    gamma = 2 K 2^-24 (the fp32 summation bound of K terms, |error| <= gamma * sum |terms|,
+    and sum |terms| <= ||w|| ||x||). None where a weight or bound is not finite."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
+        raise ValueError(f"argmax_weights: weight must be a float32 CPU [V, K] tensor, got {weight.dtype} "
+                         f"{tuple(weight.shape)} on {weight.device}")
+    vocab, k_dim = weight.shape
+    if out is None:
+        out = torch.empty(vocab, k_dim, dtype=torch.bfloat16)
+    elif out.dtype != torch.bfloat16 or tuple(out.shape) != (vocab, k_dim) or not out.is_contiguous():
+        raise ValueError(f"argmax_weights: out must be a contiguous bfloat16 [{vocab}, {k_dim}] tensor")
+    gamma = 2.0 * k_dim * 2.0 ** -24
+    error = torch.empty(vocab, dtype=torch.float64)
+    with torch.no_grad():
+        for start in range(0, vocab, 4096):  # (chunks: float64 copies of the whole weight would double its memory)
+            w = weight[start: start + 4096]
+            b = out[start: start + 4096]
+            b.copy_(w)
+            wide = b.float()
+            # w - bf16(w) is exact in fp32 (the bits rounding dropped), its norm in float64.
+            error[start: start + 4096] = ((w - wide).double().norm(dim=1)
+                                          + gamma * (w.double().norm(dim=1) + wide.double().norm(dim=1))) * (1 + 2.0 ** -10)
+    if not bool(torch.isfinite(error).all()):
+        return None
+    row_error = error.float()
+    low = row_error.double() < error  # rounded down: the next float up
+    row_error[low] = torch.nextafter(row_error[low], torch.tensor(float("inf")))
+    return out, row_error
+
+
+def small_linear_argmax(x: torch.Tensor, weight: torch.Tensor, weight_bf16: torch.Tensor,
+                        row_error: torch.Tensor) -> torch.Tensor:
+    """int64 [...]: each row's greedy token of `small_linear(x, weight)` (x [..., K], weight
+    [V, K], fp32 CPU tensors, no bias) by `verify`'s rule (`sampling.greedy_tokens`: lowest id
+    on ties, NaN never wins), the same token bit for bit, from half of the weight bytes:
+    (weight_bf16, row_error) = `argmax_weights(weight)`. A first pass multiplies x by the bf16
+    copy; every token whose bound ||x|| * row_error reaches the largest lower end is a
+    candidate; the candidates' exact logits come from small_linear's kernel at x's row count
+    (csrc/small_linear_argmax.cpp). Rows whose bound cannot decide (non-finite values, over
+    1024 candidates) take the full product."""
+    out = torch.ops.specdec.small_linear_argmax(x.reshape(-1, x.shape[-1]), weight, weight_bf16, row_error)
+    return out.view(x.shape[:-1])
 
 
 def routed_linear(x: torch.Tensor, weight: torch.Tensor, bias, rows_range: Tuple[int, int]) -> torch.Tensor:

@@ -75,6 +75,44 @@ def verify(
     return VerifyOutput(*dispatch("verify", backend, target_logits, *args, seed))
 
 
+def verify_greedy(target_tokens: torch.Tensor, tree_tokens: torch.Tensor, parents: torch.Tensor) -> VerifyOutput:
+    """`verify(target_logits, tree_tokens, parents, temperature=0)` from each node's greedy
+    token alone: target_tokens int [B, T] = `sampling.greedy_tokens(target_logits)` (what the
+    greedy rule reads of the logits; `small_linear_argmax` computes it without them). The same
+    result: from the root, move to the first child holding the node's token, emit the tokens
+    of the accepted children and then the last node's own. Host code over the tensors' values
+    (one read of each): trees of a few nodes a row, as a CPU step verifies."""
+    if tree_tokens.dim() != 2 or target_tokens.shape != tree_tokens.shape or parents.shape != tree_tokens.shape:
+        raise ValueError(f"verify_greedy: target_tokens, tree_tokens and parents must all be [B, T], got "
+                         f"{tuple(target_tokens.shape)}, {tuple(tree_tokens.shape)}, {tuple(parents.shape)}")
+    if any(t.dtype.is_floating_point or t.dtype == torch.bool for t in (target_tokens, tree_tokens, parents)):
+        raise ValueError("verify_greedy: target_tokens, tree_tokens and parents must be integer tensors")
+    batch, nodes = tree_tokens.shape
+    if nodes == 0:
+        raise ValueError("verify_greedy: a tree has at least its root (T >= 1)")
+    targets, tokens, links = target_tokens.tolist(), tree_tokens.tolist(), parents.tolist()
+    accepted = [[-1] * nodes for _ in range(batch)]
+    emitted = [[-1] * nodes for _ in range(batch)]
+    counts = []
+    for b in range(batch):
+        row_tokens, row_links, path, out = tokens[b], links[b], accepted[b], emitted[b]
+        path[0], cur, count = 0, 0, 0
+        while True:
+            token = targets[b][cur]
+            child = next((j for j in range(cur + 1, nodes) if row_links[j] == cur and row_tokens[j] == token), -1)
+            if child < 0:
+                out[count] = token
+                break
+            out[count] = token
+            count += 1
+            path[count] = cur = child
+        counts.append(count)
+    device = tree_tokens.device
+    return VerifyOutput(torch.tensor(accepted, dtype=torch.int32, device=device),
+                        torch.tensor(counts, dtype=torch.int32, device=device),
+                        torch.tensor(emitted, dtype=torch.int64, device=device))
+
+
 def verify_chain(
     target_logits: torch.Tensor,
     draft_tokens: torch.Tensor,

@@ -4,8 +4,9 @@
 attention implementation; `TreeKVCache`: a preallocated ragged KV cache for `past_key_values`;
 `forward(...)` / `prefill(...)`: one tree or prefill forward through a model and a `TreeKVCache`;
 `LeanForward.for_model(model)`: the same tree forward with fewer ops for Llama-family models on a CPU;
-`tree_step_forward(model)`: whichever of the two `generate` runs; `step_functions(model)`: that and
-the prefill it runs (the lean one's fused chunks where they pay).
+`tree_step_forward(model)`: whichever of the two `generate` runs; `step_functions(model)`: that,
+the prefill it runs (the lean one's fused chunks where they pay) and the `LeanForward` (greedy
+steps take each node's token from its LM head's `small_linear_argmax`).
 (`specdec_kernels.integrations.hf` is the other direction: our loop behind `model.generate`.)
 """
 

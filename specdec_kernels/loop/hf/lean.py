@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from ... import config
 from ...ops import decoder_layer as fused
+from ...ops import small_linear as linear
 from ...ops.reference.decoder_layer import rotate
 from ...ops.tree_attention import tree_attention
 from ...ops.tree import pack_tree_mask
@@ -52,6 +53,7 @@ from .attention import forward as model_forward
 from .attention import prefill as model_prefill
 from .attention import stack_hidden
 from .families import layer_types
+from ..memory import huge_page_buffer
 
 # model_type -> (causal LM class, decoder layer class, attention class, MLP class, RMSNorm class) names.
 FAMILIES = {
@@ -70,6 +72,13 @@ PREFILL_MIN_CHUNK = 64
 # more tokens. On the default model here the chunks were 1.10-1.36x faster on prompts of
 # 84-285 tokens, 0.88-1.14x at 357, 0.90-1.06x at 463-692 (prefill alone, two passes).
 PREFILL_MAX_TOKENS = 320
+# Greedy steps of up to this many rows (B x T) take each node's token from `small_linear_argmax`
+# (half the LM head's bytes, then the candidates' exact logits) instead of the full logits:
+# the default model's LM head (49152 x 576) on 2 AVX2 cores here, against `small_linear` and
+# the argmax, medians of 15: 1 row 2.7-3.0 ms against 5.3-5.7, 2 rows 3.1-3.7 / 5.1-6.0, 4 rows
+# 4.6-4.7 / 6.5-7.3, 7 rows 6.3-7.0 / 8.4-8.7, 8 rows 6.9-7.4 / 8.8, 12 rows 10.6-11.2 / 9.3-9.5
+# (from ~10 rows the bf16 pass is bound by its FMAs and the fp32 panels kernel wins).
+ARGMAX_MAX_ROWS = 8
 
 
 def _has_hooks(module: torch.nn.Module) -> bool:
@@ -229,9 +238,44 @@ class LeanForward:
         """Whether a step of `rows` rows (B x T) on `cache` runs the fused `decoder_layer` op."""
         return self.fused_layers is not None and self.linear_rows[0] <= rows and cache.block_table is None
 
-    def forward(self, model, cache, tokens, position_ids, tree_mask=None, logits_to_keep=0, return_hidden=False):
+    def greedy_rows(self, rows: int) -> bool:
+        """Whether a greedy step of `rows` rows (B x T) may take each node's token from
+        `small_linear_argmax` (`forward(..., greedy=True)`): `config.argmax_head`, an fp32 CPU
+        LM head without a bias, its product routed to `small_linear` at this row count (so the
+        tokens are the argmax of exactly the logits the step would compute), and at most
+        ARGMAX_MAX_ROWS rows. The bf16 copy of the head and its bounds are made on the first
+        call (kept on the head module until its weight changes)."""
+        lo, hi = self.linear_rows
+        return lo <= rows <= min(hi, ARGMAX_MAX_ROWS) and self._argmax_weights() is not None
+
+    def _argmax_weights(self):
+        """(weight, weight_bf16, row_error) of the LM head for `small_linear_argmax`, or None."""
+        head = self.model.lm_head
+        weight = head.weight
+        if (not config.argmax_head or head.bias is not None or weight.dtype != torch.float32
+                or weight.device.type != "cpu" or not hasattr(torch.ops.specdec, "small_linear_argmax")):
+            return None
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        kept = head.__dict__.get("_specdec_argmax_weights")
+        if kept is None or kept[0] != key:
+            # The copy in 2 MB pages where the kernel has them (loop/memory.py): a step streams it.
+            region = huge_page_buffer(weight.numel() * 2)
+            out = None if region is None else region.view(torch.bfloat16).view(weight.shape)
+            made = linear.argmax_weights(weight.detach(), out=out)
+            kept = (key, None if made is None else (weight.detach(),) + made)
+            head.__dict__["_specdec_argmax_weights"] = kept
+        return kept[1]
+
+    def forward(self, model, cache, tokens, position_ids, tree_mask=None, logits_to_keep=0, return_hidden=False,
+                greedy=False):
         """`hf.forward(model, cache, tokens, position_ids, tree_mask, logits_to_keep, return_hidden)`
-        with the same results; a prefill (no tree mask) runs `hf.forward` itself."""
+        with the same results; a prefill (no tree mask) runs `hf.forward` itself. greedy=True
+        (a tree step where `greedy_rows(B x T)`): each node's greedy token, int64 [B, T]
+        (`sampling.greedy_tokens` of the logits, bit for bit), in place of the logits."""
+        if greedy and (tree_mask is None or model is not self.model or not self.greedy_rows(tokens.numel())
+                       or logits_to_keep != 0):
+            raise ValueError("LeanForward.forward: greedy=True needs a tree step of this model at a row count "
+                             "where greedy_rows() holds, and every node's logits")
         if tree_mask is None or model is not self.model:
             return model_forward(model, cache, tokens, position_ids, tree_mask, logits_to_keep, return_hidden)
         block_table = cache.attention_block_table()
@@ -243,7 +287,7 @@ class LeanForward:
         states: List[torch.Tensor] = [h] if layers_wanted else []
         if self.fuses(batch * num_tokens, cache):
             h = self._fused_layers(h, cos.squeeze(2), sin.squeeze(2), cache, tree_mask, states if layers_wanted else None)
-            return self._finish(model, h, states, logits_to_keep, return_hidden)
+            return self._finish(model, h, states, logits_to_keep, return_hidden, greedy)
         for index, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             x = layer.input_layernorm.forward(h)
@@ -261,7 +305,7 @@ class LeanForward:
             h = h + mlp.down_proj.forward(F.silu(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
             if layers_wanted and index + 1 < len(self.layers):
                 states.append(h)
-        return self._finish(model, h, states, logits_to_keep, return_hidden)
+        return self._finish(model, h, states, logits_to_keep, return_hidden, greedy)
 
     def _fused_layers(self, h, cos, sin, cache, tree_mask, states=None):
         """Every layer as one `decoder_layer` op over `h [B, T, hidden]` (cos / sin [B, T, D]);
@@ -345,11 +389,12 @@ class LeanForward:
                 torch.ones(count, count, dtype=torch.bool, device=device).tril())
         return self._chain_masks[(count, device)]
 
-    def _finish(self, model, h, states, logits_to_keep, return_hidden):
-        # The final norm and the LM head, and the hidden states asked for.
+    def _finish(self, model, h, states, logits_to_keep, return_hidden, greedy=False):
+        # The final norm and the LM head (or each node's greedy token), and the hidden states asked for.
         h = self.inner.norm.forward(h)
         kept = h if logits_to_keep == 0 else h[:, -logits_to_keep:]
-        logits = self.model.lm_head.forward(kept).float()
+        logits = linear.small_linear_argmax(kept, *self._argmax_weights()) if greedy else \
+            self.model.lm_head.forward(kept).float()
         if return_hidden is False:
             return logits
         if return_hidden is True:
@@ -359,13 +404,13 @@ class LeanForward:
 
 
 def step_functions(model, linear_rows=(0, 0)):
-    """(tree forward, prefill) that `generate` runs `model` with (`hf.forward`'s and
-    `hf.prefill`'s signatures): a `LeanForward`'s where it applies, else `hf.forward` and
-    `hf.prefill` themselves; `linear_rows`: the row counts at which the target's linears run
-    `small_linear` (`LeanForward`). Decide once per call: the check walks every module (~4 ms
-    on the default model)."""
+    """(tree forward, prefill, lean) that `generate` runs `model` with (`hf.forward`'s and
+    `hf.prefill`'s signatures): a `LeanForward`'s where it applies (and that `LeanForward`, for
+    its greedy steps: `greedy_rows`), else `hf.forward`, `hf.prefill` and None; `linear_rows`:
+    the row counts at which the target's linears run `small_linear` (`LeanForward`). Decide
+    once per call: the check walks every module (~4 ms on the default model)."""
     lean = LeanForward.for_model(model, linear_rows)
-    return (model_forward, model_prefill) if lean is None else (lean.forward, lean.prefill)
+    return (model_forward, model_prefill, None) if lean is None else (lean.forward, lean.prefill, lean)
 
 
 def tree_step_forward(model, linear_rows=(0, 0)):
