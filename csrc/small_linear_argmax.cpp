@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <mutex>
 #include <vector>
 
 #include "small_linear_cpu.h"
@@ -39,31 +40,46 @@ constexpr float kMaxBound = 1e30f;
 // thousand of them stay far below this.
 constexpr float kTinyBound = 1e-30f;
 
-// The candidates of one row of approximate logits `a` [vocab] with bounds norm * err[v]
-// appended to `out` (ascending v); false where the row must fall back.
-bool row_candidates(const float* a, const float* err, int64_t vocab, float norm, std::vector<int64_t>& out) {
-  // The largest lower end, and the largest |a| + bound (for the rounding slack below).
-  float threshold = -std::numeric_limits<float>::infinity(), magnitude = 0.f;
-  bool finite = std::isfinite(norm);
-  for (int64_t v = 0; v < vocab; ++v) {
+// Which v are candidates: those whose interval [a_v - b_v, a_v + b_v] reaches the largest lower
+// end t. In floats, each sum below rounds by at most 2^-24 of its magnitude (and the bound's
+// product and sum too), so v is kept iff up(a_v + b_v) >= down(t) with a slack of 2^-20 of
+// each side's magnitude. down() increases with t: a running maximum t' <= t keeps a superset
+// of what t keeps, so a range can be scanned once, before t is known.
+inline float up(float s) { return s + std::fabs(s) * 0x1p-20f; }
+inline float down(float t) { return t - std::fabs(t) * 0x1p-20f; }
+
+// One row's scan of approximate logits a[v0, v1) with bounds norm * err[v]: the largest lower
+// end of the range, whether every value and bound there is usable, and the v that the running
+// maximum keeps (ascending; at most kMaxKept, else `overflow` and the caller rescans the row).
+struct RangeScan {
+  int64_t row = 0;
+  float threshold = -std::numeric_limits<float>::infinity();
+  bool usable = true;
+  bool overflow = false;
+  std::vector<int64_t> kept;
+};
+constexpr size_t kMaxKept = 4 * kMaxCandidates;
+
+void scan_range(const float* a, const float* err, int64_t v0, int64_t v1, float norm, RangeScan& out) {
+  float threshold = -std::numeric_limits<float>::infinity(), floor = threshold;
+  bool usable = std::isfinite(norm);
+  for (int64_t v = v0; v < v1; ++v) {
     const float bound = norm * err[v] + kTinyBound;
-    finite &= std::isfinite(a[v]) & (bound < kMaxBound);
-    threshold = std::max(threshold, a[v] - bound);
-    magnitude = std::max(magnitude, std::fabs(a[v]) + bound);
-  }
-  if (!finite) return false;
-  // The float sums a - bound, a + bound and this subtraction each round by at most 2^-24 of
-  // `magnitude`: the slack of 2^-20 of it keeps every v whose exact interval reaches the
-  // exact threshold.
-  const float floor = threshold - std::ldexp(magnitude, -20);
-  const size_t first = out.size();
-  for (int64_t v = 0; v < vocab; ++v) {
-    if (a[v] + (norm * err[v] + kTinyBound) >= floor) {
-      if (static_cast<int64_t>(out.size() - first) >= kMaxCandidates) return false;
-      out.push_back(v);
+    usable &= std::isfinite(a[v]) & (bound < kMaxBound);
+    if (a[v] - bound > threshold) {
+      threshold = a[v] - bound;
+      floor = down(threshold);
+    }
+    if (up(a[v] + bound) >= floor) {
+      if (out.kept.size() < kMaxKept) {
+        out.kept.push_back(v);
+      } else {
+        out.overflow = true;
+      }
     }
   }
-  return true;
+  out.threshold = threshold;
+  out.usable = usable;
 }
 
 at::Tensor small_linear_argmax_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_bf16,
@@ -94,32 +110,65 @@ at::Tensor small_linear_argmax_cpu(const at::Tensor& x, const at::Tensor& weight
   using Bits = specdec::cpu::BFloat16Bits;
   const Bits* wb = reinterpret_cast<const Bits*>(wb_c.const_data_ptr<at::BFloat16>());
 
-  // 1. The approximate logits, the bf16 weight rows split over torch's threads. (A buffer per
-  // calling thread, kept: a fresh one page-faults on every call.)
-  thread_local std::vector<float> approx;
-  approx.resize(std::max<size_t>(approx.size(), static_cast<size_t>(rows * vocab)));
-  float* a = approx.data();
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(k_dim, 1));
-  at::parallel_for(0, vocab, grain, [&](int64_t v0, int64_t v1) {
-    specdec::small_linear_bf16w_rows(xp, rows, k_dim, wb, a, vocab, v0, v1);
-  });
-
-  // 2. Each row's candidates.
-  std::vector<int64_t> candidates, starts(rows + 1, 0);
-  std::vector<char> fallback(rows, 0);
-  bool any_fallback = false;
+  // ||x_r||, rounded up to a float.
+  std::vector<float> norms(rows);
   for (int64_t r = 0; r < rows; ++r) {
     double sum = 0.0;
     for (int64_t k = 0; k < k_dim; ++k) sum += static_cast<double>(xp[r * k_dim + k]) * xp[r * k_dim + k];
-    // ||x_r|| rounded up to a float.
-    const double norm_d = std::sqrt(sum);
-    float norm = static_cast<float>(norm_d);
-    if (static_cast<double>(norm) < norm_d) norm = std::nextafter(norm, std::numeric_limits<float>::infinity());
-    const size_t first = candidates.size();
-    if (!row_candidates(a + r * vocab, err, vocab, norm, candidates)) {
-      candidates.resize(first);
-      fallback[r] = any_fallback = true;
+    const double norm = std::sqrt(sum);
+    norms[r] = static_cast<float>(norm);
+    if (static_cast<double>(norms[r]) < norm) norms[r] = std::nextafter(norms[r], std::numeric_limits<float>::infinity());
+  }
+
+  // 1. The approximate logits, the bf16 weight rows split over torch's threads, each thread
+  // scanning its range of every row right after (still in its caches). (A buffer per calling
+  // thread, kept: a fresh one page-faults on every call.)
+  thread_local std::vector<float> approx;
+  approx.resize(std::max<size_t>(approx.size(), static_cast<size_t>(rows * vocab)));
+  float* a = approx.data();
+  std::vector<RangeScan> scans;
+  std::mutex scans_lock;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(k_dim, 1));
+  at::parallel_for(0, vocab, grain, [&](int64_t v0, int64_t v1) {
+    specdec::small_linear_bf16w_rows(xp, rows, k_dim, wb, a, vocab, v0, v1);
+    std::vector<RangeScan> mine(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      mine[r].row = r;
+      scan_range(a + r * vocab, err, v0, v1, norms[r], mine[r]);
     }
+    const std::lock_guard<std::mutex> guard(scans_lock);
+    for (RangeScan& scan : mine) scans.push_back(std::move(scan));
+  });
+
+  // 2. Each row's candidates: what its ranges kept, against the row's largest lower end.
+  std::vector<float> thresholds(rows, -std::numeric_limits<float>::infinity());
+  std::vector<char> fallback(rows, 0), rescan(rows, 0);
+  for (const RangeScan& scan : scans) {
+    thresholds[scan.row] = std::max(thresholds[scan.row], scan.threshold);
+    fallback[scan.row] |= !scan.usable;
+    rescan[scan.row] |= scan.overflow;
+  }
+  std::vector<std::vector<int64_t>> kept(rows);
+  for (const RangeScan& scan : scans) {
+    if (fallback[scan.row] || rescan[scan.row]) continue;
+    const float* ar = a + scan.row * vocab;
+    const float floor = down(thresholds[scan.row]), norm = norms[scan.row];
+    for (const int64_t v : scan.kept)
+      if (up(ar[v] + (norm * err[v] + kTinyBound)) >= floor) kept[scan.row].push_back(v);
+  }
+  std::vector<int64_t> candidates, starts(rows + 1, 0);
+  bool any_fallback = false;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (rescan[r] && !fallback[r]) {  // (a range kept too many: the whole row against its threshold)
+      const float* ar = a + r * vocab;
+      const float floor = down(thresholds[r]);
+      for (int64_t v = 0; v < vocab; ++v)
+        if (up(ar[v] + (norms[r] * err[v] + kTinyBound)) >= floor) kept[r].push_back(v);
+    }
+    std::sort(kept[r].begin(), kept[r].end());
+    if (static_cast<int64_t>(kept[r].size()) > kMaxCandidates) fallback[r] = true;
+    any_fallback |= fallback[r];
+    if (!fallback[r]) candidates.insert(candidates.end(), kept[r].begin(), kept[r].end());
     starts[r + 1] = static_cast<int64_t>(candidates.size());
   }
 

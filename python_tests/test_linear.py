@@ -119,8 +119,8 @@ def _argmax_cases(gen):
     """(x, weight) pairs for small_linear_argmax: random shapes and row counts (1-7 rows: the
     stream kernel; 8 and 11+: the panels; 9-10: the blocks), near ties (a duplicated weight row,
     one a float ulp away, weights exactly bf16, so the bound is the summation term alone), a
-    zero row, non-finite inputs, a huge input whose bound is useless, and every weight row
-    equal (all tokens candidates: the full product)."""
+    zero row, non-finite inputs, a huge input whose bound is useless, every weight row equal
+    (all tokens candidates: the full product), and logits rising with the token id."""
     for case in range(60):
         vocab, k_dim = int(torch.randint(1, 1500, (), generator=gen)), int(torch.randint(1, 200, (), generator=gen))
         rows = [1, 2, 3, 5, 7, 8, 9, 10, 11, 16][case % 10]
@@ -142,6 +142,10 @@ def _argmax_cases(gen):
             x[0] = 1e20
         yield x, w
     yield torch.randn(2, 8, generator=gen), torch.randn(1, 8, generator=gen).repeat(1500, 1)
+    # Logits rising with the token id: every token raises the running threshold of a scan, so a
+    # thread's range keeps more than the op holds (the row is rescanned against the final one).
+    u = torch.randn(16, generator=gen)
+    yield torch.stack([u, -u]), torch.arange(12000.0)[:, None] * u[None] * 1e-3
     yield torch.randn(0, 8, generator=gen), torch.randn(5, 8, generator=gen)
 
 

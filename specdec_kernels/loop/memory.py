@@ -12,7 +12,7 @@ region (values, dtypes, shapes and tied parameters unchanged; the old storage is
 nothing else holds it). `generate` calls it for CPU targets and draft models
 (`config.huge_pages`). Measured on the AMD EPYC (2 AVX2 cores, 4 KB pages vs 2 MB, same
 process, interleaved): one 440 MB product read 19.5 -> 20.8 GB/s (medians of 30), the default
-model's 210 products 18.9 -> 19.4 GB/s, batch-1 `generate` calls (`tools/ab_huge_pages.py`,
+model's 210 products 18.9 -> 19.4 GB/s, batch-1 `generate` calls (`tools/ab_config.py --flag huge_pages`,
 medians of 24 pairs) 1.073x faster plain and 1.016x with `default_drafter`: see docs/loop.md.
 """
 

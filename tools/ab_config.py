@@ -1,13 +1,14 @@
-"""`generate` with the weights in 4 KB pages against 2 MB pages (loop/memory.py), interleaved.
+"""`generate` with one `specdec_kernels.config` flag off against on, interleaved in one process.
 
-Two copies of the default model in one process: a (`config.huge_pages` off for its calls: never
-moved) and b (moved on its first call). Each round runs every prompt on both, plain and with
-`default_drafter`, the order flipped every round; every pair's outputs must be equal. Prints
-each pair's seconds and the median ratio (4 KB / 2 MB) per method. Batch 1, greedy, 128 new
-tokens, dev prompts 5-7 of chat and code edit (not the benchmark's held-out ones); the
-fifteenth session's log is bench/results/huge_pages_ab_s15.txt.
+Two copies of the default model: a (the flag False for its calls) and b (True), each with its
+own `default_drafter` (their suffix caches then see the same requests in the same order). Each
+round runs every prompt on both, plain and with `default_drafter`, the order flipped every
+round; every pair's outputs must be equal. Prints each pair's seconds and the median ratio
+(off / on) per method. Batch 1, greedy, 128 new tokens, dev prompts 5-7 of chat and code edit
+(not the benchmark's held-out ones). Logs: bench/results/huge_pages_ab_s15.txt (`huge_pages`:
+weights in 4 KB against 2 MB pages; b's first call moves them), argmax_head_ab_s16.txt.
 
-    SPECDEC_DATA=../shared/data/prompts python tools/ab_huge_pages.py [--rounds 4]
+    SPECDEC_DATA=../shared/data/prompts python tools/ab_config.py --flag huge_pages [--rounds 4]
 """
 
 import argparse
@@ -16,9 +17,12 @@ import time
 
 import torch
 
+FLAGS = ("huge_pages", "argmax_head", "fused_layers", "lean_forward")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--flag", choices=FLAGS, required=True)
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
     if args.rounds < 1:
@@ -35,16 +39,16 @@ def main() -> None:
     drafters = {"plain": (None, None), "default": (make_drafter("default", target=a), make_drafter("default", target=b))}
 
     def run(k, method, ids):
-        """One call on model a (k=0) or b (k=1): (seconds, sequences)."""
-        config.huge_pages = k == 1
+        """One call on model a (k=0, the flag off) or b (k=1, on): (seconds, sequences)."""
+        setattr(config, args.flag, k == 1)
         start = time.perf_counter()
         out = generate((a, b)[k], ids, drafter=drafters[method][k], max_new_tokens=128, temperature=0)
         return time.perf_counter() - start, out.sequences
 
-    for k in (0, 1):  # warm-up: cost models, b's move
+    warm = load_workload("chat")[8].input_ids(tokenizer)
+    for k in (0, 1):  # warm-up: cost models, b's weights moved (huge_pages), the head's bf16 copy (argmax_head)
         for method in drafters:
-            run(k, method, work[0][1])
-    print("moved:", hasattr(b, "_specdec_huge_page_regions"), hasattr(a, "_specdec_huge_page_regions"))
+            run(k, method, warm)
     ratios = {method: [] for method in drafters}
     for round_ in range(args.rounds):
         for name, ids in work:
@@ -54,10 +58,10 @@ def main() -> None:
                     seconds[k], sequences[k] = run(k, method, ids)
                 assert torch.equal(sequences[0], sequences[1])
                 ratios[method].append(seconds[0] / seconds[1])
-                print(round_, name, method, f"4K {seconds[0]:.3f} 2M {seconds[1]:.3f} ratio {seconds[0] / seconds[1]:.3f}",
+                print(round_, name, method, f"off {seconds[0]:.3f} on {seconds[1]:.3f} ratio {seconds[0] / seconds[1]:.3f}",
                       flush=True)
     for method, r in ratios.items():
-        print(method, "median 4K/2M", round(statistics.median(r), 3), "of", len(r), "pairs; >1:", sum(x > 1 for x in r))
+        print(method, f"median off/on {statistics.median(r):.3f} of {len(r)} pairs; on faster in {sum(x > 1 for x in r)}")
 
 
 if __name__ == "__main__":
