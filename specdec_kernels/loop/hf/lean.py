@@ -272,8 +272,9 @@ class LeanForward:
         with the same results; a prefill (no tree mask) runs `hf.forward` itself. greedy=True
         (a tree step where `greedy_rows(B x T)`): each node's greedy token, int64 [B, T]
         (`sampling.greedy_tokens` of the logits, bit for bit), in place of the logits."""
-        if greedy and (tree_mask is None or model is not self.model or not self.greedy_rows(tokens.numel())
-                       or logits_to_keep != 0):
+        head = self._argmax_weights() if greedy else None
+        if greedy and (tree_mask is None or model is not self.model or head is None or logits_to_keep != 0
+                       or not self.linear_rows[0] <= tokens.numel() <= min(self.linear_rows[1], ARGMAX_MAX_ROWS)):
             raise ValueError("LeanForward.forward: greedy=True needs a tree step of this model at a row count "
                              "where greedy_rows() holds, and every node's logits")
         if tree_mask is None or model is not self.model:
@@ -287,7 +288,7 @@ class LeanForward:
         states: List[torch.Tensor] = [h] if layers_wanted else []
         if self.fuses(batch * num_tokens, cache):
             h = self._fused_layers(h, cos.squeeze(2), sin.squeeze(2), cache, tree_mask, states if layers_wanted else None)
-            return self._finish(model, h, states, logits_to_keep, return_hidden, greedy)
+            return self._finish(model, h, states, logits_to_keep, return_hidden, head)
         for index, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             x = layer.input_layernorm.forward(h)
@@ -305,7 +306,7 @@ class LeanForward:
             h = h + mlp.down_proj.forward(F.silu(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
             if layers_wanted and index + 1 < len(self.layers):
                 states.append(h)
-        return self._finish(model, h, states, logits_to_keep, return_hidden, greedy)
+        return self._finish(model, h, states, logits_to_keep, return_hidden, head)
 
     def _fused_layers(self, h, cos, sin, cache, tree_mask, states=None):
         """Every layer as one `decoder_layer` op over `h [B, T, hidden]` (cos / sin [B, T, D]);
@@ -389,12 +390,13 @@ class LeanForward:
                 torch.ones(count, count, dtype=torch.bool, device=device).tril())
         return self._chain_masks[(count, device)]
 
-    def _finish(self, model, h, states, logits_to_keep, return_hidden, greedy=False):
-        # The final norm and the LM head (or each node's greedy token), and the hidden states asked for.
+    def _finish(self, model, h, states, logits_to_keep, return_hidden, argmax_head=None):
+        # The final norm and the LM head (with `argmax_head`, `_argmax_weights()`: each node's
+        # greedy token instead), and the hidden states asked for.
         h = self.inner.norm.forward(h)
         kept = h if logits_to_keep == 0 else h[:, -logits_to_keep:]
-        logits = linear.small_linear_argmax(kept, *self._argmax_weights()) if greedy else \
-            self.model.lm_head.forward(kept).float()
+        logits = self.model.lm_head.forward(kept).float() if argmax_head is None else \
+            linear.small_linear_argmax(kept, *argmax_head)
         if return_hidden is False:
             return logits
         if return_hidden is True:
