@@ -17,6 +17,12 @@ them, up to ~90% of the FMA peak in a standalone harness (docs/loop.md, "Product
 sums never depend on the rows beside it at a given row count; between 1-7 rows and 8 or 11+
 they round differently.
 
+With AVX2 and 1-7 rows the weight rows are read one after another (one memory stream), each
+weight vector multiplied into every row. `small_linear_argmax` gives each row's greedy token of
+the product from a bf16 copy of the weights (half the bytes) and exact per-row error bounds
+(`argmax_weights`), then the few candidates' exact logits: the same token as the full product's,
+bit for bit (greedy decoding's LM head, docs/loop.md).
+
 Which is faster depends on the BLAS, the CPU and the row count, so nothing is assumed:
 `choose_small_linear_rows` times a module's own weights both ways and keeps the range of row
 counts at which ours won (`(0, 0)`: none). The cost model's calibration
