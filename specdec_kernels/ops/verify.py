@@ -97,13 +97,11 @@ def verify_greedy(target_tokens: torch.Tensor, tree_tokens: torch.Tensor, parent
     for b in range(batch):
         row_tokens, row_links, path, out = tokens[b], links[b], accepted[b], emitted[b]
         path[0], cur, count = 0, 0, 0
-        while True:
-            token = targets[b][cur]
+        while True:  # emit the node's token; move to its first child holding it, if any
+            token = out[count] = targets[b][cur]
             child = next((j for j in range(cur + 1, nodes) if row_links[j] == cur and row_tokens[j] == token), -1)
             if child < 0:
-                out[count] = token
                 break
-            out[count] = token
             count += 1
             path[count] = cur = child
         counts.append(count)

@@ -75,9 +75,9 @@ PREFILL_MAX_TOKENS = 320
 # Greedy steps of up to this many rows (B x T) take each node's token from `small_linear_argmax`
 # (half the LM head's bytes, then the candidates' exact logits) instead of the full logits:
 # the default model's LM head (49152 x 576) on 2 AVX2 cores here, against `small_linear` and
-# the argmax, medians of 15: 1 row 2.7-3.0 ms against 5.3-5.7, 2 rows 3.1-3.7 / 5.1-6.0, 4 rows
-# 4.6-4.7 / 6.5-7.3, 7 rows 6.3-7.0 / 8.4-8.7, 8 rows 6.9-7.4 / 8.8, 12 rows 10.6-11.2 / 9.3-9.5
-# (from ~10 rows the bf16 pass is bound by its FMAs and the fp32 panels kernel wins).
+# the argmax, medians of 15, three runs: 1 row 2.7-3.0 ms against 5.3-5.7, 2 rows 3.1-3.7 /
+# 5.1-6.0, 4 rows 3.8-4.7 / 5.7-7.3, 7 rows 6.3-7.0 / 7.2-8.7, 8 rows 5.9-7.4 / 7.9-8.8, 12 rows
+# 10.1-11.2 / 8.7-9.5 (from ~10 rows the bf16 pass is bound by its FMAs and the fp32 panels win).
 ARGMAX_MAX_ROWS = 8
 
 
@@ -255,7 +255,8 @@ class LeanForward:
         if (not config.argmax_head or head.bias is not None or weight.dtype != torch.float32
                 or weight.device.type != "cpu" or not hasattr(torch.ops.specdec, "small_linear_argmax")):
             return None
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        # (an inference tensor has no version counter, and cannot change outside inference mode)
+        key = (weight.data_ptr(), None if weight.is_inference() else weight._version, tuple(weight.shape))
         kept = head.__dict__.get("_specdec_argmax_weights")
         if kept is None or kept[0] != key:
             # The copy in 2 MB pages where the kernel has them (loop/memory.py): a step streams it.
