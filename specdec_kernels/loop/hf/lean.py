@@ -245,8 +245,12 @@ class LeanForward:
         tokens are the argmax of exactly the logits the step would compute), and at most
         ARGMAX_MAX_ROWS rows. The bf16 copy of the head and its bounds are made on the first
         call (kept on the head module until its weight changes)."""
+        return self._argmax_head(rows) is not None
+
+    def _argmax_head(self, rows: int):
+        """`_argmax_weights()` for a greedy step of `rows` rows, or None where `greedy_rows` does not hold."""
         lo, hi = self.linear_rows
-        return lo <= rows <= min(hi, ARGMAX_MAX_ROWS) and self._argmax_weights() is not None
+        return self._argmax_weights() if lo <= rows <= min(hi, ARGMAX_MAX_ROWS) else None
 
     def _argmax_weights(self):
         """(weight, weight_bf16, row_error) of the LM head for `small_linear_argmax`, or None."""
@@ -273,9 +277,8 @@ class LeanForward:
         with the same results; a prefill (no tree mask) runs `hf.forward` itself. greedy=True
         (a tree step where `greedy_rows(B x T)`): each node's greedy token, int64 [B, T]
         (`sampling.greedy_tokens` of the logits, bit for bit), in place of the logits."""
-        head = self._argmax_weights() if greedy else None
-        if greedy and (tree_mask is None or model is not self.model or head is None or logits_to_keep != 0
-                       or not self.linear_rows[0] <= tokens.numel() <= min(self.linear_rows[1], ARGMAX_MAX_ROWS)):
+        head = self._argmax_head(tokens.numel()) if greedy else None
+        if greedy and (tree_mask is None or model is not self.model or head is None or logits_to_keep != 0):
             raise ValueError("LeanForward.forward: greedy=True needs a tree step of this model at a row count "
                              "where greedy_rows() holds, and every node's logits")
         if tree_mask is None or model is not self.model:
