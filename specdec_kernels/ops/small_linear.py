@@ -116,7 +116,7 @@ def small_linear_argmax(x: torch.Tensor, weight: torch.Tensor, weight_bf16: torc
     (weight_bf16, row_error) = `argmax_weights(weight)`. A first pass multiplies x by the bf16
     copy; every token whose bound ||x|| * row_error reaches the largest lower end is a
     candidate; the candidates' exact logits come from small_linear's kernel at x's row count
-    (csrc/small_linear_argmax.cpp). Rows whose bound cannot decide (non-finite values, over
+    (csrc/include/specdec/small_linear_argmax.h). Rows whose bound cannot decide (non-finite values, over
     1024 candidates) take the full product."""
     out = torch.ops.specdec.small_linear_argmax(x.reshape(-1, x.shape[-1]), weight, weight_bf16, row_error)
     return out.view(x.shape[:-1])

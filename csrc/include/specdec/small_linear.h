@@ -633,7 +633,7 @@ inline void small_linear_rows_bf16(const cpu::BFloat16Bits* x, int64_t rows, int
 
 // ----------------------------------------------------------------------------- fp32 rows, bf16 weights
 // y[m, n] = dot(x[m, :], float(w[n, :])) for fp32 x and a bf16 copy w of fp32 weights, summed in
-// fp32: the first, approximate pass of small_linear_argmax (csrc/small_linear_argmax.cpp),
+// fp32: the first, approximate pass of small_linear_argmax (csrc/include/specdec/small_linear_argmax.h),
 // which reads half the bytes of the fp32 weights. One weight row at a time against up to 12
 // input rows (more rows: groups of 12, rereading the row from L1), no bias.
 
