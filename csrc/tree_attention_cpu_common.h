@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <numeric>
+#include <vector>
 
 #include "specdec/tree_attention.h"
 
@@ -84,49 +85,80 @@ void fill_problem(cpu::TreeAttentionProblem<Storage>& p, const at::Tensor& q, co
   p.out = reinterpret_cast<Storage*>(out.mutable_data_ptr<TorchScalar>());
 }
 
-// Runs problem `p` (a cpu::TreeAttentionProblem, dense or paged) for `batch` rows. One unit
-// per (row, KV head), over keys first_key(b) .. num_keys(b) - 1 (all of them without a
-// sliding window). With fewer units than threads to keep busy, each row's keys are split
-// into `parts` equal ranges (merged afterwards), so that units * parts is a multiple of the
-// thread count: at::parallel_for hands out equal contiguous blocks. Partial results are
-// fp32 tensors with `options`' device. Kernel: the calling kernel's tag (its thread_scratch).
+// Queries x KV heads per row up to which a task takes every KV head of its row (the
+// all-heads path of run_split): each head keeps its own scratch (queries, scores and
+// accumulators, ~40 KB at 48 queries), and all of them should stay in L2 together.
+constexpr int64_t kAllHeadsMaxRows = 192;
+
+// Per-thread scratch for every KV head (the all-heads path), grown on demand.
+template <typename Kernel>
+cpu::TreeAttentionScratch* thread_head_scratch(int64_t heads) {
+  static thread_local std::vector<cpu::TreeAttentionScratch> scratch;
+  if (static_cast<int64_t>(scratch.size()) < heads) scratch.resize(heads);
+  return scratch.data();
+}
+
+// Runs problem `p` (a cpu::TreeAttentionProblem, dense or paged) for `batch` rows, over keys
+// first_key(b) .. num_keys(b) - 1 of each row (all of them without a sliding window).
+//
+// The work is split into tasks of one row's keys, or of a range of them (`parts` equal ranges
+// per row, merged afterwards by log-sum-exp) where there are too few rows to keep the threads
+// busy; at::parallel_for hands out equal contiguous blocks of tasks, so the task count is made
+// a multiple of the thread count where it can be. Ranges are at least kMinChunkKeys long. A
+// task covers every KV head of its row (the all-heads path: each tile of keys is one
+// contiguous read) where the queries x KV heads are at most kAllHeadsMaxRows and the row tasks
+// alone keep every thread busy; otherwise each task is one (row, KV head) unit (prefill chunks,
+// or a short row, whose heads are the only work to split). Partial results are fp32 tensors
+// with `options`' device. Kernel: the calling kernel's tag (its thread_scratch).
 template <typename Kernel, typename Problem>
 void run_split(const Problem& p, int64_t batch, const at::TensorOptions& options) {
-  const int64_t units = batch * p.num_kv_heads;
   const int64_t threads = parallel_threads();
   int64_t max_keys = 0;
   for (int64_t b = 0; b < batch; ++b) max_keys = std::max(max_keys, p.num_keys(b) - p.first_key(b));
-  int64_t parts = units >= 4 * threads ? 1 : threads / std::gcd(units, threads);
-  parts = std::max<int64_t>(1, std::min(parts, max_keys / kMinChunkKeys));
-
-  if (parts == 1) {
-    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-      cpu::TreeAttentionScratch& scratch = thread_scratch<Kernel>();
-      for (int64_t u = begin; u < end; ++u) {
-        const int64_t b = u / p.num_kv_heads;
-        cpu::attend_keys(p, b, u % p.num_kv_heads, p.first_key(b), p.num_keys(b), scratch);
-        cpu::write_output(p, b, u % p.num_kv_heads, scratch);
-      }
-    });
-    return;
-  }
+  // Ranges per task unit, for `units` units.
+  auto parts_for = [&](int64_t units) {
+    const int64_t parts = units >= 4 * threads ? 1 : threads / std::gcd(units, threads);
+    return std::max<int64_t>(1, std::min(parts, max_keys / kMinChunkKeys));
+  };
+  const bool all_heads = p.rows() * p.num_kv_heads <= kAllHeadsMaxRows && batch * parts_for(batch) >= threads;
+  const int64_t heads_per_task = all_heads ? p.num_kv_heads : 1;
+  const int64_t units = batch * p.num_kv_heads / heads_per_task;  // a unit: a row, or a (row, KV head)
+  const int64_t parts = parts_for(units);
   const int64_t chunk = (max_keys + parts - 1) / parts;
   const int64_t size = p.partial_size();
-  at::Tensor partials = at::empty({units * parts * size}, options.dtype(at::kFloat));
-  float* partial_data = partials.mutable_data_ptr<float>();
+  at::Tensor partials;
+  float* partial_data = nullptr;
+  if (parts > 1) {
+    partials = at::empty({batch * p.num_kv_heads * parts * size}, options.dtype(at::kFloat));
+    partial_data = partials.mutable_data_ptr<float>();
+  }
   at::parallel_for(0, units * parts, 1, [&](int64_t begin, int64_t end) {
-    cpu::TreeAttentionScratch& scratch = thread_scratch<Kernel>();
+    cpu::TreeAttentionScratch* scratch =
+        all_heads ? thread_head_scratch<Kernel>(heads_per_task) : &thread_scratch<Kernel>();
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t u = task / parts;
-      const int64_t b = u / p.num_kv_heads;
+      const int64_t u = task / parts, part = task % parts;
+      const int64_t b = u * heads_per_task / p.num_kv_heads;
+      const int64_t head0 = u * heads_per_task % p.num_kv_heads;
       // A short row may leave its last ranges empty: max -inf, weight 0 in the merge.
-      const int64_t first = std::min(p.num_keys(b), p.first_key(b) + (task % parts) * chunk);
-      const int64_t last = std::min(p.num_keys(b), first + chunk);
-      cpu::attend_keys(p, b, u % p.num_kv_heads, first, last, scratch);
-      cpu::save_partial(p, scratch, partial_data + task * size);
+      const int64_t first = std::min(p.num_keys(b), p.first_key(b) + part * chunk);
+      const int64_t last = parts > 1 ? std::min(p.num_keys(b), first + chunk) : p.num_keys(b);
+      if (all_heads) {
+        cpu::attend_keys_all_heads(p, b, first, last, scratch);
+      } else {
+        cpu::attend_keys(p, b, head0, first, last, scratch[0]);
+      }
+      for (int64_t h = 0; h < heads_per_task; ++h) {
+        const int64_t head = head0 + h;  // (partials: [row][KV head][part])
+        if (parts > 1) {
+          cpu::save_partial(p, scratch[h], partial_data + ((b * p.num_kv_heads + head) * parts + part) * size);
+        } else {
+          cpu::write_output(p, b, head, scratch[h]);
+        }
+      }
     }
   });
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+  if (parts == 1) return;
+  at::parallel_for(0, batch * p.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     cpu::TreeAttentionScratch& scratch = thread_scratch<Kernel>();
     for (int64_t u = begin; u < end; ++u) {
       cpu::combine_partials(p, u / p.num_kv_heads, u % p.num_kv_heads, partial_data + u * parts * size, parts, scratch);

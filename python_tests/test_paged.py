@@ -159,6 +159,23 @@ def test_attention_long_prefix_split_across_threads(gen, page_size):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("batch, num_nodes", [(1, 1), (1, 6), (4, 3)])
+def test_attention_decode_shapes_across_threads(gen, batch, num_nodes):
+    """Decode and verify shapes (9 query heads, 3 KV heads): the CPU kernel's tasks take every
+    KV head of a row together, on 1-4 threads, rows cut into key ranges or not."""
+    q, k, v, parents, prefix, k_pool, v_pool, table = attention_case(
+        gen, batch=batch, num_nodes=num_nodes, q_heads=9, kv_heads=3, head_dim=64, dtype=torch.float32,
+        page_size=16, max_prefix=700)
+    mask = pack_tree_mask(tree_mask(parents))
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3, 4):
+            torch.set_num_threads(threads)
+            check_attention(q, k, v, mask, prefix, k_pool, v_pool, table, ATTENTION_BACKENDS)
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_attention_strided_pool_and_scale(gen):
     """Pools that are views (HF-style head-major pages, a slice of a bigger buffer) and a custom scale."""
     q, k, v, parents, prefix, k_pool, v_pool, table = attention_case(

@@ -462,6 +462,29 @@ def test_long_prefix_many_nodes(gen, dtype, threads):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("threads", (1, 2, 3, 4))
+@pytest.mark.parametrize("batch, num_nodes", [(1, 1), (1, 6), (2, 6), (3, 1), (8, 3), (1, 70)])
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_decode_shapes_every_split(gen, dtype, batch, num_nodes, threads):
+    """The default model's attention shapes (9 query heads, 3 KV heads, D 64) at decode and
+    verify sizes over prefixes up to ~800: the CPU kernel's tasks then take every KV head of a
+    row together (one contiguous read per tile) or, for 70 nodes or a short single row, one
+    (row, KV head) each, with each row's keys cut into ranges where the rows alone leave threads
+    idle; every combination must give the same attention."""
+    prefix = randint(gen, 0, 800, (batch,))
+    prefix[0] = int(randint(gen, 300, 800))  # long enough to be split into ranges
+    if batch > 1:
+        prefix[-1] = int(randint(gen, 0, 5))  # a short row: its later ranges are empty
+    q, k, v, parents, prefix = make_case(gen, batch=batch, num_nodes=num_nodes, q_heads=9, kv_heads=3, head_dim=64,
+                                         dtype=dtype, prefix=prefix, hf_layout=batch % 2 == 0)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_all(q, k, v, pack_tree_mask(tree_mask(parents)), parents, prefix, gen=gen, branch=False)
+    finally:
+        torch.set_num_threads(old)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

@@ -550,6 +550,7 @@ class TreeAttentionScratch {
   float* acc = nullptr;        // [Mp][Dvp]
   int64_t padded_rows = 0, padded_dim = 0;  // Mp, Dvp (the value dim padded to the vectors)
   std::vector<int64_t> depth;  // [T] each query's depth in the tree (sliding windows only)
+  int64_t window_end = 0;      // sliding windows: keys below it need the position test (begin_unit)
 
   void prepare(int64_t rows, int64_t head_dim, int64_t value_dim) {
     using namespace attention_detail;
@@ -575,26 +576,22 @@ class TreeAttentionScratch {
   std::vector<float> storage_;
 };
 
-// Attention of the M = T * group queries of (row b, KV head kv_head) over the keys
-// [key_begin, key_end) (within 0 .. L_b + T), unnormalised: leaves in scratch the
-// accumulators acc [M][Dp], running max row_max [M] and denominator row_sum [M].
+// The start of a unit (row b, KV head kv_head): its M = T * group queries scaled and transposed
+// to [D][Mp] in s, the running max, denominator and accumulators reset, and with a sliding
+// window each query's depth in the tree.
 template <typename Scalar>
-void attend_keys(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_head, int64_t key_begin,
-                 int64_t key_end, TreeAttentionScratch& s) {
+void begin_unit(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_head, TreeAttentionScratch& s) {
   using namespace attention_detail;
   const int64_t group = p.group();
   const int64_t rows = p.rows();
   const int64_t head_dim = p.head_dim;
-  const int64_t value_dim = p.value_dim;
-  s.prepare(rows, head_dim, value_dim);
+  s.prepare(rows, head_dim, p.value_dim);
   const int64_t mp = s.padded_rows;
-  const int64_t lanes = round_up(rows, kLanes / 2);  // query lanes computed (<= mp)
   const int64_t dp = s.padded_dim;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
 
   // Queries, scaled and transposed to [D][Mp]; padding lanes are 0 (finite scores, ignored).
   std::fill(s.queries_t, s.queries_t + head_dim * mp, 0.0f);
-  float* row = s.keys;  // one query row in fp32 (the key tile is free until the loop below)
+  float* row = s.keys;  // one query row in fp32 (the key tile is free until the tiles start)
   for (int64_t t = 0; t < p.num_nodes; ++t) {
     for (int64_t g = 0; g < group; ++g) {
       const Scalar* src = p.q + b * p.q_stride_b + t * p.q_stride_t + (kv_head * group + g) * p.q_stride_h;
@@ -603,26 +600,43 @@ void attend_keys(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_he
       for (int64_t d = 0; d < head_dim; ++d) s.queries_t[d * mp + m] = row[d] * p.scale;
     }
   }
-  std::fill(s.row_max, s.row_max + mp, neg_inf);
+  std::fill(s.row_max, s.row_max + mp, -std::numeric_limits<float>::infinity());
   std::fill(s.row_sum, s.row_sum + mp, 0.0f);
   std::fill(s.acc, s.acc + rows * dp, 0.0f);
   std::fill(s.values, s.values + kTileKeys * dp, 0.0f);  // the padding columns stay 0
 
-  const int64_t prefix_len = p.cache_seqlens[b];
   // Sliding window: each query's depth (its ancestors in the mask, itself excluded), so its
   // position L_b + depth; a tile is masked by position only if it reaches back to
   // max position - window (the deepest query's first hidden key).
-  const int64_t window = p.window;
-  int64_t window_end = std::numeric_limits<int64_t>::min();  // keys below it need the position test
-  if (window > 0) {
+  s.window_end = std::numeric_limits<int64_t>::min();  // keys below it need the position test
+  if (p.window > 0) {
     s.depth.assign(p.num_nodes, -1);
     int64_t max_depth = 0;
     for (int64_t t = 0; t < p.num_nodes; ++t) {
       for (int64_t j = 0; j < p.num_nodes; ++j) s.depth[t] += p.mask.visible(b, t, j);
       max_depth = std::max(max_depth, s.depth[t]);
     }
-    window_end = prefix_len + max_depth - window + 1;
+    s.window_end = p.cache_seqlens[b] + max_depth - p.window + 1;
   }
+}
+
+// One tile of keys [first, first + count) (count <= kTileKeys, within 0 .. L_b + T) of the
+// unit (row b, KV head kv_head) that begin_unit started in s: the scores, the masks, the
+// online softmax and probs @ values into s's accumulators.
+template <typename Scalar>
+void attend_tile(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_head, int64_t first, int64_t count,
+                 TreeAttentionScratch& s) {
+  using namespace attention_detail;
+  const int64_t group = p.group();
+  const int64_t rows = p.rows();
+  const int64_t head_dim = p.head_dim;
+  const int64_t value_dim = p.value_dim;
+  const int64_t mp = s.padded_rows;
+  const int64_t lanes = round_up(rows, kLanes / 2);  // query lanes computed (<= mp)
+  const int64_t dp = s.padded_dim;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t prefix_len = p.cache_seqlens[b];
+  const int64_t window = p.window;
   // fp32 keys are read in place, and values too when their rows are as wide as the vectors
   // (D a multiple of 16): a dense cache's rows one stride apart, a paged cache's through a
   // pointer per row (found page by page), so paged tiles are as long as dense ones. Other
@@ -633,80 +647,105 @@ void attend_keys(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_he
   const Scalar* key_rows[kTileKeys];
   const Scalar* value_rows[kTileKeys];
   bool hidden[kTileKeys];
-  for (int64_t first = key_begin, count = 0; first < key_end; first += count) {
-    count = std::min(key_end - first, kTileKeys);
-    if (paged) p.paged_rows(b, kv_head, first, count, key_rows, value_rows);
-    if constexpr (kFloat) {
-      if (paged) {
-        tile_scores(s.queries_t, mp, lanes, RowList{key_rows}, count, head_dim, s.scores);
-      } else {
-        tile_scores(s.queries_t, mp, lanes, StridedRows{p.key_row(b, kv_head, first), p.k_stride_s}, count, head_dim,
-                    s.scores);
-      }
+  if (paged) p.paged_rows(b, kv_head, first, count, key_rows, value_rows);
+  if constexpr (kFloat) {
+    if (paged) {
+      tile_scores(s.queries_t, mp, lanes, RowList{key_rows}, count, head_dim, s.scores);
     } else {
-      for (int64_t n = 0; n < count; ++n) {
-        load_row(paged ? key_rows[n] : p.key_row(b, kv_head, first + n), head_dim, s.keys + n * head_dim);
-      }
-      tile_scores(s.queries_t, mp, lanes, StridedRows{s.keys, head_dim}, count, head_dim, s.scores);
+      tile_scores(s.queries_t, mp, lanes, StridedRows{p.key_row(b, kv_head, first), p.k_stride_s}, count, head_dim,
+                  s.scores);
     }
-    // Before any masking (a masked score is overwritten with -inf below).
-    if (p.softcap > 0.0f) softcap_scores(s.scores, count, mp, lanes, p.softcap);
-    if (first < std::min(window_end, prefix_len)) {
-      // Prefix keys some query is too far from (p - k >= window). Every key from first_key(b)
-      // on is seen by the root, so none is hidden from all queries.
-      for (int64_t n = 0; n < count && first + n < prefix_len; ++n) {
-        const int64_t key_pos = first + n;
-        for (int64_t t = 0; t < p.num_nodes; ++t) {
-          if (prefix_len + s.depth[t] - key_pos >= window) std::fill_n(s.scores + n * mp + t * group, group, neg_inf);
-        }
-      }
-    }
-
-    // Tree keys: mask per query (overwriting, so NaN keys cannot leak through), and note
-    // the keys no query sees, whose values must be zeroed (0 * NaN would still be NaN).
-    bool any_hidden = false;
+  } else {
     for (int64_t n = 0; n < count; ++n) {
-      const int64_t node = first + n - prefix_len;
-      hidden[n] = false;
-      if (node < 0) continue;
-      bool seen = false;
+      load_row(paged ? key_rows[n] : p.key_row(b, kv_head, first + n), head_dim, s.keys + n * head_dim);
+    }
+    tile_scores(s.queries_t, mp, lanes, StridedRows{s.keys, head_dim}, count, head_dim, s.scores);
+  }
+  // Before any masking (a masked score is overwritten with -inf below).
+  if (p.softcap > 0.0f) softcap_scores(s.scores, count, mp, lanes, p.softcap);
+  if (first < std::min(s.window_end, prefix_len)) {
+    // Prefix keys some query is too far from (p - k >= window). Every key from first_key(b)
+    // on is seen by the root, so none is hidden from all queries.
+    for (int64_t n = 0; n < count && first + n < prefix_len; ++n) {
+      const int64_t key_pos = first + n;
       for (int64_t t = 0; t < p.num_nodes; ++t) {
-        if (p.mask.visible(b, t, node) && (window == 0 || s.depth[t] - s.depth[node] < window)) {
-          seen = true;
-        } else {
-          std::fill_n(s.scores + n * mp + t * group, group, neg_inf);
-        }
+        if (prefix_len + s.depth[t] - key_pos >= window) std::fill_n(s.scores + n * mp + t * group, group, neg_inf);
       }
-      hidden[n] = !seen;
-      any_hidden |= !seen;
     }
+  }
 
-    if constexpr (kFloat) {
-      if (values_in_place && paged) {
-        // A hidden key's value row points at zeros instead (s.values is all zeros: with
-        // values read in place, nothing is ever copied into it).
-        for (int64_t n = 0; n < count; ++n) {
-          if (hidden[n]) value_rows[n] = s.values;
-        }
-        tile_softmax_pv(s.scores, count, mp, lanes, rows, RowList{value_rows}, dp, s.row_max, s.row_sum, s.alpha,
-                        s.acc);
-        continue;
-      }
-      if (values_in_place && !any_hidden) {
-        tile_softmax_pv(s.scores, count, mp, lanes, rows, StridedRows{p.value_row(b, kv_head, first), p.v_stride_s},
-                        dp, s.row_max, s.row_sum, s.alpha, s.acc);
-        continue;
-      }
-    }
-    for (int64_t n = 0; n < count; ++n) {
-      if (hidden[n]) {
-        std::fill_n(s.values + n * dp, value_dim, 0.0f);
+  // Tree keys: mask per query (overwriting, so NaN keys cannot leak through), and note
+  // the keys no query sees, whose values must be zeroed (0 * NaN would still be NaN).
+  bool any_hidden = false;
+  for (int64_t n = 0; n < count; ++n) {
+    const int64_t node = first + n - prefix_len;
+    hidden[n] = false;
+    if (node < 0) continue;
+    bool seen = false;
+    for (int64_t t = 0; t < p.num_nodes; ++t) {
+      if (p.mask.visible(b, t, node) && (window == 0 || s.depth[t] - s.depth[node] < window)) {
+        seen = true;
       } else {
-        load_row(paged ? value_rows[n] : p.value_row(b, kv_head, first + n), value_dim, s.values + n * dp);
+        std::fill_n(s.scores + n * mp + t * group, group, neg_inf);
       }
     }
-    tile_softmax_pv(s.scores, count, mp, lanes, rows, StridedRows{s.values, dp}, dp, s.row_max, s.row_sum, s.alpha,
-                    s.acc);
+    hidden[n] = !seen;
+    any_hidden |= !seen;
+  }
+
+  if constexpr (kFloat) {
+    if (values_in_place && paged) {
+      // A hidden key's value row points at zeros instead (s.values is all zeros: with
+      // values read in place, nothing is ever copied into it).
+      for (int64_t n = 0; n < count; ++n) {
+        if (hidden[n]) value_rows[n] = s.values;
+      }
+      tile_softmax_pv(s.scores, count, mp, lanes, rows, RowList{value_rows}, dp, s.row_max, s.row_sum, s.alpha,
+                      s.acc);
+      return;
+    }
+    if (values_in_place && !any_hidden) {
+      tile_softmax_pv(s.scores, count, mp, lanes, rows, StridedRows{p.value_row(b, kv_head, first), p.v_stride_s}, dp,
+                      s.row_max, s.row_sum, s.alpha, s.acc);
+      return;
+    }
+  }
+  for (int64_t n = 0; n < count; ++n) {
+    if (hidden[n]) {
+      std::fill_n(s.values + n * dp, value_dim, 0.0f);
+    } else {
+      load_row(paged ? value_rows[n] : p.value_row(b, kv_head, first + n), value_dim, s.values + n * dp);
+    }
+  }
+  tile_softmax_pv(s.scores, count, mp, lanes, rows, StridedRows{s.values, dp}, dp, s.row_max, s.row_sum, s.alpha,
+                  s.acc);
+}
+
+// Attention of the M = T * group queries of (row b, KV head kv_head) over the keys
+// [key_begin, key_end) (within 0 .. L_b + T), unnormalised: leaves in scratch the
+// accumulators acc [M][Dp], running max row_max [M] and denominator row_sum [M].
+template <typename Scalar>
+void attend_keys(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_head, int64_t key_begin,
+                 int64_t key_end, TreeAttentionScratch& s) {
+  begin_unit(p, b, kv_head, s);
+  for (int64_t first = key_begin, count = 0; first < key_end; first += count) {
+    count = std::min(key_end - first, attention_detail::kTileKeys);
+    attend_tile(p, b, kv_head, first, count, s);
+  }
+}
+
+// attend_keys for every KV head of row b over the same keys, tile by tile, heads[h] holding
+// head h's state: the cache stores a position's keys (values) of all heads side by side, so
+// each tile's rows are read as one contiguous stretch of memory rather than one stretch of
+// D in every Hkv * D per head (on the 2-core AMD EPYC, a decode step's attention over a
+// 700-token cache, cold: ~1.5x faster; docs/loop.md).
+template <typename Scalar>
+void attend_keys_all_heads(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t key_begin, int64_t key_end,
+                           TreeAttentionScratch* heads) {
+  for (int64_t h = 0; h < p.num_kv_heads; ++h) begin_unit(p, b, h, heads[h]);
+  for (int64_t first = key_begin, count = 0; first < key_end; first += count) {
+    count = std::min(key_end - first, attention_detail::kTileKeys);
+    for (int64_t h = 0; h < p.num_kv_heads; ++h) attend_tile(p, b, h, first, count, heads[h]);
   }
 }
 
