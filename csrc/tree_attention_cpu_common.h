@@ -86,8 +86,9 @@ void fill_problem(cpu::TreeAttentionProblem<Storage>& p, const at::Tensor& q, co
 }
 
 // Queries x KV heads per row up to which a task takes every KV head of its row (the
-// all-heads path of run_split): each head keeps its own scratch (queries, scores and
-// accumulators, ~40 KB at 48 queries), and all of them should stay in L2 together.
+// all-heads path of run_split): each head keeps its own scratch (queries, scores,
+// accumulators and two key / value tiles: ~70 KB at 48 queries and D = 64), and all of them
+// should stay in L2 together (192 rows: ~240 KB for 3 heads of 64).
 constexpr int64_t kAllHeadsMaxRows = 192;
 
 // Per-thread scratch for every KV head (the all-heads path), grown on demand.
