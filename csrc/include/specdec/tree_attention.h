@@ -12,6 +12,8 @@
 // a key range's result is either normalised straight into the output or kept as a partial
 // (unnormalised sum, max, denominator) that combine_partials merges with the other ranges
 // of the same (row, KV head) by log-sum-exp, so long prefixes can be split across threads.
+// A decode or verify step's few queries take all KV heads of a row together, tile by tile
+// (attend_keys_all_heads), so each tile of the cache is read as one contiguous stretch.
 //
 // Speed: the inner loops use GCC/Clang vector extensions (16 floats) and, with GCC on
 // x86-64 Linux, are compiled for AVX-512, AVX2+FMA and baseline x86-64, picked at load
