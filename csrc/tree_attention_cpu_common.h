@@ -24,12 +24,14 @@ namespace cpu_glue {
 constexpr int64_t kMinChunkKeys = 128;
 
 // The calling thread's buffers for the kernel `Kernel` (a tag type of its file: each kernel
-// keeps its own). Kept across calls: allocating them per call costs as much as a small call's
-// work (large blocks come straight from mmap).
+// keeps its own), at least `count` of them (one per KV head on the all-heads path, else one).
+// Kept across calls: allocating them per call costs as much as a small call's work (large
+// blocks come straight from mmap).
 template <typename Kernel>
-cpu::TreeAttentionScratch& thread_scratch() {
-  static thread_local cpu::TreeAttentionScratch scratch;
-  return scratch;
+cpu::TreeAttentionScratch* thread_scratch(int64_t count = 1) {
+  static thread_local std::vector<cpu::TreeAttentionScratch> scratch;
+  if (static_cast<int64_t>(scratch.size()) < count) scratch.resize(count);
+  return scratch.data();
 }
 
 // How many threads at::parallel_for will really use. Under torch's OpenMP backend it is an
@@ -91,14 +93,6 @@ void fill_problem(cpu::TreeAttentionProblem<Storage>& p, const at::Tensor& q, co
 // should stay in L2 together (192 rows: ~240 KB for 3 heads of 64).
 constexpr int64_t kAllHeadsMaxRows = 192;
 
-// Per-thread scratch for every KV head (the all-heads path), grown on demand.
-template <typename Kernel>
-cpu::TreeAttentionScratch* thread_head_scratch(int64_t heads) {
-  static thread_local std::vector<cpu::TreeAttentionScratch> scratch;
-  if (static_cast<int64_t>(scratch.size()) < heads) scratch.resize(heads);
-  return scratch.data();
-}
-
 // Runs problem `p` (a cpu::TreeAttentionProblem, dense or paged) for `batch` rows, over keys
 // first_key(b) .. num_keys(b) - 1 of each row (all of them without a sliding window).
 //
@@ -134,15 +128,14 @@ void run_split(const Problem& p, int64_t batch, const at::TensorOptions& options
     partial_data = partials.mutable_data_ptr<float>();
   }
   at::parallel_for(0, units * parts, 1, [&](int64_t begin, int64_t end) {
-    cpu::TreeAttentionScratch* scratch =
-        all_heads ? thread_head_scratch<Kernel>(heads_per_task) : &thread_scratch<Kernel>();
+    cpu::TreeAttentionScratch* scratch = thread_scratch<Kernel>(heads_per_task);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t u = task / parts, part = task % parts;
       const int64_t b = u * heads_per_task / p.num_kv_heads;
       const int64_t head0 = u * heads_per_task % p.num_kv_heads;
       // A short row may leave its last ranges empty: max -inf, weight 0 in the merge.
       const int64_t first = std::min(p.num_keys(b), p.first_key(b) + part * chunk);
-      const int64_t last = parts > 1 ? std::min(p.num_keys(b), first + chunk) : p.num_keys(b);
+      const int64_t last = std::min(p.num_keys(b), first + chunk);
       if (all_heads) {
         cpu::attend_keys_all_heads(p, b, first, last, scratch);
       } else {
@@ -160,7 +153,7 @@ void run_split(const Problem& p, int64_t batch, const at::TensorOptions& options
   });
   if (parts == 1) return;
   at::parallel_for(0, batch * p.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    cpu::TreeAttentionScratch& scratch = thread_scratch<Kernel>();
+    cpu::TreeAttentionScratch& scratch = *thread_scratch<Kernel>();
     for (int64_t u = begin; u < end; ++u) {
       cpu::combine_partials(p, u / p.num_kv_heads, u % p.num_kv_heads, partial_data + u * parts * size, parts, scratch);
     }
