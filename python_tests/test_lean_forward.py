@@ -246,6 +246,14 @@ def test_greedy_steps_return_the_greedy_token_of_the_logits(monkeypatch, name):
     got, _ = one_step(model, partial(fused.forward, greedy=True), 4, batch=2, nodes=4)
     assert_identical(got, greedy_tokens(want))
     assert model.lm_head.__dict__["_specdec_argmax_weights"] is not kept
+    # prepare_greedy makes the copy before any step (generate calls it: the first step would
+    # otherwise pay for it, and the planner would learn that as a step's cost)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)
+    fused.prepare_greedy()
+    made = model.lm_head.__dict__["_specdec_argmax_weights"]
+    assert made[0][0] == model.lm_head.weight.data_ptr() and made[1] is not None
+    assert fused._argmax_weights() is made[1]  # kept: the next step finds it
     with pytest.raises(ValueError, match="greedy_rows"):  # 21 rows
         one_step(model, partial(fused.forward, greedy=True), 5)
     assert not LeanForward.for_model(model, (2, 32)).greedy_rows(1)  # the head on F.linear at 1 row

@@ -3,6 +3,7 @@ losslessness with the planner on (greedy identity with HF, chi-square on samplin
 including rows that verify no drafts and pruned trees."""
 
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -303,6 +304,29 @@ def test_cost_model_interpolates_and_refreshes():
     assert float(steady.step_seconds(1, torch.tensor([4]), cm.CAL_PREFIX, 0.5)[0]) == pytest.approx(1.5)
 
 
+def test_cost_model_corrects_drafting_apart():
+    """Measured apart, drafting that runs 4x its calibration scales the drafting term only: a
+    plain step's prediction stays the forward's (under one ratio over both, the drafting's
+    excess would have doubled it: 3 s measured against 1.5 predicted)."""
+    cost = cm.CostModel({"k": 1}, {1: ([1, 4, 16], [1.0, 1.0, 4.0])}, per_key=0.0)
+    for _ in range(40):
+        cost.observe(rows=1, width=4, prefix=cm.CAL_PREFIX, seconds=3.0, draft_seconds=0.5, drafting=2.0)
+    drafting_step = float(cost.step_seconds(1, torch.tensor([4]), cm.CAL_PREFIX, 0.5)[0])
+    plain_step = float(cost.step_seconds(1, torch.tensor([1]), cm.CAL_PREFIX, 0.0)[0])
+    assert drafting_step == pytest.approx(3.0, rel=1e-3) and plain_step == pytest.approx(1.0, rel=1e-3)
+    assert float(cost.step_seconds(1, torch.tensor([4]), cm.CAL_PREFIX, 0.5, corrected=False)[0]) == 1.5
+    # A slow forward is the forward's: its bucket's ratio, the drafting's stays.
+    for _ in range(40):
+        cost.observe(rows=1, width=16, prefix=cm.CAL_PREFIX, seconds=10.0, draft_seconds=0.5, drafting=2.0)
+    assert float(cost.step_seconds(1, torch.tensor([16]), cm.CAL_PREFIX, 0.5)[0]) == pytest.approx(10.0, rel=1e-3)
+    assert float(cost.step_seconds(1, torch.tensor([4]), cm.CAL_PREFIX, 0.5)[0]) == pytest.approx(3.0, rel=1e-3)
+    # Not measured apart (drafting=None): the step is judged whole, its drafting at the
+    # drafting ratio learnt so far (4): 3 s is what it predicts, nothing moves.
+    for _ in range(10):
+        cost.observe(rows=1, width=4, prefix=cm.CAL_PREFIX, seconds=3.0, draft_seconds=0.5)
+    assert float(cost.step_seconds(1, torch.tensor([4]), cm.CAL_PREFIX, 0.5)[0]) == pytest.approx(3.0, rel=1e-3)
+
+
 def test_cost_model_reads_multi_row_steps_from_their_tables():
     """A step of R rows x W nodes comes from what R-row steps measured, not from R * W
     tokens of a 1-row chain; between measured row counts linear in the rows, past the last
@@ -430,6 +454,32 @@ def test_a_drafter_that_costs_more_than_it_saves_is_not_asked(target, draft, dra
         assert drafter.proposals == out.stats.steps // PROBE_AFTER == 1 and out.stats.steps >= 9
     else:
         assert drafter.proposals > 0 and out.stats.nodes_per_step > 0
+
+
+class SlowDrafter(CountingDrafter):
+    """A draft-model chain whose every proposal also sleeps 50 ms."""
+
+    def propose(self, history, lengths, sampling=None, budget=None):
+        time.sleep(0.05)
+        return super().propose(history, lengths, sampling, budget)
+
+
+def test_generate_reports_drafting_apart(target, draft):
+    """The loop measures each step's drafting apart: a drafter calibrated at 10 ms that takes
+    50 ms more in the loop raises the drafting term, not the plain step's prediction (a 20 ms
+    forward calibrated; the tiny target's real one takes a few ms). One ratio over both would
+    have put a plain step at ~36 ms: (50 + a few) / (20 + 10) times 20."""
+    ids, mask = left_pad(repetitive_prompts(2))
+    drafter = SlowDrafter(draft)
+    cost = flat_cost(target, seconds=0.02)
+    draft_cost = cm.DraftCost(cm.draft_identity(target, drafter), {2: ([1, 3], [0.01, 0.01])})
+    planner = Planner(cost, draft_cost=draft_cost, min_gain=0.0)
+    out = sk.generate(target, ids, attention_mask=mask, drafter=drafter, max_new_tokens=12, adaptive=planner)
+    assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 12))
+    assert drafter.proposals >= 2  # (the first step is not learnt from: it also catches up on the prompt)
+    plain = float(cost.step_seconds(2, torch.tensor([1]), cm.CAL_PREFIX, 0.0)[0])
+    drafting = float(cost.step_seconds(2, torch.tensor([1]), cm.CAL_PREFIX, 0.01)[0]) - plain
+    assert plain < 0.015 and drafting > 0.015
 
 
 class Skipping(Planner):

@@ -39,10 +39,18 @@ never made from another machine's numbers. Calls that sample plan from these fil
 so the same seed gives the same trees in every process that reads them.
 
 Online refresh (greedy calls only): the loop reports each step's measured seconds (drafting,
-verification and bookkeeping, under whatever load the machine is). The target's model keeps
-a decayed ratio measured / predicted (the prediction with its drafting term) per power-of-two
-bucket of the token count and scales its predictions by the ratio of the nearest bucket it
-has seen, so plans follow the loop's real costs at the shapes it actually runs.
+verification and bookkeeping, under whatever load the machine is) and, of those, the seconds
+its drafter's `propose` took. The drafting and the rest are corrected apart: a decayed ratio
+measured / predicted of the drafting (one for the call's drafter) scales the drafting term,
+and a decayed ratio measured / predicted of the rest per power-of-two bucket of the token
+count scales the forward's prediction by the ratio of the nearest bucket it has seen, so
+plans follow the loop's real costs at the shapes it actually runs. Apart, because inside the
+loop drafting ran ~1.5-3x what the drafter's calibration measured on its own (its weights
+and code cold after every target forward) while the forward ran near its calibration: one
+ratio over both (the sixteenth to seventeenth sessions' rule) carried the drafting's excess
+into every width, plain steps included, which a drafting step's bucket was the nearest seen
+for: on a 701-token summarisation prompt it predicted 35.6 ms for a plain step that took
+23-25 ms, so the planner drafted on where drafting did not pay (docs/loop.md).
 """
 
 import copy
@@ -291,6 +299,7 @@ class CostModel(_Measured):
         self._floor = 0.5 * min(float(curve.y[0]) for curve in self.tables.values())
         self._ratio = np.ones(64)  # per log2 bucket of the token count
         self._seen = np.zeros(64, dtype=bool)
+        self._draft_ratio = 1.0  # the drafting's measured / predicted (`observe` with `drafting`)
 
     # ------------------------------------------------------------------ predictions
 
@@ -328,8 +337,10 @@ class CostModel(_Measured):
                         corrected: bool = True) -> np.ndarray:
         """`step_seconds` on numpy arrays (the planner's per-step path)."""
         widths = np.asarray(widths, dtype=np.float64)
-        seconds = self.forward_seconds_np(rows, widths, prefix) + draft_seconds
-        return seconds * self._correction(rows * widths) if corrected else seconds
+        forward = self.forward_seconds_np(rows, widths, prefix)
+        if not corrected:
+            return forward + draft_seconds
+        return forward * self._correction(rows * widths) + np.asarray(draft_seconds) * self._draft_ratio
 
     def _correction(self, tokens: np.ndarray) -> np.ndarray:
         if not self._seen.any():
@@ -339,14 +350,24 @@ class CostModel(_Measured):
         nearest = seen[np.abs(bucket[:, None] - seen[None, :]).argmin(1)]
         return self._ratio[nearest]
 
-    def observe(self, rows: int, width: int, prefix: float, seconds: float, draft_seconds: float = 0.0) -> None:
+    def observe(self, rows: int, width: int, prefix: float, seconds: float, draft_seconds: float = 0.0,
+                drafting: Optional[float] = None) -> None:
         """Refresh from one step the loop measured: `rows` rows, trees `width` wide, `seconds`
         in all, of which the calibration predicts `draft_seconds` for its drafting (0: the
-        step drafted nothing)."""
+        step drafted nothing) and `drafting` seconds were measured drafting (None: not
+        measured apart; the step is then judged whole, its drafting at the drafting ratio
+        learnt so far)."""
         if rows <= 0 or width <= 0 or not (math.isfinite(seconds) and seconds > 0):
             return
-        predicted = float(self.forward_seconds_np(rows, np.array([float(width)]), prefix)[0]) + draft_seconds
-        ratio = min(max(seconds / predicted, _RATIO_RANGE[0]), _RATIO_RANGE[1])
+        forward = float(self.forward_seconds_np(rows, np.array([float(width)]), prefix)[0])
+        if drafting is not None and math.isfinite(drafting) and drafting >= 0:
+            if draft_seconds > 0:
+                ratio = min(max(drafting / draft_seconds, _RATIO_RANGE[0]), _RATIO_RANGE[1])
+                self._draft_ratio = _DECAY * self._draft_ratio + (1 - _DECAY) * ratio
+            rest, predicted = max(seconds - drafting, 0.0), forward
+        else:
+            rest, predicted = seconds, forward + draft_seconds * self._draft_ratio
+        ratio = min(max(rest / predicted, _RATIO_RANGE[0]), _RATIO_RANGE[1])
         b = min(int(round(math.log2(rows * width))), 63)
         # A bucket starts from the calibration (ratio 1): one odd step moves it a fifth of the way.
         self._ratio[b] = _DECAY * (float(self._ratio[b]) if self._seen[b] else 1.0) + (1 - _DECAY) * ratio

@@ -211,13 +211,15 @@ def _draft(drafter: Drafter, planner: Optional[Planner], rows: _Rows, sampling, 
     start, prefix = time.perf_counter(), float(rows.lengths.double().mean())
     remaining = rows.max_new_tokens - rows.generated
     budget = planner.budget(prefix, remaining)
-    middle = time.perf_counter()
+    middle, upkeep = time.perf_counter(), upkeep_seconds(drafter)
     if planner.drafting:
         draft = drafter.propose(rows.history, rows.lengths, sampling, None if drafter.drafts_for_free else budget)
     else:
         draft = no_draft(rows.history, rows.lengths)
     end = time.perf_counter()
-    draft = planner.select(draft, prefix, remaining)
+    # The drafting's own seconds (an online head's upkeep is no cost of this tree), which the
+    # cost model corrects apart from the rest of the step.
+    draft = planner.select(draft, prefix, remaining, drafting=(end - middle) - (upkeep_seconds(drafter) - upkeep))
     stats.time_plan += (middle - start) + (time.perf_counter() - end)
     return draft
 
@@ -414,6 +416,8 @@ def generate(
     # Greedy steps without logits processing read only each node's argmax: the lean forward
     # computes it from half the LM head's bytes (`LeanForward.greedy_rows`), the same tokens.
     greedy_head = lean if sampling is None and processor is None else None
+    if greedy_head is not None:
+        greedy_head.prepare_greedy()  # (before the steps: the planner learns their times)
     with hf.use_tree_attention(target, *drafter.models), config.value_checks(False), \
             small_linears(target, linear_rows):
         cache = hf.TreeKVCache.for_model(target, batch, capacity, page_size=kv_page_size) if static is None else \

@@ -290,6 +290,7 @@ class _Plan:
     width: int
     prefix: float
     draft_seconds: float  # what the calibration predicts for the step's drafting (0: none)
+    drafting: Optional[float] = None  # the drafting's measured seconds (None: not measured)
 
 
 PROBE_AFTER = 8  # steps without drafting before the planner drafts one node per row anyway (`budget`)
@@ -438,9 +439,13 @@ class Planner:
         self._drafted = self.max_nodes if self._free else most
         return torch.from_numpy(counts).to(self.device)
 
-    def select(self, draft: Draft, prefix: float, remaining: Optional[torch.Tensor] = None) -> Draft:
+    def select(self, draft: Draft, prefix: float, remaining: Optional[torch.Tensor] = None,
+               drafting: Optional[float] = None) -> Draft:
         """The drafted tree cut to the nodes worth verifying (sampled trees: as drafted);
-        remaining as in `budget` (nodes deeper than remaining - 1 are never verified)."""
+        remaining as in `budget` (nodes deeper than remaining - 1 are never verified).
+        drafting: the seconds the drafter's `propose` took for `draft` (0 when the step did
+        not draft; None: not measured), which `observe_time` corrects the drafting's cost by
+        apart from the forward's (`CostModel.observe`)."""
         tree = draft.tree
         rows, width = tree.tokens.shape
         # The plan is made on the host: one copy of the tree's parents and scores there.
@@ -450,7 +455,7 @@ class Planner:
         node = np.arange(width)
         paid = float(self._draft_seconds(rows, np.array([float(self._drafted)]))[0])
         if draft.draft_probs is not None:  # sampled children: never pruned by value (module docstring)
-            self._plan = _Plan(np.where(real, node - 1, -1), parents, scores, rows, width, prefix, paid)
+            self._plan = _Plan(np.where(real, node - 1, -1), parents, scores, rows, width, prefix, paid, drafting)
             return draft
         # Rank the nodes by the drafter's scores, else in its node order (its priority).
         # (a writable array: torch warns on a read-only one, such as a broadcast of one row)
@@ -472,7 +477,7 @@ class Planner:
         if self._probing:  # a probe's node is verified whatever its estimate (see budget)
             counts = np.maximum(counts, (num_real > 0).astype(np.int64))
         if (counts >= num_real).all():  # nothing pruned: the draft as it is
-            self._plan = _Plan(np.where(real, position - 1, -1), parents, scores, rows, width, prefix, paid)
+            self._plan = _Plan(np.where(real, position - 1, -1), parents, scores, rows, width, prefix, paid, drafting)
             return draft
         keep = (position <= counts[:, None]) & (real | (node == 0))
         draft, _ = keep_nodes(draft, torch.from_numpy(keep).to(tree.parents.device))
@@ -483,7 +488,7 @@ class Planner:
         ranks[np.nonzero(keep)[0], new_index[keep]] = np.where(real, position - 1, -1)[keep]
         ranks[:, 0] = -1
         kept_scores = None if draft.scores is None else host_array(draft.scores)
-        self._plan = _Plan(ranks, kept_parents, kept_scores, rows, kept_parents.shape[1], prefix, paid)
+        self._plan = _Plan(ranks, kept_parents, kept_scores, rows, kept_parents.shape[1], prefix, paid, drafting)
         return draft
 
     def observe(self, out, active: torch.Tensor) -> None:
@@ -506,7 +511,7 @@ class Planner:
         its prediction with the drafting it did."""
         if self._plan is not None and not self._reproducible:
             plan = self._plan
-            self.cost_model.observe(plan.rows, plan.width, plan.prefix, seconds, plan.draft_seconds)
+            self.cost_model.observe(plan.rows, plan.width, plan.prefix, seconds, plan.draft_seconds, plan.drafting)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Rows finished: the batch keeps `rows`; the leaving rows' acceptance is remembered."""
