@@ -47,7 +47,7 @@ count scales the forward's prediction by the ratio of the nearest bucket it has 
 plans follow the loop's real costs at the shapes it actually runs. Apart, because inside the
 loop drafting ran ~1.5-3x what the drafter's calibration measured on its own (its weights
 and code cold after every target forward) while the forward ran near its calibration: one
-ratio over both (the sixteenth to seventeenth sessions' rule) carried the drafting's excess
+ratio over both (the rule until the eighteenth session) carried the drafting's excess
 into every width, plain steps included, which a drafting step's bucket was the nearest seen
 for: on a 701-token summarisation prompt it predicted 35.6 ms for a plain step that took
 23-25 ms, so the planner drafted on where drafting did not pay (docs/loop.md).
