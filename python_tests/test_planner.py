@@ -6,6 +6,7 @@ import json
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -305,26 +306,25 @@ def test_cost_model_interpolates_and_refreshes():
 
 
 def test_cost_model_corrects_drafting_apart():
-    """Measured apart, drafting that runs 4x its calibration scales the drafting term only: a
-    plain step's prediction stays the forward's (under one ratio over both, the drafting's
-    excess would have doubled it: 3 s measured against 1.5 predicted)."""
+    """A step's measured drafting is taken out of what the forward's buckets learn, and the
+    drafting's own cost model learns it: drafting that runs 4x its calibration scales the
+    drafting's predictions only, and a plain step's prediction stays the forward's (one ratio
+    over both would have doubled it: 3 s measured against 1.5 predicted)."""
     cost = cm.CostModel({"k": 1}, {1: ([1, 4, 16], [1.0, 1.0, 4.0])}, per_key=0.0)
+    drafting = cm.DraftCost({"k": 1}, {1: ([1, 4], [0.5, 0.5])})
     for _ in range(40):
-        cost.observe(rows=1, width=4, prefix=cm.CAL_PREFIX, seconds=3.0, draft_seconds=0.5, drafting=2.0)
-    drafting_step = float(cost.step_seconds(1, torch.tensor([4]), cm.CAL_PREFIX, 0.5)[0])
-    plain_step = float(cost.step_seconds(1, torch.tensor([1]), cm.CAL_PREFIX, 0.0)[0])
-    assert drafting_step == pytest.approx(3.0, rel=1e-3) and plain_step == pytest.approx(1.0, rel=1e-3)
-    assert float(cost.step_seconds(1, torch.tensor([4]), cm.CAL_PREFIX, 0.5, corrected=False)[0]) == 1.5
-    # A slow forward is the forward's: its bucket's ratio, the drafting's stays.
+        cost.observe(rows=1, width=4, prefix=cm.CAL_PREFIX, seconds=3.0, draft_seconds=2.0)
+        drafting.observe(rows=1, nodes=3, seconds=2.0)
+    paid = float(drafting.seconds_np(1, np.array([3.0]), corrected=True)[0])
+    assert paid == pytest.approx(2.0, rel=1e-3) and float(drafting.seconds_np(1, np.array([3.0]))[0]) == 0.5
+    assert float(drafting.seconds_np(1, np.array([0.0]), corrected=True)[0]) == 0.0  # no drafting, no cost
+    assert float(cost.step_seconds(1, torch.tensor([4]), cm.CAL_PREFIX, paid)[0]) == pytest.approx(3.0, rel=1e-3)
+    assert float(cost.step_seconds(1, torch.tensor([1]), cm.CAL_PREFIX, 0.0)[0]) == pytest.approx(1.0, rel=1e-3)
+    # A slow forward is the forward's: its bucket's ratio moves, the drafting's does not.
     for _ in range(40):
-        cost.observe(rows=1, width=16, prefix=cm.CAL_PREFIX, seconds=10.0, draft_seconds=0.5, drafting=2.0)
-    assert float(cost.step_seconds(1, torch.tensor([16]), cm.CAL_PREFIX, 0.5)[0]) == pytest.approx(10.0, rel=1e-3)
-    assert float(cost.step_seconds(1, torch.tensor([4]), cm.CAL_PREFIX, 0.5)[0]) == pytest.approx(3.0, rel=1e-3)
-    # Not measured apart (drafting=None): the step is judged whole, its drafting at the
-    # drafting ratio learnt so far (4): 3 s is what it predicts, nothing moves.
-    for _ in range(10):
-        cost.observe(rows=1, width=4, prefix=cm.CAL_PREFIX, seconds=3.0, draft_seconds=0.5)
-    assert float(cost.step_seconds(1, torch.tensor([4]), cm.CAL_PREFIX, 0.5)[0]) == pytest.approx(3.0, rel=1e-3)
+        cost.observe(rows=1, width=16, prefix=cm.CAL_PREFIX, seconds=10.0, draft_seconds=2.0)
+    assert float(cost.step_seconds(1, torch.tensor([16]), cm.CAL_PREFIX, paid)[0]) == pytest.approx(10.0, rel=1e-3)
+    assert float(cost.step_seconds(1, torch.tensor([4]), cm.CAL_PREFIX, paid)[0]) == pytest.approx(3.0, rel=1e-3)
 
 
 def test_cost_model_reads_multi_row_steps_from_their_tables():
@@ -466,7 +466,7 @@ class SlowDrafter(CountingDrafter):
 
 def test_generate_reports_drafting_apart(target, draft):
     """The loop measures each step's drafting apart: a drafter calibrated at 10 ms that takes
-    50 ms more in the loop raises the drafting term, not the plain step's prediction (a 20 ms
+    50 ms more in the loop raises the drafting's predictions, not the plain step's (a 20 ms
     forward calibrated; the tiny target's real one takes a few ms). One ratio over both would
     have put a plain step at ~36 ms: (50 + a few) / (20 + 10) times 20."""
     ids, mask = left_pad(repetitive_prompts(2))
@@ -478,8 +478,9 @@ def test_generate_reports_drafting_apart(target, draft):
     assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 12))
     assert drafter.proposals >= 2  # (the first step is not learnt from: it also catches up on the prompt)
     plain = float(cost.step_seconds(2, torch.tensor([1]), cm.CAL_PREFIX, 0.0)[0])
-    drafting = float(cost.step_seconds(2, torch.tensor([1]), cm.CAL_PREFIX, 0.01)[0]) - plain
+    drafting = float(draft_cost.seconds_np(2, np.array([1.0]), corrected=True)[0])
     assert plain < 0.015 and drafting > 0.015
+    assert float(draft_cost.seconds_np(2, np.array([1.0]))[0]) == 0.01  # the calibration itself is kept
 
 
 class Skipping(Planner):

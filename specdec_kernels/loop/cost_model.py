@@ -40,17 +40,16 @@ so the same seed gives the same trees in every process that reads them.
 
 Online refresh (greedy calls only): the loop reports each step's measured seconds (drafting,
 verification and bookkeeping, under whatever load the machine is) and, of those, the seconds
-its drafter's `propose` took. The drafting and the rest are corrected apart: a decayed ratio
-measured / predicted of the drafting (one for the call's drafter) scales the drafting term,
-and a decayed ratio measured / predicted of the rest per power-of-two bucket of the token
-count scales the forward's prediction by the ratio of the nearest bucket it has seen, so
-plans follow the loop's real costs at the shapes it actually runs. Apart, because inside the
-loop drafting ran ~1.5-3x what the drafter's calibration measured on its own (its weights
-and code cold after every target forward) while the forward ran near its calibration: one
-ratio over both (the rule until the eighteenth session) carried the drafting's excess
-into every width, plain steps included, which a drafting step's bucket was the nearest seen
-for: on a 701-token summarisation prompt it predicted 35.6 ms for a plain step that took
-23-25 ms, so the planner drafted on where drafting did not pay (docs/loop.md).
+its drafter's `propose` took. Each part corrects its own model. `DraftCost` keeps a decayed
+ratio measured / calibrated of the drafting (per drafter: it is keyed by the drafter's
+identity) and scales its predictions by it; `CostModel` keeps a decayed ratio measured /
+predicted of the rest of the step per power-of-two bucket of the token count and scales the
+forward's predictions by the ratio of the nearest bucket it has seen, so plans follow the
+loop's real costs at the shapes it actually runs. Apart, because inside the loop drafting ran
+~1.3-1.6x what the drafter's calibration measured on its own (its weights and code cold after
+every target forward) while the forward ran near its own: one ratio over both (the rule until
+the eighteenth session) carried the drafting's excess into every width, plain steps
+included, which a drafting step's bucket was the nearest seen for (docs/loop.md).
 """
 
 import copy
@@ -299,7 +298,6 @@ class CostModel(_Measured):
         self._floor = 0.5 * min(float(curve.y[0]) for curve in self.tables.values())
         self._ratio = np.ones(64)  # per log2 bucket of the token count
         self._seen = np.zeros(64, dtype=bool)
-        self._draft_ratio = 1.0  # the drafting's measured / predicted (`observe` with `drafting`)
 
     # ------------------------------------------------------------------ predictions
 
@@ -338,9 +336,7 @@ class CostModel(_Measured):
         """`step_seconds` on numpy arrays (the planner's per-step path)."""
         widths = np.asarray(widths, dtype=np.float64)
         forward = self.forward_seconds_np(rows, widths, prefix)
-        if not corrected:
-            return forward + draft_seconds
-        return forward * self._correction(rows * widths) + np.asarray(draft_seconds) * self._draft_ratio
+        return (forward * self._correction(rows * widths) if corrected else forward) + draft_seconds
 
     def _correction(self, tokens: np.ndarray) -> np.ndarray:
         if not self._seen.any():
@@ -350,23 +346,15 @@ class CostModel(_Measured):
         nearest = seen[np.abs(bucket[:, None] - seen[None, :]).argmin(1)]
         return self._ratio[nearest]
 
-    def observe(self, rows: int, width: int, prefix: float, seconds: float, draft_seconds: float = 0.0,
-                drafting: Optional[float] = None) -> None:
+    def observe(self, rows: int, width: int, prefix: float, seconds: float, draft_seconds: float = 0.0) -> None:
         """Refresh from one step the loop measured: `rows` rows, trees `width` wide, `seconds`
-        in all, of which the calibration predicts `draft_seconds` for its drafting (0: the
-        step drafted nothing) and `drafting` seconds were measured drafting (None: not
-        measured apart; the step is then judged whole, its drafting at the drafting ratio
-        learnt so far)."""
+        in all, of which `draft_seconds` were drafting (0: the step drafted nothing; measured
+        where the loop measured it, else what `DraftCost` predicts): the rest is the forward's
+        and the bookkeeping's, judged against the forward's prediction."""
         if rows <= 0 or width <= 0 or not (math.isfinite(seconds) and seconds > 0):
             return
-        forward = float(self.forward_seconds_np(rows, np.array([float(width)]), prefix)[0])
-        if drafting is not None and math.isfinite(drafting) and drafting >= 0:
-            if draft_seconds > 0:
-                ratio = min(max(drafting / draft_seconds, _RATIO_RANGE[0]), _RATIO_RANGE[1])
-                self._draft_ratio = _DECAY * self._draft_ratio + (1 - _DECAY) * ratio
-            rest, predicted = max(seconds - drafting, 0.0), forward
-        else:
-            rest, predicted = seconds, forward + draft_seconds * self._draft_ratio
+        predicted = float(self.forward_seconds_np(rows, np.array([float(width)]), prefix)[0])
+        rest = max(seconds - max(float(draft_seconds), 0.0), 0.0)
         ratio = min(max(rest / predicted, _RATIO_RANGE[0]), _RATIO_RANGE[1])
         b = min(int(round(math.log2(rows * width))), 63)
         # A bucket starts from the calibration (ratio 1): one odd step moves it a fifth of the way.
@@ -414,6 +402,7 @@ class DraftCost(_Measured):
         self.key = dict(key)
         self.tables = _tables(tables, "tables", extend=False)  # no drafter drafts more than its size
         self.rows = list(self.tables)
+        self._ratio = 1.0  # measured / calibrated drafting in the loop (`observe`)
 
     def seconds(self, rows: int, nodes: torch.Tensor) -> torch.Tensor:
         """float64 seconds of drafting up to `nodes` (a tensor) nodes per row for `rows` rows;
@@ -421,8 +410,23 @@ class DraftCost(_Measured):
         counts, and past the last with the slope of the last two (the smallest table below)."""
         return torch.from_numpy(self.seconds_np(rows, host_array(nodes)))
 
-    def seconds_np(self, rows: int, nodes: np.ndarray) -> np.ndarray:
-        """`seconds` on numpy arrays (the planner's per-step path)."""
+    def seconds_np(self, rows: int, nodes: np.ndarray, corrected: bool = False) -> np.ndarray:
+        """`seconds` on numpy arrays (the planner's per-step path); corrected: scaled by what
+        the loop measured (`observe`)."""
+        base = self._calibrated_np(rows, nodes)
+        return base * self._ratio if corrected else base
+
+    def observe(self, rows: int, nodes: int, seconds: float) -> None:
+        """Refresh from one drafting step the loop measured: `rows` rows, up to `nodes` nodes a
+        row (the planner's budget for the widest row), `seconds` measured: a decayed ratio
+        measured / calibrated that `seconds_np(..., corrected=True)` scales by."""
+        predicted = float(self._calibrated_np(rows, np.array([float(nodes)]))[0])
+        if predicted <= 0 or not (math.isfinite(seconds) and seconds >= 0):
+            return
+        ratio = min(max(seconds / predicted, _RATIO_RANGE[0]), _RATIO_RANGE[1])
+        self._ratio = _DECAY * self._ratio + (1 - _DECAY) * ratio
+
+    def _calibrated_np(self, rows: int, nodes: np.ndarray) -> np.ndarray:
         nodes = np.asarray(nodes, dtype=np.float64)
         measured = self.rows
         if rows in self.tables or rows < measured[0] or len(measured) == 1:

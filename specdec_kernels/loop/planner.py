@@ -289,7 +289,8 @@ class _Plan:
     rows: int
     width: int
     prefix: float
-    draft_seconds: float  # what the calibration predicts for the step's drafting (0: none)
+    draft_seconds: float  # what the drafting cost model predicts for the step's drafting (0: none)
+    drafted: int = 0  # the drafting's budget (the widest row's nodes; 0: the step did not draft)
     drafting: Optional[float] = None  # the drafting's measured seconds (None: not measured)
 
 
@@ -388,7 +389,7 @@ class Planner:
         """float64 predicted seconds of drafting up to `nodes` nodes per row (0 for 0)."""
         if self.draft_cost is None:
             return np.zeros(np.shape(nodes))
-        return self.draft_cost.seconds_np(rows, nodes)
+        return self.draft_cost.seconds_np(rows, nodes, corrected=not self._reproducible)
 
     def _step_seconds(self, rows: int, prefix: float, num_nodes: int, drafted: Optional[int] = None) -> np.ndarray:
         """[num_nodes + 1]: predicted seconds of a step with trees 1 .. num_nodes + 1 wide.
@@ -444,8 +445,8 @@ class Planner:
         """The drafted tree cut to the nodes worth verifying (sampled trees: as drafted);
         remaining as in `budget` (nodes deeper than remaining - 1 are never verified).
         drafting: the seconds the drafter's `propose` took for `draft` (0 when the step did
-        not draft; None: not measured), which `observe_time` corrects the drafting's cost by
-        apart from the forward's (`CostModel.observe`)."""
+        not draft; None: not measured), from which `observe_time` corrects the drafting's
+        cost (`DraftCost.observe`) apart from the forward's (`CostModel.observe`)."""
         tree = draft.tree
         rows, width = tree.tokens.shape
         # The plan is made on the host: one copy of the tree's parents and scores there.
@@ -455,7 +456,7 @@ class Planner:
         node = np.arange(width)
         paid = float(self._draft_seconds(rows, np.array([float(self._drafted)]))[0])
         if draft.draft_probs is not None:  # sampled children: never pruned by value (module docstring)
-            self._plan = _Plan(np.where(real, node - 1, -1), parents, scores, rows, width, prefix, paid, drafting)
+            self._plan = _Plan(np.where(real, node - 1, -1), parents, scores, rows, width, prefix, paid, self._drafted, drafting)
             return draft
         # Rank the nodes by the drafter's scores, else in its node order (its priority).
         # (a writable array: torch warns on a read-only one, such as a broadcast of one row)
@@ -477,7 +478,7 @@ class Planner:
         if self._probing:  # a probe's node is verified whatever its estimate (see budget)
             counts = np.maximum(counts, (num_real > 0).astype(np.int64))
         if (counts >= num_real).all():  # nothing pruned: the draft as it is
-            self._plan = _Plan(np.where(real, position - 1, -1), parents, scores, rows, width, prefix, paid, drafting)
+            self._plan = _Plan(np.where(real, position - 1, -1), parents, scores, rows, width, prefix, paid, self._drafted, drafting)
             return draft
         keep = (position <= counts[:, None]) & (real | (node == 0))
         draft, _ = keep_nodes(draft, torch.from_numpy(keep).to(tree.parents.device))
@@ -488,7 +489,7 @@ class Planner:
         ranks[np.nonzero(keep)[0], new_index[keep]] = np.where(real, position - 1, -1)[keep]
         ranks[:, 0] = -1
         kept_scores = None if draft.scores is None else host_array(draft.scores)
-        self._plan = _Plan(ranks, kept_parents, kept_scores, rows, kept_parents.shape[1], prefix, paid, drafting)
+        self._plan = _Plan(ranks, kept_parents, kept_scores, rows, kept_parents.shape[1], prefix, paid, self._drafted, drafting)
         return draft
 
     def observe(self, out, active: torch.Tensor) -> None:
@@ -511,7 +512,10 @@ class Planner:
         its prediction with the drafting it did."""
         if self._plan is not None and not self._reproducible:
             plan = self._plan
-            self.cost_model.observe(plan.rows, plan.width, plan.prefix, seconds, plan.draft_seconds, plan.drafting)
+            drafting = plan.draft_seconds if plan.drafting is None else plan.drafting
+            if plan.drafting is not None and plan.drafted > 0 and self.draft_cost is not None:
+                self.draft_cost.observe(plan.rows, plan.drafted, plan.drafting)
+            self.cost_model.observe(plan.rows, plan.width, plan.prefix, seconds, drafting)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Rows finished: the batch keeps `rows`; the leaving rows' acceptance is remembered."""
