@@ -642,11 +642,13 @@ class SourceJudge:
     def scaled(self, source: int, draft: Draft) -> torch.Tensor:
         """float32 [B, T]: `draft`'s path scores (unscored: 0.5 ** depth) times the source's
         factor, capped per row so that no first-level score exceeds 1."""
-        depths = draft.tree.depths
-        scores = draft.scores.float() if draft.scores is not None else 0.5 ** depths.clamp(min=0).float()
-        first = torch.where(depths == 1, scores, 0.0).amax(1, keepdim=True)
-        factor = torch.minimum(torch.full_like(first, self.factors()[source]), 1.0 / first.clamp(min=1e-9))
-        return torch.where(depths >= 1, scores * factor, scores)
+        # (in numpy on the host: a few numbers per row, where each torch op costs 5-10 us in the loop)
+        depths = draft.tree.depths.cpu().numpy()
+        scores = draft.scores.float().cpu().numpy() if draft.scores is not None else \
+            np.float32(0.5) ** np.maximum(depths, 0).astype(np.float32)
+        first = np.where(depths == 1, scores, np.float32(0.0)).max(1, keepdims=True)
+        factor = np.minimum(np.float32(self.factors()[source]), np.float32(1.0) / np.maximum(first, np.float32(1e-9)))
+        return torch.from_numpy(np.where(depths >= 1, scores * factor, scores).astype(np.float32))
 
     def start(self) -> None:
         """A new call: its first step has nothing to judge (the counts stay)."""
@@ -973,7 +975,7 @@ def merge_judged(judge: SourceJudge, plan: Sequence[str], drafts: Sequence[Optio
     drafted nodes), each node scored by the best of its drafts' scores as `judge` scales them,
     trimmed, on history's device; the judge sees every asked draft (merged or probed) first."""
     merged = [(source, d) for source, (d, what) in enumerate(zip(drafts, plan)) if what == MERGE]
-    scores = [judge.scaled(source, d).cpu() for source, d in merged]
+    scores = [judge.scaled(source, d) for source, d in merged]  # (on the host)
     judge.observe(drafts, history, lengths)
     tokens, parents, best = merge_scored_trees(root_tokens(history, lengths).tolist(),
                                                [(d.tree.tokens.cpu(), d.tree.parents.cpu()) for _, d in merged],
