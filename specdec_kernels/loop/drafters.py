@@ -75,23 +75,40 @@ def keep_nodes(draft: Draft, keep: torch.Tensor):
         (Draft, new_index [B, T]): new_index[b, i] is kept node i's index in the new tree.
     """
     tree = draft.tree
-    rows, num_nodes = keep.shape
-    new_index = keep.long().cumsum(1) - 1
-    width = int(keep.sum(1).max())
-    dest = torch.where(keep, new_index, width)  # dropped nodes go to a sink column, cut below
-    parents = torch.where(tree.parents >= 0, new_index.gather(1, tree.parents.clamp(min=0)), -1)
-    new_tokens = tree.tokens.new_full((rows, width + 1), -1).scatter_(1, dest, tree.tokens)[:, :width]
-    new_parents = tree.parents.new_full((rows, width + 1), -1).scatter_(1, dest, parents)[:, :width]
-    new_tokens = new_tokens.masked_fill(new_parents < 0, -1)
-    new_tokens[:, 0] = tree.tokens[:, 0]  # (the root has parent -1 too)
-    old = torch.zeros(rows, width + 1, dtype=torch.int64, device=keep.device)
-    old.scatter_(1, dest, torch.arange(num_nodes, device=keep.device).expand(rows, -1))
-    old = old[:, :width]  # new index -> old index (padding: node 0)
+    device = tree.tokens.device
+    keep_host = keep.cpu().numpy()
+    tokens, parents, old = kept_layout(tree.tokens.cpu().numpy().astype(np.int64),
+                                       tree.parents.cpu().numpy().astype(np.int64), keep_host)
+    old = torch.from_numpy(old).to(device)
     probs = None
     if draft.draft_probs is not None:
         probs = draft.draft_probs.gather(1, old[:, :, None].expand(-1, -1, draft.draft_probs.shape[2]))
     scores = None if draft.scores is None else draft.scores.gather(1, old)
-    return Draft(TokenTree(new_tokens, new_parents), probs, scores), new_index
+    new_tree = TokenTree(torch.from_numpy(tokens).to(device, tree.tokens.dtype),
+                         torch.from_numpy(parents).to(device, tree.parents.dtype))
+    return Draft(new_tree, probs, scores), torch.from_numpy(keep_host.cumsum(1) - 1).to(device)
+
+
+def kept_layout(tokens: np.ndarray, parents: np.ndarray, keep: np.ndarray):
+    """`keep_nodes`' renumbering on host arrays (int64 tokens and parents [B, T], bool keep):
+    (tokens, parents, old) int64 [B, W], old[b, i] = the old index of new node i (padding:
+    node 0). In numpy on the host: a few dozen numbers per row (a numpy op ~1 us, a torch op
+    5-10 us inside the decode loop on a CPU; the planner calls it every step)."""
+    rows, num_nodes = keep.shape
+    new_index = keep.cumsum(1) - 1
+    width = int(keep.sum(1).max())
+    dest = np.where(keep, new_index, width)  # dropped nodes go to a sink column, cut below
+    row = np.arange(rows)[:, None]
+    new_parents = np.full((rows, width + 1), -1, dtype=np.int64)
+    new_parents[row, dest] = np.where(parents >= 0, new_index[row, np.maximum(parents, 0)], -1)
+    new_tokens = np.full((rows, width + 1), -1, dtype=np.int64)
+    new_tokens[row, dest] = tokens
+    old = np.zeros((rows, width + 1), dtype=np.int64)
+    old[row, dest] = np.arange(num_nodes)
+    new_tokens, new_parents, old = new_tokens[:, :width], new_parents[:, :width], old[:, :width]
+    new_tokens[new_parents < 0] = -1
+    new_tokens[:, 0] = tokens[:, 0]  # (the root has parent -1 too)
+    return new_tokens, new_parents, old
 
 
 def rank_nodes(estimate: torch.Tensor, real: torch.Tensor):
@@ -105,11 +122,17 @@ def rank_nodes(estimate: torch.Tensor, real: torch.Tensor):
         (order [B, T]: node ids in rank order, padding last; position [B, T]: each node's
         place in that order, root 0).
     """
-    node = torch.arange(estimate.shape[1], device=estimate.device)
-    ranked = torch.where(real, estimate.double(), -1.0)
+    order, position = rank_order(estimate.detach().cpu().double().numpy(), real.cpu().numpy())
+    return torch.from_numpy(order).to(estimate.device), torch.from_numpy(position).to(estimate.device)
+
+
+def rank_order(estimate: np.ndarray, real: np.ndarray):
+    """`rank_nodes` on host arrays (float estimate, bool real [B, T]): (order, position) int64."""
+    ranked = np.where(real, estimate.astype(np.float64), -1.0)
     ranked[:, 0] = 2.0  # the root first
-    order = torch.sort(ranked, dim=1, descending=True, stable=True).indices
-    position = torch.empty_like(order).scatter_(1, order, node.expand(estimate.shape[0], -1))
+    order = np.argsort(-ranked, axis=1, kind="stable")  # descending, ties in node order
+    position = np.empty_like(order)
+    position[np.arange(order.shape[0])[:, None], order] = np.arange(order.shape[1])
     return order, position
 
 

@@ -52,7 +52,8 @@ import numpy as np
 import torch
 
 from .cost_model import CostModel, DraftCost, draft_identity, host_array, identity, tensor_parallel
-from .drafters import Draft, keep_nodes, rank_nodes
+from .drafters import Draft, kept_layout, rank_order
+from ..ops.tree import TokenTree
 
 
 # What rows of earlier calls accepted, per (cost model key, drafter kind): the prior of new
@@ -456,13 +457,13 @@ class Planner:
         node = np.arange(width)
         paid = float(self._draft_seconds(rows, np.array([float(self._drafted)]))[0])
         if draft.draft_probs is not None:  # sampled children: never pruned by value (module docstring)
-            self._plan = _Plan(np.where(real, node - 1, -1), parents, scores, rows, width, prefix, paid, self._drafted, drafting)
+            self._plan = _Plan(np.where(real, node - 1, -1), parents, scores, rows, width, prefix, paid,
+                               self._drafted, drafting)
             return draft
         # Rank the nodes by the drafter's scores, else in its node order (its priority).
         # (a writable array: torch warns on a read-only one, such as a broadcast of one row)
         key = scores if scores is not None else np.repeat((1.0 - node / width)[None, :], rows, 0)
-        order, position = (t.numpy() for t in rank_nodes(torch.from_numpy(np.ascontiguousarray(key)),
-                                                          torch.from_numpy(real)))
+        order, position = rank_order(key, real)
         ranked_scores = None if scores is None else np.take_along_axis(scores, order, 1)[:, 1:]
         parent_ranks = np.take_along_axis(position, np.maximum(np.take_along_axis(parents, order[:, 1:], 1), 0), 1) - 1
         num_real = real.sum(1)
@@ -478,18 +479,23 @@ class Planner:
         if self._probing:  # a probe's node is verified whatever its estimate (see budget)
             counts = np.maximum(counts, (num_real > 0).astype(np.int64))
         if (counts >= num_real).all():  # nothing pruned: the draft as it is
-            self._plan = _Plan(np.where(real, position - 1, -1), parents, scores, rows, width, prefix, paid, self._drafted, drafting)
+            self._plan = _Plan(np.where(real, position - 1, -1), parents, scores, rows, width, prefix, paid,
+                               self._drafted, drafting)
             return draft
         keep = (position <= counts[:, None]) & (real | (node == 0))
-        draft, _ = keep_nodes(draft, torch.from_numpy(keep).to(tree.parents.device))
-        # The kept nodes' ranks at their new places (keep_nodes renumbers them in order).
+        kept_tokens, kept_parents, old = kept_layout(host_array(tree.tokens, torch.int64), parents, keep)
+        device = tree.parents.device
+        kept_scores = None if scores is None else np.take_along_axis(scores, old, 1)
+        draft = Draft(TokenTree(torch.from_numpy(kept_tokens).to(device, tree.tokens.dtype),
+                                torch.from_numpy(kept_parents).to(device, tree.parents.dtype)), None,
+                      None if scores is None else torch.from_numpy(kept_scores).to(device, draft.scores.dtype))
+        # The kept nodes' ranks at their new places (renumbered in order).
         new_index = keep.cumsum(1) - 1
-        kept_parents = host_array(draft.tree.parents, torch.int64)
         ranks = np.full(kept_parents.shape, -1, dtype=np.int64)
         ranks[np.nonzero(keep)[0], new_index[keep]] = np.where(real, position - 1, -1)[keep]
         ranks[:, 0] = -1
-        kept_scores = None if draft.scores is None else host_array(draft.scores)
-        self._plan = _Plan(ranks, kept_parents, kept_scores, rows, kept_parents.shape[1], prefix, paid, self._drafted, drafting)
+        self._plan = _Plan(ranks, kept_parents, kept_scores, rows, kept_parents.shape[1], prefix, paid,
+                           self._drafted, drafting)
         return draft
 
     def observe(self, out, active: torch.Tensor) -> None:
