@@ -362,6 +362,30 @@ SPECDEC_CPU_INLINE void pv_rows(const float* probs, int64_t p_stride, const Rows
   }
 }
 
+// The last `count` (< kGroup) accumulator rows in one pass over the values.
+template <int kGroup, bool kNarrow, typename Rows>
+SPECDEC_CPU_INLINE void pv_last_rows(int64_t count, const float* probs, int64_t p_stride, const Rows& values,
+                                     int64_t padded_dim, int64_t num_keys, float* acc) {
+  if constexpr (kGroup > 1) {
+    if (count == kGroup - 1) {
+      pv_rows<kGroup - 1, kNarrow>(probs, p_stride, values, padded_dim, num_keys, acc);
+      return;
+    }
+    pv_last_rows<kGroup - 1, kNarrow>(count, probs, p_stride, values, padded_dim, num_keys, acc);
+  }
+}
+
+// acc[m] += probs[.][m] @ values for all `rows` accumulator rows, kGroup rows a pass.
+template <int kGroup, bool kNarrow, typename Rows>
+SPECDEC_CPU_INLINE void pv_all_rows(const float* probs, int64_t p_stride, const Rows& values, int64_t padded_dim,
+                                    int64_t num_keys, int64_t rows, float* acc) {
+  int64_t m = 0;
+  for (; m + kGroup <= rows; m += kGroup) {
+    pv_rows<kGroup, kNarrow>(probs + m, p_stride, values, padded_dim, num_keys, acc + m * padded_dim);
+  }
+  pv_last_rows<kGroup, kNarrow>(rows - m, probs + m, p_stride, values, padded_dim, num_keys, acc + m * padded_dim);
+}
+
 // The online-softmax update of one group of query lanes (V: a full or half vector) for a
 // tile of scores: running max and denominator, the factor alpha that rescales what was
 // accumulated before, and the scores replaced by the probabilities.
@@ -413,34 +437,10 @@ SPECDEC_CPU_INLINE void tile_softmax_pv_impl(float* scores, int64_t num_keys, in
     const HalfVec a = splat<HalfVec>(alpha[m]);
     for (int64_t d = 0; d < padded_dim; d += kLanes / 2) store(out + d, load<HalfVec>(out + d) * a);
   }
-  int64_t m = 0;
-  if constexpr (kNarrow) {
-    // 6 rows a pass: 12 accumulators of 8 floats (16 columns x 6 rows), so each value vector
-    // loaded feeds 6 multiply-adds and the FMA chains are enough to hide their latency.
-    for (; m + 6 <= rows; m += 6) {
-      pv_rows<6, true>(scores + m, stride, values, padded_dim, num_keys, acc + m * padded_dim);
-    }
-    float* last = acc + m * padded_dim;
-    switch (rows - m) {  // the last 1..5 rows in one pass over the values
-      case 5: pv_rows<5, true>(scores + m, stride, values, padded_dim, num_keys, last); break;
-      case 4: pv_rows<4, true>(scores + m, stride, values, padded_dim, num_keys, last); break;
-      case 3: pv_rows<3, true>(scores + m, stride, values, padded_dim, num_keys, last); break;
-      case 2: pv_rows<2, true>(scores + m, stride, values, padded_dim, num_keys, last); break;
-      case 1: pv_rows<1, true>(scores + m, stride, values, padded_dim, num_keys, last); break;
-      default: break;
-    }
-    return;
-  }
-  for (; m + 4 <= rows; m += 4) {
-    pv_rows<4, kNarrow>(scores + m, stride, values, padded_dim, num_keys, acc + m * padded_dim);
-  }
-  float* last = acc + m * padded_dim;
-  switch (rows - m) {  // the last 1..3 rows in one pass over the values
-    case 3: pv_rows<3, kNarrow>(scores + m, stride, values, padded_dim, num_keys, last); break;
-    case 2: pv_rows<2, kNarrow>(scores + m, stride, values, padded_dim, num_keys, last); break;
-    case 1: pv_rows<1, kNarrow>(scores + m, stride, values, padded_dim, num_keys, last); break;
-    default: break;
-  }
+  // probs @ values, a group of rows a pass: 6 with 8-float vectors (12 accumulators of 16
+  // columns x 6 rows, so each value vector loaded feeds 6 multiply-adds and the FMA chains are
+  // enough to hide their latency), 4 with 16-float ones.
+  pv_all_rows<kNarrow ? 6 : 4, kNarrow>(scores, stride, values, padded_dim, num_keys, rows, acc);
 }
 // The block layout this CPU runs (narrow_vectors), inlined into each clone below (target_clones
 // takes no templates, hence one clone set per row kind).
