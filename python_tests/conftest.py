@@ -258,6 +258,8 @@ def distinct_sibling_tokens(gen, parents: torch.Tensor, vocab: int) -> torch.Ten
 
     def uniform_untaken(b, p, taken):
         free = [t for t in range(vocab) if t not in taken]
+        if not free:
+            raise ValueError(f"distinct_sibling_tokens: node {p} of row {b} has more children than the {vocab} tokens")
         return free[int(randint(gen, 0, len(free)))]
 
     return sibling_tokens(gen, parents, vocab, uniform_untaken)
