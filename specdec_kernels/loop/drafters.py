@@ -77,7 +77,7 @@ def keep_nodes(draft: Draft, keep: torch.Tensor):
     tree = draft.tree
     device = tree.tokens.device
     keep_host = keep.cpu().numpy()
-    tokens, parents, old = kept_layout(tree.tokens.cpu().numpy().astype(np.int64),
+    tokens, parents, old = _kept_layout(tree.tokens.cpu().numpy().astype(np.int64),
                                        tree.parents.cpu().numpy().astype(np.int64), keep_host)
     old = torch.from_numpy(old).to(device)
     probs = None
@@ -89,11 +89,11 @@ def keep_nodes(draft: Draft, keep: torch.Tensor):
     return Draft(new_tree, probs, scores), torch.from_numpy(keep_host.cumsum(1) - 1).to(device)
 
 
-def kept_layout(tokens: np.ndarray, parents: np.ndarray, keep: np.ndarray):
+def _kept_layout(tokens: np.ndarray, parents: np.ndarray, keep: np.ndarray):
     """`keep_nodes`' renumbering on host arrays (int64 tokens and parents [B, T], bool keep):
     (tokens, parents, old) int64 [B, W], old[b, i] = the old index of new node i (padding:
     node 0). In numpy on the host: a few dozen numbers per row (a numpy op ~1 us, a torch op
-    5-10 us inside the decode loop on a CPU; the planner calls it every step)."""
+    5-10 us inside the decode loop on a CPU; the planner prunes through it every step)."""
     rows, num_nodes = keep.shape
     new_index = keep.cumsum(1) - 1
     width = int(keep.sum(1).max())

@@ -52,8 +52,7 @@ import numpy as np
 import torch
 
 from .cost_model import CostModel, DraftCost, draft_identity, host_array, identity, tensor_parallel
-from .drafters import Draft, kept_layout, rank_order
-from ..ops.tree import TokenTree
+from .drafters import Draft, keep_nodes, rank_order
 
 
 # What rows of earlier calls accepted, per (cost model key, drafter kind): the prior of new
@@ -483,14 +482,11 @@ class Planner:
                                self._drafted, drafting)
             return draft
         keep = (position <= counts[:, None]) & (real | (node == 0))
-        kept_tokens, kept_parents, old = kept_layout(host_array(tree.tokens, torch.int64), parents, keep)
-        device = tree.parents.device
-        kept_scores = None if scores is None else np.take_along_axis(scores, old, 1)
-        draft = Draft(TokenTree(torch.from_numpy(kept_tokens).to(device, tree.tokens.dtype),
-                                torch.from_numpy(kept_parents).to(device, tree.parents.dtype)), None,
-                      None if scores is None else torch.from_numpy(kept_scores).to(device, draft.scores.dtype))
-        # The kept nodes' ranks at their new places (renumbered in order).
+        draft, _ = keep_nodes(draft, torch.from_numpy(keep))
+        # The kept nodes' ranks at their new places (keep_nodes renumbers them in order).
         new_index = keep.cumsum(1) - 1
+        kept_parents = host_array(draft.tree.parents, torch.int64)
+        kept_scores = None if draft.scores is None else host_array(draft.scores)
         ranks = np.full(kept_parents.shape, -1, dtype=np.int64)
         ranks[np.nonzero(keep)[0], new_index[keep]] = np.where(real, position - 1, -1)[keep]
         ranks[:, 0] = -1
