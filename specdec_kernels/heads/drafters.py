@@ -407,10 +407,12 @@ class _HeadDrafter(Drafter):
             logits = expand(level, torch.zeros_like(idx), self.vocab[idx])[:, 0]
         tokens = self.vocab[torch.cat(picks, 1) if depth > 1 else idx].tolist()
         logq = (torch.cat(logq, 1) if depth > 1 else lq).tolist()
-        cut = self.min_score if budget is None else 0.0
+        # The cut compares the scores as the Draft holds them (float32), so a node kept or cut
+        # agrees with its returned score (in float64 a score at the threshold could fall below it).
+        cut = np.float32(self.min_score if budget is None else 0.0)
         node_tokens, node_parents, node_scores = [], [], []
         for r, t, lq, n in zip(root.tolist(), tokens, logq, limit):
-            scores = [math.exp(s) for s in itertools.accumulate(lq[: min(n, depth)])]
+            scores = [np.float32(math.exp(s)) for s in itertools.accumulate(lq[: min(n, depth)])]
             kept = next((d for d, p in enumerate(scores) if p < cut), len(scores))
             node_tokens.append([r] + t[:kept])
             node_parents.append(list(range(-1, kept)))
