@@ -216,7 +216,7 @@ class AcceptanceModel:
     def calibration(self) -> np.ndarray:
         """float64 [CALIBRATION_RANKS]: per rank, the verified nodes' acceptances over their
         estimates (decayed sums, each starting from calibration_weight, so 1 without history),
-        within [1/4, 4]."""
+        within [1/4, 1] (never up: see the class docstring)."""
         w = self.calibration_weight
         return np.clip((self.accepted_sum + w) / (self.estimated_sum + w), 0.25, 1.0)
 
