@@ -168,46 +168,6 @@ def test_accepting_rows_look_deeper():
     assert choose_counts(before[None].float(), seconds).item() < choose_counts(gains, seconds).item() == 4
 
 
-def test_calibration_lowers_ranks_whose_estimates_run_high():
-    """Verified nodes of a rank accepted less often than estimated scale that rank's later
-    estimates down (pooled over rows), never up (the verified nodes are the best-estimated
-    ones: what they show does not carry to the nodes left out); non-increasing, at most 1."""
-    model = AcceptanceModel(rows=2, max_nodes=10, device="cpu", prior=0.5)
-    estimates = np.tile(np.array([0.9, 0.6, 0.5, 0.4, 0.3, 0.3, 0.2, 0.2, 0.2, 0.1]), (2, 1))
-    assert np.allclose(model.calibrated_np(estimates), estimates)  # no history: as estimated
-    ranks = np.tile(np.arange(-1, 10), (2, 1))
-    on_path = np.zeros((2, 11), dtype=bool)
-    on_path[:, :4] = True  # ranks 0-2 accepted, every deeper node rejected
-    for _ in range(30):
-        model.update_np(ranks, on_path, None, np.ones(2, dtype=bool), estimates=estimates)
-    factor = model.calibration()
-    assert (factor[:3] == 1.0).all()  # accepted more often than estimated: not raised
-    assert (factor[3:] < 0.3).all()  # never accepted: down to near the floor
-    calibrated = model.calibrated_np(estimates)
-    assert np.allclose(calibrated[:, :3], estimates[:, :3]) and (calibrated[:, 3:] < 0.5 * estimates[:, 3:]).all()
-    assert (np.diff(calibrated, axis=1) <= 0).all()
-    # Without estimates (a sampled tree) the calibration learns nothing.
-    before = model.calibration().copy()
-    model.update_np(ranks, np.ones((2, 11), dtype=bool), None, np.ones(2, dtype=bool))
-    assert np.array_equal(model.calibration(), before)
-
-
-def test_planner_passes_its_estimates_to_the_calibration(target):
-    """select keeps the estimates it chose by; observe hands them to the acceptance model,
-    whose calibration then counts every verified node."""
-    planner = Planner(flat_cost(target, 1.0), verbose=False)
-    planner.start(target, rows=1, max_nodes=4, device="cpu")
-    tree = sk.TokenTree(torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[-1, 0, 1, 2, 3]]))
-    draft = Draft(tree, None, torch.tensor([[1.0, 0.9, 0.8, 0.7, 0.6]]))
-    kept = planner.select(draft, prefix=10.0)
-    assert planner._plan.estimates is not None and kept.tree.tokens.shape[1] == 5  # free verification: all kept
-    out = SimpleNamespace(accepted_nodes=torch.tensor([[0, 1, -1, -1, -1]]), num_accepted=torch.tensor([1]))
-    planner.observe(out, torch.tensor([True]))
-    acceptance = planner.acceptance
-    assert acceptance.accepted_sum[:4].tolist() == pytest.approx([1.0, 0.0, 0.0, 0.0])
-    assert acceptance.estimated_sum[:4].sum() == pytest.approx(float(planner._plan.estimates[0, :4].sum()))
-
-
 # ----------------------------------------------------------------------------- trees
 
 

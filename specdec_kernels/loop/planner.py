@@ -30,12 +30,7 @@ Two decisions per step:
    by how well the row's scores predicted its acceptance so far, or the rank rates where the
    drafter has no scores; the best nodes are kept (ancestor-closed: a node's estimate never
    exceeds its parent's, and ties keep the parent, which comes first). The drafting is paid
-   by then: it counts in every choice's step time alike. The estimates are then calibrated
-   per rank (`AcceptanceModel.calibration`, pooled over the call's rows): where the verified
-   nodes of a rank were accepted less often than estimated, later estimates of that rank
-   are scaled down (never up: the verified nodes are the best-estimated ones, and what they
-   show does not carry to the nodes left out). On summarisation dev requests the deep ranks'
-   nodes (4 and beyond) were accepted half as often as estimated, while ranks 0-3 held.
+   by then: it counts in every choice's step time alike.
 Drafts deeper than a row's remaining tokens (max_new_tokens) could not be emitted: never
 verified.
 
@@ -59,10 +54,6 @@ import torch
 from .cost_model import CostModel, DraftCost, draft_identity, host_array, identity, tensor_parallel
 from .drafters import Draft, keep_nodes, rank_order
 
-
-# Ranks the acceptance model calibrates apart (`AcceptanceModel.calibration`); deeper ranks
-# share the last bucket.
-CALIBRATION_RANKS = 8
 
 # What rows of earlier calls accepted, per (cost model key, drafter kind): the prior of new
 # rows, so a call does not spend its first steps relearning what the last one knew.
@@ -154,20 +145,10 @@ class AcceptanceModel:
     conditional estimate is its conditional score times hit / score_sum of its rank (both
     starting from alpha * w): without history a score counts at face value, and as the row
     verifies nodes of a rank, its scores are judged against what they turned out to be worth.
-
-    Calibration (`calibrated_np`): the estimates the planner chose nodes by still ran high at
-    deep ranks (summarisation dev requests: ranks 0-3 accepted 0.9-1.0x as often as
-    estimated, ranks 4 and beyond 0.5-0.6x), where few nodes are tried per row and the
-    best-scored of many candidates are the ones verified. So every verified node's estimate
-    (`update(..., estimates=)`) and acceptance go into decayed sums per rank, pooled over the
-    rows (calibration_decay per step, ~50 steps; the deep ranks share the last of
-    CALIBRATION_RANKS buckets), and a rank's later estimates are multiplied by accepted /
-    estimated (each sum starting from calibration_weight), clipped to [1/4, 1].
     """
 
     def __init__(self, rows: int, max_nodes: int, device=None, *, decay: float = 0.8, prior: float = 0.6,
-                 prior_weight: float = 1.0, rank_weight: float = 3.0, calibration_decay: float = 0.98,
-                 calibration_weight: float = 0.5):
+                 prior_weight: float = 1.0, rank_weight: float = 3.0):
         # The state lives on the host whatever the rows' device (`device` is accepted and
         # ignored): a few numbers per row, read and updated every step in numpy through
         # `.numpy()` views of these CPU tensors (a numpy op on them ~1 us; a torch op 5-10 us
@@ -179,12 +160,6 @@ class AcceptanceModel:
         self.prior = prior
         self.accepted = torch.zeros(rows, dtype=torch.float64)
         self.rejected = torch.zeros_like(self.accepted)
-        # Calibration, pooled over the rows: decayed sums, per rank (the last bucket holds every
-        # rank from CALIBRATION_RANKS - 1 on), of the verified nodes' estimates and of their
-        # acceptances (`calibration`).
-        self.calibration_decay, self.calibration_weight = calibration_decay, calibration_weight
-        self.estimated_sum = np.zeros(CALIBRATION_RANKS)
-        self.accepted_sum = np.zeros(CALIBRATION_RANKS)
 
     def alpha(self) -> torch.Tensor:
         """float64 [R]: each row's per-token acceptance (decayed, with the prior)."""
@@ -212,21 +187,6 @@ class AcceptanceModel:
     def rank_rates_np(self) -> np.ndarray:
         """`rank_rates` as a numpy array."""
         return self.conditional_rates_np().cumprod(1)
-
-    def calibration(self) -> np.ndarray:
-        """float64 [CALIBRATION_RANKS]: per rank, the verified nodes' acceptances over their
-        estimates (decayed sums, each starting from calibration_weight, so 1 without history),
-        within [1/4, 1] (never up: see the class docstring)."""
-        w = self.calibration_weight
-        return np.clip((self.accepted_sum + w) / (self.estimated_sum + w), 0.25, 1.0)
-
-    def calibrated_np(self, estimates: np.ndarray) -> np.ndarray:
-        """`estimates` [R, K] (in rank order, from `estimates_np`) times their rank's
-        `calibration`, at most 1 and non-increasing in k again."""
-        if estimates.shape[1] == 0:
-            return estimates
-        factor = self.calibration()[np.minimum(np.arange(estimates.shape[1]), CALIBRATION_RANKS - 1)]
-        return np.minimum.accumulate(np.minimum(estimates * factor[None, :], 1.0), axis=1)
 
     def estimates(self, scores: Optional[torch.Tensor], parent_ranks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """float64 [R, K] (on the host): acceptance estimates of each row's nodes in rank
@@ -273,28 +233,21 @@ class AcceptanceModel:
         return np.minimum.accumulate(path, axis=1) if path.shape[1] else path
 
     def update(self, ranks: torch.Tensor, on_path: torch.Tensor, scores: Optional[torch.Tensor], active: torch.Tensor,
-               rejected: Optional[torch.Tensor] = None, parents: Optional[torch.Tensor] = None,
-               estimates: Optional[torch.Tensor] = None) -> None:
+               rejected: Optional[torch.Tensor] = None, parents: Optional[torch.Tensor] = None) -> None:
         """One verified step: `ranks [R, T]` (rank of each tree node, -1 for the root and
         padding), `on_path [R, T]` (node accepted; the root is), `scores [R, T]` (path scores,
         the root's 1) or None, `active [R]` (rows still generating before this step),
         `rejected [R]` (the accepted path stopped where a verified child existed; None: where a
         node whose parent was accepted was not), `parents [R, T]` (node ids; None: a chain,
-        node t's parent is node t - 1), `estimates [R, K]` (the uncalibrated estimates the
-        nodes were chosen by, in rank order; None: the calibration learns nothing). Tensors on
-        any device, or numpy arrays."""
+        node t's parent is node t - 1). Tensors on any device, or numpy arrays."""
         self.update_np(host_array(ranks, torch.int64), host_array(on_path, torch.bool),
                        None if scores is None else host_array(scores), host_array(active, torch.bool),
                        None if rejected is None else host_array(rejected, torch.bool),
-                       None if parents is None else host_array(parents, torch.int64),
-                       None if estimates is None else host_array(estimates))
+                       None if parents is None else host_array(parents, torch.int64))
 
     def update_np(self, ranks: np.ndarray, on_path: np.ndarray, scores: Optional[np.ndarray], active: np.ndarray,
-                  rejected: Optional[np.ndarray] = None, parents: Optional[np.ndarray] = None,
-                  estimates: Optional[np.ndarray] = None) -> None:
+                  rejected: Optional[np.ndarray] = None, parents: Optional[np.ndarray] = None) -> None:
         """`update` on numpy arrays."""
-        if estimates is not None:
-            self._calibrate(ranks, on_path, active, estimates)
         sink = self.hit.shape[1] - 1
         if parents is None:
             parents = np.broadcast_to(np.arange(ranks.shape[1]) - 1, ranks.shape)
@@ -320,18 +273,6 @@ class AcceptanceModel:
                 conditional = np.clip(np.where(above > 0, scores / above, 0.0), 0.0, 1.0)
             np.add.at(score_sum, (rows, index), np.where(reached, conditional, 0.0))
 
-    def _calibrate(self, ranks: np.ndarray, on_path: np.ndarray, active: np.ndarray, estimates: np.ndarray) -> None:
-        """Every verified node (its parent accepted or not: an estimate is of the whole path)
-        adds its estimate and whether it was accepted to its rank's sums."""
-        verified = (ranks >= 0) & (ranks < estimates.shape[1]) & active[:, None]
-        rows, nodes = np.nonzero(verified)
-        rank = ranks[rows, nodes]
-        bucket = np.minimum(rank, CALIBRATION_RANKS - 1)
-        self.estimated_sum *= self.calibration_decay
-        self.accepted_sum *= self.calibration_decay
-        np.add.at(self.estimated_sum, bucket, estimates[rows, rank])
-        np.add.at(self.accepted_sum, bucket, on_path[rows, nodes].astype(np.float64))
-
     def keep_rows(self, rows: torch.Tensor) -> None:
         rows = rows.cpu()
         self.hit, self.tried, self.score_sum = self.hit[rows], self.tried[rows], self.score_sum[rows]
@@ -351,7 +292,6 @@ class _Plan:
     draft_seconds: float  # what the drafting cost model predicts for the step's drafting (0: none)
     drafted: int = 0  # the drafting's budget (the widest row's nodes; 0: the step did not draft)
     drafting: Optional[float] = None  # the drafting's measured seconds (None: not measured)
-    estimates: Optional[np.ndarray] = None  # [R, K] uncalibrated estimates by rank (None: not chosen by them)
 
 
 PROBE_AFTER = 8  # steps without drafting before the planner drafts one node per row anyway (`budget`)
@@ -526,21 +466,20 @@ class Planner:
         ranked_scores = None if scores is None else np.take_along_axis(scores, order, 1)[:, 1:]
         parent_ranks = np.take_along_axis(position, np.maximum(np.take_along_axis(parents, order[:, 1:], 1), 0), 1) - 1
         num_real = real.sum(1)
-        estimates = self.acceptance.estimates_np(ranked_scores, parent_ranks)
+        gains = self.acceptance.estimates_np(ranked_scores, parent_ranks)
         if remaining is not None:
             remaining = host_array(remaining, torch.int64)
             if (remaining <= num_real).any():
                 depths = np.take_along_axis(host_array(tree.depths, torch.int64), order[:, 1:], 1)
-                estimates = np.minimum.accumulate(np.where(depths < remaining[:, None], estimates, 0.0), axis=1)
-        estimates = np.where(node[None, : width - 1] < num_real[:, None], estimates, 0.0)
-        gains = self.acceptance.calibrated_np(estimates)
+                gains = np.minimum.accumulate(np.where(depths < remaining[:, None], gains, 0.0), axis=1)
+        gains = np.where(node[None, : width - 1] < num_real[:, None], gains, 0.0)
         seconds = self._step_seconds(rows, prefix, width - 1, self._drafted)
         counts = _choose_counts(gains, seconds, self.max_batch_nodes, self.min_gain)
         if self._probing:  # a probe's node is verified whatever its estimate (see budget)
             counts = np.maximum(counts, (num_real > 0).astype(np.int64))
         if (counts >= num_real).all():  # nothing pruned: the draft as it is
             self._plan = _Plan(np.where(real, position - 1, -1), parents, scores, rows, width, prefix, paid,
-                               self._drafted, drafting, estimates)
+                               self._drafted, drafting)
             return draft
         keep = (position <= counts[:, None]) & (real | (node == 0))
         draft, _ = keep_nodes(draft, torch.from_numpy(keep))
@@ -552,7 +491,7 @@ class Planner:
         ranks[np.nonzero(keep)[0], new_index[keep]] = np.where(real, position - 1, -1)[keep]
         ranks[:, 0] = -1
         self._plan = _Plan(ranks, kept_parents, kept_scores, rows, kept_parents.shape[1], prefix, paid,
-                           self._drafted, drafting, estimates)
+                           self._drafted, drafting)
         return draft
 
     def observe(self, out, active: torch.Tensor) -> None:
@@ -568,8 +507,7 @@ class Planner:
         # Rejected: the last accepted node has a verified child (the path could have gone on).
         last = np.take_along_axis(path, num_accepted[:, None], 1)
         rejected = ((plan.parents == last) & (plan.ranks >= 0)).any(1)
-        self.acceptance.update_np(plan.ranks, on_path, plan.scores, host_array(active, torch.bool), rejected, plan.parents,
-                                  plan.estimates)
+        self.acceptance.update_np(plan.ranks, on_path, plan.scores, host_array(active, torch.bool), rejected, plan.parents)
 
     def observe_time(self, seconds: float) -> None:
         """The measured seconds of the step last planned (drafting to bookkeeping), against
