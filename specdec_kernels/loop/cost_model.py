@@ -79,8 +79,8 @@ import torch
 # small_linear kernels for 1 and 3-row blocks and the tree attention's 8-float blocks (AVX2 step
 # costs changed); 10: the AVX2 packed-panel small_linear kernel for 8 and 11+ rows (batch and
 # verify steps 1.2-1.5x cheaper in their products), small_linear_rows measured up to 128 rows; 11: on AMD
-# CPUs with AVX-512 the 1-2 row products stream one weight row at a time (plain fp32 steps ~1.25x and
-# bf16 steps ~1.4x cheaper: the tables' shape changes)
+# CPUs with AVX-512 fp32 products of 1-2 rows and bf16 products of 1-4 rows stream one weight row at a
+# time (plain fp32 steps ~1.25x and bf16 steps ~1.4x cheaper: the tables' shape changes)
 FORMAT = 11
 DRAFT_FORMAT = 5  # of `DraftCost` files (their key holds the target's identity, FORMAT included); 2: merged drafters judge their sources (SourceJudge), one merge in HeadNgramDrafter; 3: head layers as one decoder_layer op on a CPU; 4: a head's logits for a batch as one product; 5: the heads' trees built on the host (numpy), their norms as rms_norm ops
 # 4: a head's strided logits as one product (batches of 4+ rows drafted 4-10x faster)

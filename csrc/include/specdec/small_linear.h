@@ -54,17 +54,21 @@ inline int small_linear_isa_cap() {
   return cap;
 }
 
-// Whether the AVX-512 kernels (fp32, and bf16 with AVX512-BF16) take products of 1-2 input rows
-// one weight row at a time, with no software prefetch: a single stream through the weights,
-// the access the hardware prefetchers follow best. Measured on an AMD EPYC (Zen 4, 2 threads,
-// the default model's 211 products from memory, C++ harness, two rounds): fp32 1 row 18.7 /
-// 15.9 ms against 21.6 / 19.3 with the 4-row blocks, 2 rows 17.4 / 16.2 against 23.0 / 18.7;
-// bf16 1 row 9.5 / 8.8 against 15.3 / 11.6, 2 rows 8.1 / 9.6 against 14.1 / 14.7 (from 3 rows
-// on, no better). The blocks and their prefetch were tuned on an Intel Xeon, where the stream
-// has not been measured, so only AMD CPUs take it; SPECDEC_SMALL_LINEAR_STREAM=1 / 0 (read
-// once) forces it on / off. Either way each output is summed in the same order, bit for bit.
-constexpr int64_t kSmallLinearStreamRowsAvx512 = 2;
-inline bool small_linear_streams_avx512(int64_t rows) {
+// Whether the AVX-512 kernels take a product of `rows` input rows one weight row at a time
+// (pairs of input rows against it, the second pair rereading it from L1), with no software
+// prefetch: a single stream through the weights, the access the hardware prefetchers follow
+// best. fp32 streams 1-2 rows, bf16 (AVX512-BF16) 1-4. Measured on an AMD EPYC (Zen 4, 2
+// threads, the default model's layer products from memory, C++ harness, best of 5 in two
+// rounds), ms, stream against the 4-row blocks: fp32 1 row 14.9-18.7 / 19.3-21.6, 2 rows
+// 16.1-17.4 / 18.7-23.0, 3-4 rows no better, 6-8 rows worse (31-41 / 24-27); bf16 1 row
+// 8.5-9.5 / 11.6-15.3, 2 rows 8.2-9.6 / 13.6-14.7, 3 rows 8.2-9.6 / 12.9-13.4, 4 rows
+// 9.5-10.8 / 14.3-14.4, 6-8 rows worse. The blocks and their prefetch were tuned on an Intel
+// Xeon, where the stream has not been measured, so only AMD CPUs take it;
+// SPECDEC_SMALL_LINEAR_STREAM=1 / 0 (read once) forces it on / off. Either way each output is
+// summed in the same order, so the products agree bit for bit.
+constexpr int64_t kSmallLinearStreamRowsF32 = 2;
+constexpr int64_t kSmallLinearStreamRowsBf16 = 4;
+inline bool small_linear_streams_avx512(int64_t rows, bool bf16) {
   static const bool on = [] {
     const char* env = std::getenv("SPECDEC_SMALL_LINEAR_STREAM");
     if (env != nullptr && env[0] != '\0') return std::strcmp(env, "0") != 0;
@@ -74,7 +78,7 @@ inline bool small_linear_streams_avx512(int64_t rows) {
     return false;
 #endif
   }();
-  return on && rows >= 1 && rows <= kSmallLinearStreamRowsAvx512;
+  return on && rows >= 1 && rows <= (bf16 ? kSmallLinearStreamRowsBf16 : kSmallLinearStreamRowsF32);
 }
 
 // The portable loop: output features [n_begin, n_end) of every row.
@@ -466,7 +470,7 @@ SPECDEC_AVX512_TARGET inline void small_linear_rows_f32_avx512(const float* x, i
                                                                const float* w, const float* bias, float* y,
                                                                int64_t n_dim, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
-  if (small_linear_streams_avx512(rows)) {  // one weight row at a time, no prefetch (see the function)
+  if (small_linear_streams_avx512(rows, false)) {  // one weight row at a time, no prefetch (see the function)
     for (; n < n_end; ++n) {
       if (rows == 2) small_linear_block_f32_avx512<1, 2>(x, k_dim, w, n, bias, y, n_dim, 0u);
       else small_linear_block_f32_avx512<1, 1>(x, k_dim, w, n, bias, y, n_dim, 0u);
@@ -628,10 +632,12 @@ SPECDEC_BF16_TARGET inline void small_linear_rows_bf16_avx512(const cpu::BFloat1
                                                               const cpu::BFloat16Bits* bias, cpu::BFloat16Bits* y,
                                                               int64_t n_dim, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
-  if (small_linear_streams_avx512(rows)) {  // as the fp32 kernel (small_linear_streams_avx512)
+  if (small_linear_streams_avx512(rows, true)) {  // one weight row at a time, pairs of rows (small_linear_streams_avx512)
     for (; n < n_end; ++n) {
-      if (rows == 2) small_linear_block_bf16<1, 2>(x, k_dim, w, n, bias, y, n_dim, 0u);
-      else small_linear_block_bf16<1, 1>(x, k_dim, w, n, bias, y, n_dim, 0u);
+      int64_t m = 0;
+      for (; m + 2 <= rows; m += 2)
+        small_linear_block_bf16<1, 2>(x + m * k_dim, k_dim, w, n, bias, y + m * n_dim, n_dim, 0u);
+      if (m < rows) small_linear_block_bf16<1, 1>(x + m * k_dim, k_dim, w, n, bias, y + m * n_dim, n_dim, 0u);
     }
     return;
   }
