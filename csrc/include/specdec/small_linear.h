@@ -61,7 +61,7 @@ inline int small_linear_isa_cap() {
 // threads, the default model's layer products from memory, C++ harness, best of 5 in two
 // rounds), ms, stream against the 4-row blocks: fp32 1 row 14.9-18.7 / 19.3-21.6, 2 rows
 // 16.1-17.4 / 18.7-23.0, 3-4 rows no better, 6-8 rows worse (31-41 / 24-27); bf16 1 row
-// 8.5-9.5 / 11.6-15.3, 2 rows 8.2-9.6 / 13.6-14.7, 3 rows 8.2-9.6 / 12.9-13.4, 4 rows
+// 8.5-9.5 / 11.6-15.3, 2 rows 8.1-9.6 / 13.6-14.7, 3 rows 8.2-9.6 / 12.9-13.4, 4 rows
 // 9.5-10.8 / 14.3-14.4, 6-8 rows worse. The blocks and their prefetch were tuned on an Intel
 // Xeon, where the stream has not been measured, so only AMD CPUs take it;
 // SPECDEC_SMALL_LINEAR_STREAM=1 / 0 (read once) forces it on / off. Either way each output is
