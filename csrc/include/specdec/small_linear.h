@@ -470,10 +470,12 @@ SPECDEC_AVX512_TARGET inline void small_linear_rows_f32_avx512(const float* x, i
                                                                const float* w, const float* bias, float* y,
                                                                int64_t n_dim, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
-  if (small_linear_streams_avx512(rows, false)) {  // one weight row at a time, no prefetch (see the function)
+  if (small_linear_streams_avx512(rows, false)) {  // one weight row at a time, pairs of rows (small_linear_streams_avx512)
     for (; n < n_end; ++n) {
-      if (rows == 2) small_linear_block_f32_avx512<1, 2>(x, k_dim, w, n, bias, y, n_dim, 0u);
-      else small_linear_block_f32_avx512<1, 1>(x, k_dim, w, n, bias, y, n_dim, 0u);
+      int64_t m = 0;
+      for (; m + 2 <= rows; m += 2)
+        small_linear_block_f32_avx512<1, 2>(x + m * k_dim, k_dim, w, n, bias, y + m * n_dim, n_dim, 0u);
+      if (m < rows) small_linear_block_f32_avx512<1, 1>(x + m * k_dim, k_dim, w, n, bias, y + m * n_dim, n_dim, 0u);
     }
     return;
   }
