@@ -75,9 +75,9 @@ TORCH_LIBRARY(specdec, m) {
       .def("append_and_draft", &specdec::SuffixIndex::append_and_draft);
   // Few-row linear products on the CPU (specdec_kernels/small_linear.py): y = x @ weight^T (+ bias), fp32; csrc/small_linear.cpp.
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  // Each row's greedy token of x @ weight^T, exact, from a bf16 copy of the weights and per-row error bounds
+  // Each row's greedy token of x @ weight^T (fp32 or bf16), exact, from an int8 copy of the weights and per-row bounds
   // (specdec_kernels/ops/small_linear.py); csrc/small_linear_argmax.cpp, csrc/include/specdec/small_linear_argmax.h.
-  m.def("small_linear_argmax(Tensor x, Tensor weight, Tensor weight_bf16, Tensor row_error) -> Tensor");
+  m.def("small_linear_argmax(Tensor x, Tensor weight, Tensor weight_int8, Tensor row_stats) -> Tensor");
   // RMSNorm over the last dim, weight covering x's trailing dims, on the CPU (specdec_kernels/ops/rms_norm.py); csrc/rms_norm.cpp.
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   // A Llama-family decoder layer's tree step on the CPU (specdec_kernels/ops/decoder_layer.py); csrc/decoder_layer.cpp.

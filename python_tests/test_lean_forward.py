@@ -213,24 +213,25 @@ def test_fused_layers_match_the_lean_forward(name):
     assert LeanForward.for_model(model, (0, 0)).fused_layers is None
 
 
-@pytest.mark.parametrize("name", ("llama", "qwen2"))
-def test_greedy_steps_return_the_greedy_token_of_the_logits(monkeypatch, name):
+@pytest.mark.parametrize("name,dtype", (("llama", torch.float32), ("qwen2", torch.float32), ("llama", torch.bfloat16)))
+def test_greedy_steps_return_the_greedy_token_of_the_logits(monkeypatch, name, dtype):
     """forward(..., greedy=True) returns `greedy_tokens` of the logits the same step computes,
-    bit for bit, with the same hidden states and cache writes, fused and op by op (from
-    `small_linear_argmax`: a bf16 copy of the head, kept on it until its weight changes);
-    `greedy_rows` holds only where the head's product runs small_linear, up to
-    ARGMAX_MAX_ROWS rows, and with config.argmax_head on."""
+    bit for bit (bf16: of the bf16 logits, ties to the lowest id), with the same hidden states
+    and cache writes, fused and op by op (from `small_linear_argmax`: an int8 copy of the head,
+    kept on it until its weight changes); `greedy_rows` holds only where the head's product
+    runs small_linear, up to ARGMAX_MAX_ROWS[dtype] rows, and with config.argmax_head on."""
     from functools import partial
 
     from specdec_kernels.loop.hf.lean import ARGMAX_MAX_ROWS
     from specdec_kernels.ops.sampling import greedy_tokens
 
-    model = build(name)
+    model = build(name).to(dtype)
+    most = ARGMAX_MAX_ROWS[dtype]
     fused, by_ops = LeanForward.for_model(model, (1, 32)), LeanForward.for_model(model, (1, 32))
     by_ops.fused_layers = None
     for lean in (fused, by_ops):
-        assert lean.greedy_rows(1) and lean.greedy_rows(ARGMAX_MAX_ROWS) and not lean.greedy_rows(ARGMAX_MAX_ROWS + 1)
-        for seed, return_hidden, batch, nodes in ((1, False, 2, 4), (2, True, 1, 7), (3, (0, 1, -1), 2, 3)):
+        assert lean.greedy_rows(1) and lean.greedy_rows(most) and not lean.greedy_rows(most + 1)
+        for seed, return_hidden, batch, nodes in ((1, False, 2, 3), (2, True, 1, 7), (3, (0, 1, -1), 2, 3)):
             want, want_cache = one_step(model, lean.forward, seed, return_hidden=return_hidden, batch=batch, nodes=nodes)
             got, got_cache = one_step(model, partial(lean.forward, greedy=True), seed, return_hidden=return_hidden,
                                       batch=batch, nodes=nodes)
@@ -242,8 +243,8 @@ def test_greedy_steps_return_the_greedy_token_of_the_logits(monkeypatch, name):
     kept = model.lm_head.__dict__["_specdec_argmax_weights"]
     with torch.no_grad():
         model.lm_head.weight.mul_(-1.5)  # a changed head: a new copy, the new argmax
-    want, _ = one_step(model, fused.forward, 4, batch=2, nodes=4)
-    got, _ = one_step(model, partial(fused.forward, greedy=True), 4, batch=2, nodes=4)
+    want, _ = one_step(model, fused.forward, 4, batch=2, nodes=3)
+    got, _ = one_step(model, partial(fused.forward, greedy=True), 4, batch=2, nodes=3)
     assert_identical(got, greedy_tokens(want))
     assert model.lm_head.__dict__["_specdec_argmax_weights"] is not kept
     # prepare_greedy makes the copy before any step (generate calls it: the first step would

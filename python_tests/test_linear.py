@@ -83,11 +83,13 @@ def test_small_linear_narrower_kernels_match_f_linear(isa):
         "    assert torch.equal(linear.small_linear(other, w, b)[:1], linear.small_linear(rows, w, b)[:1])\n"
         "    if rows.shape[0] <= 7 or (rows.shape[0] in (9, 10) and avx2):  # ...and every kernel but the panels sums as the 1-row ones do\n"
         "        assert torch.equal(linear.small_linear(rows[:1], w, b), linear.small_linear(rows, w, b)[:1])\n"
-        "    if x.dim() == 2:  # the greedy token from half the weight bytes, as the full product's\n"
+        "    if x.dim() == 2:  # the greedy token from one byte per weight, as the full product's\n"
         "        assert torch.equal(linear.small_linear_argmax(x, w, *linear.argmax_weights(w)), torch.argmax(linear.small_linear(x, w), -1))\n"
         "    xb, wb, bb = x.bfloat16(), w.bfloat16(), b.bfloat16()\n"
         "    want = F.linear(xb.double(), wb.double(), bb.double())\n"
         "    torch.testing.assert_close(linear.small_linear(xb, wb, bb).double(), want, rtol=1e-2, atol=1e-2 * shape[-1] ** 0.5)\n"
+        "    if x.dim() == 2:\n"
+        "        assert torch.equal(linear.small_linear_argmax(xb, wb, *linear.argmax_weights(wb)), torch.argmax(linear.small_linear(xb, wb).float(), -1))\n"
         "print('ok')\n")
     env = dict(os.environ, SPECDEC_SMALL_LINEAR_ISA=isa)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
@@ -140,12 +142,14 @@ def test_small_linear_rejects_bad_input():
         op(torch.randn(2, 4), torch.randn(3, 4), torch.randn(4))
 
 
-def _argmax_cases(gen):
-    """(x, weight) pairs for small_linear_argmax: random shapes and row counts (1-7 rows: the
-    stream kernel; 8 and 11+: the panels; 9-10: the blocks), near ties (a duplicated weight row,
-    one a float ulp away, weights exactly bf16, so the bound is the summation term alone), a
-    zero row, non-finite inputs, a huge input whose bound is useless, every weight row equal
-    (all tokens candidates: the full product), and logits rising with the token id."""
+def _argmax_cases(gen, dtype):
+    """(x, weight) pairs in `dtype` for small_linear_argmax: random shapes and row counts (fp32:
+    1-7 rows the stream kernel, 8 and 11+ the panels, 9-10 the blocks), near ties (a duplicated
+    weight row, one a float ulp away; in bf16 the logits' rounding ties many more), weights
+    exactly int8 times a row scale (the bound is the summation term and x's rounding alone), x
+    with an outlier (a coarse int16 rounding), a zero row, non-finite inputs, a huge input whose
+    bound is useless, every weight row equal (all tokens candidates: the full product), and
+    logits rising with the token id."""
     for case in range(60):
         vocab, k_dim = int(torch.randint(1, 1500, (), generator=gen)), int(torch.randint(1, 200, (), generator=gen))
         rows = [1, 2, 3, 5, 7, 8, 9, 10, 11, 16][case % 10]
@@ -156,7 +160,9 @@ def _argmax_cases(gen):
             w[3] = torch.nextafter(w[1], torch.full_like(w[1], float("inf")))
             x[0] = w[1] * 3  # row 0 peaks at the tied tokens
         if case % 4 == 0:
-            w = w.bfloat16().float()
+            w = torch.randint(-127, 128, (vocab, k_dim), generator=gen).float() * 2.0 ** -7
+        if case % 6 == 0:
+            x[:, 0] *= 100
         if case % 5 == 0:
             x[-1] = 0
         if case % 7 == 0:
@@ -165,50 +171,70 @@ def _argmax_cases(gen):
             x[-1, 0] = float("inf")
         if case % 13 == 0:
             x[0] = 1e20
-        yield x, w
-    yield torch.randn(2, 8, generator=gen), torch.randn(1, 8, generator=gen).repeat(1500, 1)
+        yield x.to(dtype), w.to(dtype)
+    yield torch.randn(2, 8, generator=gen).to(dtype), torch.randn(1, 8, generator=gen).repeat(1500, 1).to(dtype)
     # Logits rising with the token id: every token raises the running threshold of a scan, so a
     # thread's range keeps more than the op holds (the row is rescanned against the final one).
     u = torch.randn(16, generator=gen)
-    yield torch.stack([u, -u]), torch.arange(12000.0)[:, None] * u[None] * 1e-3
-    yield torch.randn(0, 8, generator=gen), torch.randn(5, 8, generator=gen)
+    yield torch.stack([u, -u]).to(dtype), (torch.arange(12000.0)[:, None] * u[None] * 1e-3).to(dtype)
+    yield torch.randn(0, 8, generator=gen).to(dtype), torch.randn(5, 8, generator=gen).to(dtype)
 
 
 @pytest.mark.skipif(not linear.has_kernel(), reason="needs the compiled extension")
-def test_small_linear_argmax_is_the_greedy_token_of_small_linear(gen):
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_small_linear_argmax_is_the_greedy_token_of_small_linear(gen, dtype):
     """Bit for bit the token `verify`'s greedy rule reads from small_linear's logits (lowest id
-    on ties, NaN never wins), whatever the row count, ties and non-finite values."""
+    on ties, NaN never wins; bf16 logits as float32, so ties after their rounding go to the
+    lowest id), whatever the row count, ties and non-finite values."""
     from specdec_kernels.ops.sampling import greedy_tokens
 
-    for x, w in _argmax_cases(gen):
-        weight_bf16, row_error = linear.argmax_weights(w)
-        got = linear.small_linear_argmax(x, w, weight_bf16, row_error)
+    for x, w in _argmax_cases(gen, dtype):
+        weight_int8, row_stats = linear.argmax_weights(w)
+        got = linear.small_linear_argmax(x, w, weight_int8, row_stats)
         assert got.dtype == torch.int64 and got.shape == x.shape[:-1]
-        assert torch.equal(got, greedy_tokens(linear.small_linear(x, w)))
-    x = torch.randn(2, 3, 16, generator=gen)  # leading dims kept
-    w = torch.randn(40, 16, generator=gen)
+        assert torch.equal(got, greedy_tokens(linear.small_linear(x, w).float()))
+    x = torch.randn(2, 3, 16, generator=gen).to(dtype)  # leading dims kept
+    w = torch.randn(40, 16, generator=gen).to(dtype)
     assert torch.equal(linear.small_linear_argmax(x, w, *linear.argmax_weights(w)),
-                       greedy_tokens(linear.small_linear(x, w)))
+                       greedy_tokens(linear.small_linear(x, w).float()))
     torch.library.opcheck(torch.ops.specdec.small_linear_argmax, (x[0], w, *linear.argmax_weights(w)))
 
 
-def test_argmax_weights_bound_the_bf16_product(gen):
-    """|x . bf16(w_v) - x . w_v| <= ||x|| e_v for fp32 sums in either order (here: small_linear's
-    and a float64 one); a copy into `out`; None for non-finite weights; clear errors."""
-    w = torch.randn(300, 96, generator=gen) * 3
-    out = torch.empty(300, 96, dtype=torch.bfloat16)
-    weight_bf16, row_error = linear.argmax_weights(w, out=out)
-    assert weight_bf16 is out and torch.equal(out, w.bfloat16()) and row_error.dtype == torch.float32
+def _int16_rounding(x):
+    """x^ as the op rounds x [rows, K] to int16 per row (csrc/include/specdec/small_linear_argmax.h)."""
+    k_dim = x.shape[-1]
+    limit = min(32767, (2 ** 31 - 1) // (127 * k_dim))
+    scale = (x.double().abs().amax(1) / limit).float().double()
+    return torch.round(x.double() / scale[:, None]).clamp(-limit, limit) * scale[:, None]
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_argmax_weights_bound_the_int8_product(gen, dtype):
+    """|x . w_v - x^ . w^_v| <= ||x|| e_v + ||x - x^|| n_v, with x . w_v summed in fp32 in either
+    order (here: small_linear's and a float64 one) and w^_v = s_v * int8 row; a copy into `out`;
+    None for non-finite weights; clear errors."""
+    w = (torch.randn(300, 96, generator=gen) * 3).to(dtype)
+    out = torch.empty(300, 96, dtype=torch.int8)
+    weight_int8, row_stats = linear.argmax_weights(w, out=out)
+    assert weight_int8 is out and row_stats.dtype == torch.float32 and row_stats.shape == (3, 300)
+    scale, err, qnorm = row_stats.double()
+    assert torch.equal(scale.float(), (w.float().abs().amax(1) / 127))
+    w_hat = out.double() * scale[:, None]
+    assert float((w_hat - w.double()).abs().max()) <= float(scale.max()) / 2 * (1 + 1e-6)  # round to nearest
     x = torch.randn(50, 96, generator=gen)
-    bound = x.double().norm(dim=1, keepdim=True) * row_error.double()
-    exact = x.double() @ w.double().T
-    for approx in (x.double() @ out.double().T, (x @ out.float().T).double()):
+    x[:, 5] *= 40  # an outlier: x's int16 rounding counts
+    x = x.to(dtype)
+    x_hat = _int16_rounding(x.float())
+    bound = x.double().norm(dim=1, keepdim=True) * err + (x.double() - x_hat).norm(dim=1, keepdim=True) * qnorm
+    approx = x_hat @ w_hat.T
+    for exact in (x.double() @ w.double().T, (x.float() @ w.float().T).double()):
         assert bool(((approx - exact).abs() <= bound).all())
+    if dtype == torch.float32:
         assert bool(((approx - linear.small_linear(x, w).double()).abs() <= bound).all())
-    assert float(row_error.max()) < 1e-2 * float(w.norm(dim=1).max())  # a bound that decides something
+    assert float((bound / (x.double().norm(dim=1, keepdim=True) * w.double().norm(dim=1))).max()) < 2e-2  # it decides something
     w[7, 3] = float("inf")
     assert linear.argmax_weights(w) is None
-    with pytest.raises(ValueError, match="float32 CPU"):
+    with pytest.raises(ValueError, match="float32 or bfloat16 CPU"):
         linear.argmax_weights(w.double())
     with pytest.raises(ValueError, match="out must be"):
         linear.argmax_weights(torch.randn(4, 8), out=torch.empty(4, 8))
@@ -218,17 +244,19 @@ def test_argmax_weights_bound_the_bf16_product(gen):
 def test_small_linear_argmax_rejects_bad_input():
     op = torch.ops.specdec.small_linear_argmax
     w = torch.randn(6, 4)
-    wb, err = linear.argmax_weights(w)
-    with pytest.raises(RuntimeError, match="float32"):
-        op(torch.randn(2, 4, dtype=torch.float64), w, wb, err)
+    wq, stats = linear.argmax_weights(w)
+    with pytest.raises(RuntimeError, match="both float32 or both bfloat16"):
+        op(torch.randn(2, 4, dtype=torch.float64), w, wq, stats)
+    with pytest.raises(RuntimeError, match="both float32 or both bfloat16"):
+        op(torch.randn(2, 4).bfloat16(), w, wq, stats)
     with pytest.raises(RuntimeError, match="K = 4 but weight has K = 5"):
-        op(torch.randn(2, 4), torch.randn(6, 5), wb, err)
-    with pytest.raises(RuntimeError, match="bfloat16 copy"):
-        op(torch.randn(2, 4), w, wb.float(), err)
-    with pytest.raises(RuntimeError, match=r"row_error must be float32 \[V\]"):
-        op(torch.randn(2, 4), w, wb, err[:5])
+        op(torch.randn(2, 4), torch.randn(6, 5), wq, stats)
+    with pytest.raises(RuntimeError, match="int8 copy"):
+        op(torch.randn(2, 4), w, wq.float(), stats)
+    with pytest.raises(RuntimeError, match=r"row_stats must be float32 \[3, V\]"):
+        op(torch.randn(2, 4), w, wq, stats[:, :5])
     with pytest.raises(RuntimeError, match="no rows"):
-        op(torch.randn(2, 4), torch.randn(0, 4), torch.randn(0, 4).bfloat16(), torch.randn(0))
+        op(torch.randn(2, 4), torch.randn(0, 4), torch.zeros(0, 4, dtype=torch.int8), torch.randn(3, 0))
 
 
 class _Custom(torch.nn.Linear):

@@ -29,7 +29,7 @@ huge_pages: whether `generate` moves the large weights of CPU targets and draft 
     pages, which a decoding step streams faster). On by default; SPECDEC_HUGE_PAGES=0 at
     import turns it off (read when `generate` starts).
 argmax_head: whether greedy `generate` calls without logits processing take each node's target
-    token from the lean forward's `small_linear_argmax` (half the LM head's weight bytes: a bf16
+    token from the lean forward's `small_linear_argmax` (one byte per LM-head weight: an int8
     copy and exact per-row error bounds, then the exact logits of the few candidates) instead
     of the full logits, at the row counts where that is faster (`LeanForward.greedy_rows`). The
     same tokens bit for bit as the full logits' argmax. On by default; SPECDEC_ARGMAX_HEAD=0 at

@@ -71,7 +71,7 @@ if hasattr(torch.ops.specdec, "small_linear"):  # (an extension built before the
 if hasattr(torch.ops.specdec, "small_linear_argmax"):  # (an extension built before the op existed lacks it)
 
     @torch.library.register_fake("specdec::small_linear_argmax")
-    def _small_linear_argmax_fake(x, weight, weight_bf16, row_error):
+    def _small_linear_argmax_fake(x, weight, weight_int8, row_stats):
         return x.new_empty((x.shape[0],), dtype=torch.int64)
 
 

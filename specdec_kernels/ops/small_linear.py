@@ -19,9 +19,9 @@ they round differently.
 
 With AVX2 and 1-7 rows the weight rows are read one after another (one memory stream), each
 weight vector multiplied into every row. `small_linear_argmax` gives each row's greedy token of
-the product from a bf16 copy of the weights (half the bytes) and exact per-row error bounds
-(`argmax_weights`), then the few candidates' exact logits: the same token as the full product's,
-bit for bit (greedy decoding's LM head, docs/loop.md).
+the product (fp32 or bf16) from an int8 copy of the weights (one byte per weight) and exact
+per-row bounds (`argmax_weights`), then the few candidates' exact logits: the same token as the
+full product's, bit for bit (greedy decoding's LM head, docs/loop.md).
 
 Which is faster depends on the BLAS, the CPU and the row count, so nothing is assumed:
 `choose_small_linear_rows` times a module's own weights both ways and keeps the range of row
@@ -74,51 +74,59 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tens
 
 
 def argmax_weights(weight: torch.Tensor, out: Optional[torch.Tensor] = None) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """(weight_bf16, row_error) for `small_linear_argmax` from fp32 weight [V, K] (an LM head's):
-    a bf16 copy (round to nearest even; into `out`, a bf16 [V, K] tensor, when given), and per
-    weight row v a float32 e_v with |approx - exact| <= ||x|| * e_v for any fp32 x [K], where
-    approx is x . bf16(w_v) and exact is x . w_v, both summed in fp32 in any order:
-    e_v = (||w_v - bf16(w_v)|| + gamma * (||w_v|| + ||bf16(w_v)||)) * (1 + 2^-10), rounded up,
-    gamma = 2 K 2^-24 (the fp32 summation bound of K terms, |error| <= gamma * sum |terms|,
-    and sum |terms| <= ||w|| ||x||). None where a weight or bound is not finite."""
-    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
-        raise ValueError(f"argmax_weights: weight must be a float32 CPU [V, K] tensor, got {weight.dtype} "
+    """(weight_int8, row_stats) for `small_linear_argmax` from a float32 or bfloat16 weight
+    [V, K] (an LM head's): an int8 copy q (into `out`, a contiguous int8 [V, K] tensor, when
+    given), w^_v = s_v * q_v with s_v = max |w_v| / 127 (round to nearest), and row_stats,
+    float32 [3, V]: the scales s_v, e_v and n_v, with |x . w_v - x^ . w^_v| <= ||x|| * e_v +
+    ||x - x^|| * n_v for any x (x^ its int16 rounding in the kernel), exact sums:
+    e_v = (||w_v - w^_v|| + gamma * ||w_v||) * (1 + 2^-10) (gamma = 2 K 2^-24: the exact
+    product's fp32 summation error in any order, |error| <= gamma * ||x|| * ||w_v||) and
+    n_v = ||w^_v|| * (1 + 2^-10), both rounded up to floats. None where a weight is not finite."""
+    if weight.dtype not in DTYPES or weight.dim() != 2 or weight.device.type != "cpu":
+        raise ValueError(f"argmax_weights: weight must be a float32 or bfloat16 CPU [V, K] tensor, got {weight.dtype} "
                          f"{tuple(weight.shape)} on {weight.device}")
     vocab, k_dim = weight.shape
     if out is None:
-        out = torch.empty(vocab, k_dim, dtype=torch.bfloat16)
-    elif out.dtype != torch.bfloat16 or tuple(out.shape) != (vocab, k_dim) or not out.is_contiguous():
-        raise ValueError(f"argmax_weights: out must be a contiguous bfloat16 [{vocab}, {k_dim}] tensor")
+        out = torch.empty(vocab, k_dim, dtype=torch.int8)
+    elif out.dtype != torch.int8 or tuple(out.shape) != (vocab, k_dim) or not out.is_contiguous():
+        raise ValueError(f"argmax_weights: out must be a contiguous int8 [{vocab}, {k_dim}] tensor")
     gamma = 2.0 * k_dim * 2.0 ** -24
-    error = torch.empty(vocab, dtype=torch.float64)
+    stats = torch.empty(3, vocab, dtype=torch.float64)
     with torch.no_grad():
-        for start in range(0, vocab, 4096):  # (chunks: float64 copies of the whole weight would double its memory)
-            w = weight[start: start + 4096]
-            b = out[start: start + 4096]
-            b.copy_(w)
-            wide = b.float()
-            # w - bf16(w) is exact in fp32 (the bits rounding dropped), its norm in float64.
-            error[start: start + 4096] = ((w - wide).double().norm(dim=1)
-                                          + gamma * (w.double().norm(dim=1) + wide.double().norm(dim=1))) * (1 + 2.0 ** -10)
-    if not bool(torch.isfinite(error).all()):
+        for start in range(0, vocab, 4096):  # (chunks: float64 copies of the whole weight would be 8x its memory)
+            w = weight[start: start + 4096].double()
+            peak = w.abs().amax(1)
+            if not bool(torch.isfinite(peak).all()):
+                return None
+            scale = (peak / 127).float()
+            scale[scale == 0] = 1.0  # (a row of zeros: q = 0, exact)
+            q = torch.round(w / scale.double()[:, None]).clamp(-127, 127)
+            out[start: start + 4096].copy_(q.to(torch.int8))
+            w_hat = q * scale.double()[:, None]  # exact in float64
+            stats[0, start: start + 4096] = scale.double()
+            stats[1, start: start + 4096] = ((w - w_hat).norm(dim=1) + gamma * w.norm(dim=1)) * (1 + 2.0 ** -10)
+            stats[2, start: start + 4096] = w_hat.norm(dim=1) * (1 + 2.0 ** -10)
+    if not bool(torch.isfinite(stats).all()):
         return None
-    row_error = error.float()
-    low = row_error.double() < error  # rounded down: the next float up
-    row_error[low] = torch.nextafter(row_error[low], torch.tensor(float("inf")))
-    return out, row_error
+    row_stats = stats.float()
+    low = row_stats.double() < stats  # rounded down: the next float up (the scales are floats already)
+    row_stats[low] = torch.nextafter(row_stats[low], torch.tensor(float("inf")))
+    return out, row_stats
 
 
-def small_linear_argmax(x: torch.Tensor, weight: torch.Tensor, weight_bf16: torch.Tensor,
-                        row_error: torch.Tensor) -> torch.Tensor:
+def small_linear_argmax(x: torch.Tensor, weight: torch.Tensor, weight_int8: torch.Tensor,
+                        row_stats: torch.Tensor) -> torch.Tensor:
     """int64 [...]: each row's greedy token of `small_linear(x, weight)` (x [..., K], weight
-    [V, K], fp32 CPU tensors, no bias) by `verify`'s rule (`sampling.greedy_tokens`: lowest id
-    on ties, NaN never wins), the same token bit for bit, from half of the weight bytes:
-    (weight_bf16, row_error) = `argmax_weights(weight)`. A first pass multiplies x by the bf16
-    copy; every token whose bound ||x|| * row_error reaches the largest lower end is a
-    candidate; the candidates' exact logits come from small_linear's kernel at x's row count
-    (csrc/include/specdec/small_linear_argmax.h). Rows whose bound cannot decide (non-finite values, over
-    1024 candidates) take the full product."""
-    out = torch.ops.specdec.small_linear_argmax(x.reshape(-1, x.shape[-1]), weight, weight_bf16, row_error)
+    [V, K], CPU tensors both float32 or both bfloat16, no bias) by `verify`'s rule
+    (`sampling.greedy_tokens` of the logits as float32: lowest id on ties, NaN never wins), the
+    same token bit for bit, from one byte per weight: (weight_int8, row_stats) =
+    `argmax_weights(weight)`. A first pass multiplies x, rounded to int16 per row, by the int8
+    copy in exact integer sums; every token whose bound reaches the largest lower end (bf16:
+    less the reach of a tie after rounding to bf16) is a candidate; the candidates' exact
+    logits come from small_linear's kernel at x's row count
+    (csrc/include/specdec/small_linear_argmax.h). Rows whose bound cannot decide (non-finite
+    values, over 1024 candidates) take the full product."""
+    out = torch.ops.specdec.small_linear_argmax(x.reshape(-1, x.shape[-1]), weight, weight_int8, row_stats)
     return out.view(x.shape[:-1])
 
 

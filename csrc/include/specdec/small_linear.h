@@ -108,7 +108,7 @@ constexpr int64_t kSmallLinearPrefetchBytes = 18432;
 // before its later passes read it: 3 rows of the default model's weights from L3 ran 4.8 ms
 // with 9 KB against 6.1 with 18 KB, and 8 rows from memory 21.8 against 22.8.
 constexpr int64_t kSmallLinearPrefetchBytesAvx2 = 9216;
-// The one-stream kernels' distance (small_linear_row_stream_avx2, the bf16-weight pass): their
+// The one-stream kernel's distance (small_linear_row_stream_avx2): its
 // single stream is what the hardware prefetchers follow best; 1 KB ahead measured best in a C++
 // harness on the AMD EPYC (28.7 GB/s at one row against 26.8-27.0 with none or 2 KB).
 constexpr int64_t kSmallLinearStreamPrefetchBytes = 1024;
@@ -676,104 +676,148 @@ inline void small_linear_rows_bf16(const cpu::BFloat16Bits* x, int64_t rows, int
 }
 
 
-// ----------------------------------------------------------------------------- fp32 rows, bf16 weights
-// y[m, n] = dot(x[m, :], float(w[n, :])) for fp32 x and a bf16 copy w of fp32 weights, summed in
-// fp32: the first, approximate pass of small_linear_argmax (csrc/include/specdec/small_linear_argmax.h),
-// which reads half the bytes of the fp32 weights. One weight row at a time against up to 12
-// input rows (more rows: groups of 12, rereading the row from L1), no bias.
+// ----------------------------------------------------------------------------- int16 rows, int8 weights
+// y[m, n] = (float(sum_k xq[m, k] * wq[n, k]) * xs[m]) * ws[n]: int16 input rows xq (scale xs[m]
+// each) against an int8 copy of the weights wq (scale ws[n] each), the first, approximate pass
+// of small_linear_argmax (csrc/include/specdec/small_linear_argmax.h), which reads one byte per
+// weight: a quarter of fp32 weights' bytes, half of bf16's. The integer sums are exact (int32:
+// the caller keeps |xq| <= small_linear_q8_x_limit(k_dim)), so their order is free and every
+// kernel below gives the same y. One weight row at a time (a single stream through the
+// weights, which the hardware prefetchers follow) against up to 8 input rows, no bias.
 
-inline void small_linear_bf16w_rows_portable(const float* x, int64_t rows, int64_t k_dim, const cpu::BFloat16Bits* w,
-                                             float* y, int64_t n_dim, int64_t n_begin, int64_t n_end) {
+// The largest |xq| whose sums of k_dim products with int8 weights (|wq| <= 127) fit in int32.
+inline int32_t small_linear_q8_x_limit(int64_t k_dim) {
+  const int64_t limit = int64_t{2147483647} / (127 * (k_dim > 0 ? k_dim : 1));
+  return static_cast<int32_t>(limit < 32767 ? limit : 32767);
+}
+
+inline void small_linear_q8w_rows_portable(const int16_t* xq, const float* xs, int64_t rows, int64_t k_dim,
+                                           const int8_t* wq, const float* ws, float* y, int64_t n_dim,
+                                           int64_t n_begin, int64_t n_end) {
   for (int64_t n = n_begin; n < n_end; ++n) {
-    const cpu::BFloat16Bits* wn = w + n * k_dim;
+    const int8_t* wn = wq + n * k_dim;
     for (int64_t m = 0; m < rows; ++m) {
-      const float* xm = x + m * k_dim;
-      float acc = 0.f;
-      for (int64_t k = 0; k < k_dim; ++k) acc += xm[k] * cpu::to_float(wn[k]);
-      y[m * n_dim + n] = acc;
+      const int16_t* xm = xq + m * k_dim;
+      int32_t acc = 0;
+      for (int64_t k = 0; k < k_dim; ++k) acc += static_cast<int32_t>(xm[k]) * wn[k];
+      y[m * n_dim + n] = static_cast<float>(acc) * xs[m] * ws[n];
     }
   }
 }
 
 #ifdef SPECDEC_SMALL_LINEAR_X86
-// 8 bf16 values widened to fp32: zero-extended, shifted into the high half.
-__attribute__((target("avx2,fma"))) inline __m256 widen_bf16x8(const cpu::BFloat16Bits* p) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
+// XR input rows against int8 weight row n, LANES int16 pairs a step: the weights widened to
+// int16 (sign-extend), then per input row VPMADDWD (pairs of int16 products summed into int32
+// lanes) and an add into its accumulator; the k_dim % LANES tail in scalars. (Measured on the
+// AMD EPYC, Zen 4, in a harness over the default model's LM head: two weight rows a pass, which
+// share each input vector loaded, and AVX512-VNNI's VPDPWSSD, the multiply and add in one,
+// were both no faster at 1-8 rows, two rows side by side clearly slower at 1-2.)
+#define SPECDEC_Q8_ROW_KERNEL(NAME, TARGET, VEC, LANES, WIDEN, LOADX, MADD, ADD, ZERO, HSUM)                    \
+  template <int XR>                                                                                             \
+  TARGET inline void NAME(const int16_t* xq, const float* xs, int64_t k_dim, const int8_t* wq, const float* ws, \
+                          int64_t n, float* y, int64_t n_dim) {                                                \
+    const int8_t* wr = wq + n * k_dim;                                                                          \
+    VEC acc[XR];                                                                                                \
+    for (int i = 0; i < XR; ++i) acc[i] = ZERO();                                                               \
+    int64_t k = 0;                                                                                              \
+    for (; k + LANES <= k_dim; k += LANES) {                                                                    \
+      const VEC wv = WIDEN(wr + k);                                                                             \
+      for (int i = 0; i < XR; ++i) acc[i] = ADD(acc[i], MADD(LOADX(xq + i * k_dim + k), wv));                   \
+    }                                                                                                           \
+    for (int i = 0; i < XR; ++i) {                                                                              \
+      int32_t sum = HSUM(acc[i]);                                                                               \
+      for (int64_t kk = k; kk < k_dim; ++kk) sum += static_cast<int32_t>(xq[i * k_dim + kk]) * wr[kk];           \
+      y[i * n_dim + n] = static_cast<float>(sum) * xs[i] * ws[n];                                               \
+    }                                                                                                           \
+  }
 
-// XR input rows against bf16 weight row n: 8 weights widened to fp32 per step (zero-extend,
-// shift into the high half), a prefetch per cache line kSmallLinearStreamPrefetchBytes ahead.
-// U accumulators per input row (XR * U chains of FMAs): with one chain, its latency (one FMA
-// per 16 bytes of weights) held one row to ~15 GB/s on the AMD EPYC, below what the memory
-// gives. (The order of the sums is free here: the caller's bound covers any order.)
-template <int XR>
-__attribute__((target("avx2,fma"))) inline void small_linear_bf16w_row_avx2(const float* x, int64_t k_dim,
-                                                                            const cpu::BFloat16Bits* w, int64_t n,
-                                                                            float* y, int64_t n_dim) {
-  constexpr int U = XR == 1 ? 4 : (XR <= 3 ? 2 : 1);
-  const cpu::BFloat16Bits* wr = w + n * k_dim;
-  __m256 acc[XR][U];
-  for (int i = 0; i < XR; ++i)
-    for (int u = 0; u < U; ++u) acc[i][u] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 * U <= k_dim; k += 8 * U) {
-    _mm_prefetch(reinterpret_cast<const char*>(wr + k) + kSmallLinearStreamPrefetchBytes, _MM_HINT_T0);
-    if (U == 4) _mm_prefetch(reinterpret_cast<const char*>(wr + k + 16) + kSmallLinearStreamPrefetchBytes, _MM_HINT_T0);
-    for (int u = 0; u < U; ++u) {
-      const __m256 wv = widen_bf16x8(wr + k + 8 * u);
-      for (int i = 0; i < XR; ++i) acc[i][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i * k_dim + k + 8 * u), acc[i][u]);
-    }
-  }
-  for (; k + 8 <= k_dim; k += 8) {
-    const __m256 wv = widen_bf16x8(wr + k);
-    for (int i = 0; i < XR; ++i) acc[i][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i * k_dim + k), acc[i][0]);
-  }
-  for (int i = 0; i < XR; ++i) {
-    for (int u = 1; u < U; ++u) acc[i][0] = _mm256_add_ps(acc[i][0], acc[i][u]);
-    const float* xi = x + i * k_dim;
-    float sum = hsum8(acc[i][0]);
-    for (int64_t kk = k; kk < k_dim; ++kk) sum += xi[kk] * cpu::to_float(wr[kk]);
-    y[i * n_dim + n] = sum;
-  }
+#define SPECDEC_Q8_AVX512 __attribute__((target("avx512f,avx512bw")))
+#define SPECDEC_Q8_AVX2 __attribute__((target("avx2")))
+SPECDEC_Q8_AVX2 inline int32_t q8_hsum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
 }
+// (Halves by vector shuffles: GCC 12's _mm512_extracti64x4_epi64 trips -Wuninitialized
+// inside its own header, as the float shuffles above say.)
+typedef int32_t SlInt16 __attribute__((vector_size(64)));
+typedef int32_t SlInt8 __attribute__((vector_size(32)));
+SPECDEC_Q8_AVX512 inline int32_t q8_hsum16(__m512i v) {
+  const SlInt16 a = (SlInt16)v;
+  const SlInt8 h = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  return q8_hsum8((__m256i)h);
+}
+SPECDEC_Q8_AVX512 inline __m512i q8_widen32(const int8_t* p) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+SPECDEC_Q8_AVX512 inline __m512i q8_load_x32(const int16_t* p) { return _mm512_loadu_si512(p); }
+SPECDEC_Q8_AVX2 inline __m256i q8_widen16(const int8_t* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+SPECDEC_Q8_AVX2 inline __m256i q8_load_x16(const int16_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+SPECDEC_Q8_ROW_KERNEL(small_linear_q8w_row_avx512, SPECDEC_Q8_AVX512, __m512i, 32, q8_widen32, q8_load_x32,
+                      _mm512_madd_epi16, _mm512_add_epi32, _mm512_setzero_si512, q8_hsum16)
+SPECDEC_Q8_ROW_KERNEL(small_linear_q8w_row_avx2, SPECDEC_Q8_AVX2, __m256i, 16, q8_widen16, q8_load_x16,
+                      _mm256_madd_epi16, _mm256_add_epi32, _mm256_setzero_si256, q8_hsum8)
+#undef SPECDEC_Q8_ROW_KERNEL
 
-__attribute__((target("avx2,fma"))) inline void small_linear_bf16w_rows_avx2(const float* x, int64_t rows, int64_t k_dim,
-                                                                             const cpu::BFloat16Bits* w, float* y,
-                                                                             int64_t n_dim, int64_t n_begin,
-                                                                             int64_t n_end) {
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    for (int64_t m = 0; m < rows; m += 12) {
-      const float* xm = x + m * k_dim;
-      float* ym = y + m * n_dim;
-      switch (rows - m < 12 ? rows - m : 12) {
-        case 1: small_linear_bf16w_row_avx2<1>(xm, k_dim, w, n, ym, n_dim); break;
-        case 2: small_linear_bf16w_row_avx2<2>(xm, k_dim, w, n, ym, n_dim); break;
-        case 3: small_linear_bf16w_row_avx2<3>(xm, k_dim, w, n, ym, n_dim); break;
-        case 4: small_linear_bf16w_row_avx2<4>(xm, k_dim, w, n, ym, n_dim); break;
-        case 5: small_linear_bf16w_row_avx2<5>(xm, k_dim, w, n, ym, n_dim); break;
-        case 6: small_linear_bf16w_row_avx2<6>(xm, k_dim, w, n, ym, n_dim); break;
-        case 7: small_linear_bf16w_row_avx2<7>(xm, k_dim, w, n, ym, n_dim); break;
-        case 8: small_linear_bf16w_row_avx2<8>(xm, k_dim, w, n, ym, n_dim); break;
-        case 9: small_linear_bf16w_row_avx2<9>(xm, k_dim, w, n, ym, n_dim); break;
-        case 10: small_linear_bf16w_row_avx2<10>(xm, k_dim, w, n, ym, n_dim); break;
-        case 11: small_linear_bf16w_row_avx2<11>(xm, k_dim, w, n, ym, n_dim); break;
-        default: small_linear_bf16w_row_avx2<12>(xm, k_dim, w, n, ym, n_dim); break;
-      }
-    }
+// Weight rows [n_begin, n_end) against every input row, 8 input rows a pass (further passes
+// reread the weight row from L1).
+#define SPECDEC_Q8_ROWS(NAME, ROW, TARGET)                                                                     \
+  TARGET inline void NAME(const int16_t* xq, const float* xs, int64_t rows, int64_t k_dim, const int8_t* wq,   \
+                          const float* ws, float* y, int64_t n_dim, int64_t n_begin, int64_t n_end) {          \
+    for (int64_t n = n_begin; n < n_end; ++n) {                                                                \
+      for (int64_t m = 0; m < rows; m += 8) {                                                                  \
+        const int16_t* xm = xq + m * k_dim;                                                                    \
+        float* ym = y + m * n_dim;                                                                             \
+        switch (rows - m < 8 ? rows - m : 8) {                                                                 \
+          case 1: ROW<1>(xm, xs + m, k_dim, wq, ws, n, ym, n_dim); break;                                      \
+          case 2: ROW<2>(xm, xs + m, k_dim, wq, ws, n, ym, n_dim); break;                                      \
+          case 3: ROW<3>(xm, xs + m, k_dim, wq, ws, n, ym, n_dim); break;                                      \
+          case 4: ROW<4>(xm, xs + m, k_dim, wq, ws, n, ym, n_dim); break;                                      \
+          case 5: ROW<5>(xm, xs + m, k_dim, wq, ws, n, ym, n_dim); break;                                      \
+          case 6: ROW<6>(xm, xs + m, k_dim, wq, ws, n, ym, n_dim); break;                                      \
+          case 7: ROW<7>(xm, xs + m, k_dim, wq, ws, n, ym, n_dim); break;                                      \
+          default: ROW<8>(xm, xs + m, k_dim, wq, ws, n, ym, n_dim); break;                                     \
+        }                                                                                                      \
+      }                                                                                                        \
+    }                                                                                                          \
   }
-}
+SPECDEC_Q8_ROWS(small_linear_q8w_rows_avx512, small_linear_q8w_row_avx512, SPECDEC_Q8_AVX512)
+SPECDEC_Q8_ROWS(small_linear_q8w_rows_avx2, small_linear_q8w_row_avx2, SPECDEC_Q8_AVX2)
+#undef SPECDEC_Q8_ROWS
+#undef SPECDEC_Q8_AVX512
+#undef SPECDEC_Q8_AVX2
 #endif
 
-inline void small_linear_bf16w_rows(const float* x, int64_t rows, int64_t k_dim, const cpu::BFloat16Bits* w, float* y,
-                                    int64_t n_dim, int64_t n_begin, int64_t n_end) {
+// Whether the AVX-512 int8-weight pass runs on this CPU (AVX512BW's 16-bit lanes).
+inline bool small_linear_has_avx512bw() {
 #ifdef SPECDEC_SMALL_LINEAR_X86
+  static const bool has =
+      small_linear_isa_cap() >= 2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return has;
+#else
+  return false;
+#endif
+}
+
+inline void small_linear_q8w_rows(const int16_t* xq, const float* xs, int64_t rows, int64_t k_dim, const int8_t* wq,
+                                  const float* ws, float* y, int64_t n_dim, int64_t n_begin, int64_t n_end) {
+#ifdef SPECDEC_SMALL_LINEAR_X86
+  if (small_linear_has_avx512bw()) {
+    small_linear_q8w_rows_avx512(xq, xs, rows, k_dim, wq, ws, y, n_dim, n_begin, n_end);
+    return;
+  }
   if (small_linear_has_avx2()) {
-    small_linear_bf16w_rows_avx2(x, rows, k_dim, w, y, n_dim, n_begin, n_end);
+    small_linear_q8w_rows_avx2(xq, xs, rows, k_dim, wq, ws, y, n_dim, n_begin, n_end);
     return;
   }
 #endif
-  small_linear_bf16w_rows_portable(x, rows, k_dim, w, y, n_dim, n_begin, n_end);
+  small_linear_q8w_rows_portable(xq, xs, rows, k_dim, wq, ws, y, n_dim, n_begin, n_end);
 }
 
 }  // namespace specdec

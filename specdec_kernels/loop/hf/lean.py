@@ -72,13 +72,16 @@ PREFILL_MIN_CHUNK = 64
 # more tokens. On the default model here the chunks were 1.10-1.36x faster on prompts of
 # 84-285 tokens, 0.88-1.14x at 357, 0.90-1.06x at 463-692 (prefill alone, two passes).
 PREFILL_MAX_TOKENS = 320
-# Greedy steps of up to this many rows (B x T) take each node's token from `small_linear_argmax`
-# (half the LM head's bytes, then the candidates' exact logits) instead of the full logits:
-# the default model's LM head (49152 x 576) on 2 AVX2 cores here, against `small_linear` and
-# the argmax, medians of 15, three runs: 1 row 2.7-3.0 ms against 5.3-5.7, 2 rows 3.1-3.7 /
-# 5.1-6.0, 4 rows 3.8-4.7 / 5.7-7.3, 7 rows 6.3-7.0 / 7.2-8.7, 8 rows 5.9-7.4 / 7.9-8.8, 12 rows
-# 10.1-11.2 / 8.7-9.5 (from ~10 rows the bf16 pass is bound by its FMAs and the fp32 panels win).
-ARGMAX_MAX_ROWS = 8
+# Greedy steps of up to this many rows (B x T), per LM-head dtype, take each node's token from
+# `small_linear_argmax` (one byte per weight of the LM head, then the candidates' exact logits)
+# instead of the full logits. The default model's LM head (49152 x 576) on the 2-thread AMD
+# EPYC (Zen 4, AVX-512), against `small_linear` and the argmax, medians of 15, three runs (the
+# harness calls the head back to back, so its int8 copy, 28 MB, is partly in L3 there):
+# fp32 1 row 0.8-1.2 ms against 3.2-3.8, 3 rows 1.3-1.6 / 4.9, 5 rows 1.8-3.2 / 5.0-5.3, 8 rows
+# 3.5-4.2 / 5.2-6.6; bf16 1 row 0.8-0.9 / 1.5-2.1, 3 rows 1.2-2.0 / 1.8-2.1, 5 rows 1.9-2.6 /
+# 3.0-3.4, 7 rows 2.9-3.2 / 3.2-3.6, 8 rows 3.3-4.2 / 3.4-3.7 (from ~8 rows the int8 pass is
+# bound by its arithmetic; bf16 products are cheaper to compute in full than fp32 ones).
+ARGMAX_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 7}
 
 
 def _has_hooks(module: torch.nn.Module) -> bool:
@@ -240,15 +243,15 @@ class LeanForward:
 
     def greedy_rows(self, rows: int) -> bool:
         """Whether a greedy step of `rows` rows (B x T) may take each node's token from
-        `small_linear_argmax` (`forward(..., greedy=True)`): `config.argmax_head`, an fp32 CPU
-        LM head without a bias, its product routed to `small_linear` at this row count (so the
-        tokens are the argmax of exactly the logits the step would compute), and at most
-        ARGMAX_MAX_ROWS rows. The bf16 copy of the head and its bounds are made on the first
+        `small_linear_argmax` (`forward(..., greedy=True)`): `config.argmax_head`, an fp32 or
+        bf16 CPU LM head without a bias, its product routed to `small_linear` at this row count
+        (so the tokens are the argmax of exactly the logits the step would compute), and at most
+        ARGMAX_MAX_ROWS[its dtype] rows. The int8 copy of the head and its bounds are made on the first
         call (kept on the head module until its weight changes)."""
         return self._argmax_head(rows) is not None
 
     def prepare_greedy(self) -> None:
-        """Make the bf16 copy of the LM head and its bounds (`greedy_rows`) now, where they
+        """Make the int8 copy of the LM head and its bounds (`greedy_rows`) now, where they
         apply: the first greedy step would otherwise pay for them (~0.4 s for the default
         model), and the adaptive planner would take that for what a plain step costs (one
         such step once left its plain-step estimate 1.5x too high for the rest of the process)."""
@@ -257,13 +260,14 @@ class LeanForward:
     def _argmax_head(self, rows: int):
         """`_argmax_weights()` for a greedy step of `rows` rows, or None where `greedy_rows` does not hold."""
         lo, hi = self.linear_rows
-        return self._argmax_weights() if lo <= rows <= min(hi, ARGMAX_MAX_ROWS) else None
+        most = ARGMAX_MAX_ROWS.get(self.model.lm_head.weight.dtype, 0)
+        return self._argmax_weights() if lo <= rows <= min(hi, most) else None
 
     def _argmax_weights(self):
-        """(weight, weight_bf16, row_error) of the LM head for `small_linear_argmax`, or None."""
+        """(weight, weight_int8, row_stats) of the LM head for `small_linear_argmax`, or None."""
         head = self.model.lm_head
         weight = head.weight
-        if (not config.argmax_head or head.bias is not None or weight.dtype != torch.float32
+        if (not config.argmax_head or head.bias is not None or weight.dtype not in linear.DTYPES
                 or weight.device.type != "cpu" or not hasattr(torch.ops.specdec, "small_linear_argmax")):
             return None
         # (an inference tensor has no version counter, and cannot change outside inference mode)
@@ -271,8 +275,8 @@ class LeanForward:
         kept = head.__dict__.get("_specdec_argmax_weights")
         if kept is None or kept[0] != key:
             # The copy in 2 MB pages where the kernel has them (loop/memory.py): a step streams it.
-            region = huge_page_buffer(weight.numel() * 2)
-            out = None if region is None else region.view(torch.bfloat16).view(weight.shape)
+            region = huge_page_buffer(weight.numel())
+            out = None if region is None else region.view(torch.int8).view(weight.shape)
             made = linear.argmax_weights(weight.detach(), out=out)
             kept = (key, None if made is None else (weight.detach(),) + made)
             head.__dict__["_specdec_argmax_weights"] = kept
