@@ -131,6 +131,24 @@ def test_acceptance_model_learns_and_forgets():
     assert est[0, 0] > est[1, 0] and (est[:, 1:] <= est[:, :-1]).all()
 
 
+def test_a_step_that_drafted_nothing_only_fades_the_counts():
+    """Planner.observe after a root-only tree takes `decay_np` alone (a fast path): the same
+    counts as the full update of that step, bit for bit."""
+    def trained():
+        model = AcceptanceModel(rows=2, max_nodes=3, device="cpu", decay=0.8, prior=0.5)
+        ranks = torch.tensor([[-1, 0, 1, 2], [-1, 0, 1, -1]])
+        on_path = torch.tensor([[True, True, False, False], [True, True, True, False]])
+        model.update(ranks, on_path, torch.tensor([[1.0, 0.6, 0.3, 0.2]] * 2), torch.tensor([True, True]))
+        return model
+
+    full, fast = trained(), trained()
+    full.update_np(np.full((2, 1), -1), np.ones((2, 1), dtype=bool), np.ones((2, 1)), np.array([True, False]),
+                   np.zeros(2, dtype=bool), np.full((2, 1), -1))
+    fast.decay_np()
+    for name in ("hit", "tried", "score_sum", "accepted", "rejected"):
+        assert torch.equal(getattr(full, name), getattr(fast, name)), name
+
+
 def test_a_rejection_says_nothing_about_deeper_nodes():
     """Acceptance is learned per rank given the parent's: a chain rejected at depth 2 counts
     a miss at depth 2 only, so the deeper ranks keep what the row showed before."""

@@ -255,10 +255,9 @@ class AcceptanceModel:
         verified = (ranks >= 0) & active[:, None]
         reached = verified & np.take_along_axis(on_path, parents, 1)  # verified with the parent accepted
         index = np.where(reached, ranks, sink)
+        self.decay_np()
         hit, tried, score_sum = self.hit.numpy(), self.tried.numpy(), self.score_sum.numpy()
         accepted, rejected_counts = self.accepted.numpy(), self.rejected.numpy()
-        for counts in (hit, tried, score_sum, accepted, rejected_counts):
-            counts *= self.decay
         hits = (reached & on_path).astype(np.float64)
         if rejected is None:
             rejected = (reached & ~on_path).any(1)
@@ -272,6 +271,12 @@ class AcceptanceModel:
             with np.errstate(divide="ignore", invalid="ignore"):
                 conditional = np.clip(np.where(above > 0, scores / above, 0.0), 0.0, 1.0)
             np.add.at(score_sum, (rows, index), np.where(reached, conditional, 0.0))
+
+    def decay_np(self) -> None:
+        """Every count fades by `decay` (what each update does first; alone: a step that verified
+        no drafted node, whose update adds nothing)."""
+        for counts in (self.hit, self.tried, self.score_sum, self.accepted, self.rejected):
+            counts.numpy()[...] *= self.decay
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         rows = rows.cpu()
@@ -455,6 +460,10 @@ class Planner:
         real = parents >= 0  # drafted nodes (the root has parent -1)
         node = np.arange(width)
         paid = float(self._draft_seconds(rows, np.array([float(self._drafted)]))[0])
+        if width == 1:  # a root-only tree (the step did not draft): no node to rank or cut
+            self._plan = _Plan(np.full((rows, 1), -1, dtype=np.int64), parents, scores, rows, width, prefix, paid,
+                               self._drafted, drafting)
+            return draft
         if draft.draft_probs is not None:  # sampled children: never pruned by value (module docstring)
             self._plan = _Plan(np.where(real, node - 1, -1), parents, scores, rows, width, prefix, paid,
                                self._drafted, drafting)
@@ -497,6 +506,11 @@ class Planner:
     def observe(self, out, active: torch.Tensor) -> None:
         """After verification: update the rows' acceptance from `out` (a VerifyOutput)."""
         plan = self._plan
+        if plan.width == 1:
+            # A root-only tree verified no drafted node: the update would only fade the counts
+            # (a third of a millisecond of host ops, on every step that did not draft).
+            self.acceptance.decay_np()
+            return
         path = host_array(out.accepted_nodes, torch.int64)
         num_accepted = host_array(out.num_accepted, torch.int64)
         # on_path: the accepted path's nodes, the root included (indexed by a mask: a scatter
