@@ -14,7 +14,7 @@ again and again, as decoding reads the weights) and on an array several times th
 cache (DRAM); the floor takes the faster of the two. torch's reductions are not the fastest
 possible reads, so an engine with better streaming kernels can come out slightly above 1.0.
 Our greedy steps read the LM head as its int8 copy (`small_linear_argmax`: a quarter of its
-fp32 bytes, half of its bf16 ones; the default model: 28 of 538 MB fp32, of 269 MB bf16), and
+fp32 bytes, half of its bf16 ones; the default model's head: 113 MB fp32, 57 MB bf16, 28 MB int8), and
 the floor counts the head in the weights' dtype, so they too may come out above 1.0 by that much.
 """
 
