@@ -578,20 +578,6 @@ struct TreeAttentionProblem {
     }
   }
 
-  // Key (value) s of row b, dense or paged (one block-table read): for prefetches.
-  const Scalar* any_key_row(int64_t b, int64_t kv_head, int64_t s) const {
-    if (block_table == nullptr) return key_row(b, kv_head, s);
-    const int64_t page = page_shift >= 0 ? s >> page_shift : s / page_size;
-    return k + block_table[b * block_table_stride + page] * k_stride_b + (s - page * page_size) * k_stride_s +
-           kv_head * k_stride_h;
-  }
-  const Scalar* any_value_row(int64_t b, int64_t kv_head, int64_t s) const {
-    if (block_table == nullptr) return value_row(b, kv_head, s);
-    const int64_t page = page_shift >= 0 ? s >> page_shift : s / page_size;
-    return v + block_table[b * block_table_stride + page] * v_stride_b + (s - page * page_size) * v_stride_s +
-           kv_head * v_stride_h;
-  }
-
   int64_t group() const { return num_q_heads / num_kv_heads; }
   int64_t rows() const { return num_nodes * group(); }               // M: queries per (row, KV head)
   int64_t num_keys(int64_t b) const { return cache_seqlens[b] + num_nodes; }  // keys row b may read
@@ -793,15 +779,20 @@ void attend_tile(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_he
 // row stride apart -- that the hardware prefetchers barely start on: a 700-token cache of the
 // default model (30 layers, 16 MB in bf16, 32 MB in fp32) was read at ~4-8 GB/s, and the
 // 16-bit conversion of each row stalled on its load (docs/loop.md).
+// count <= kTileKeys; rows found as attend_tile finds them (paged: `paged_rows`).
 template <typename Scalar>
 void prefetch_tile(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t head0, int64_t heads, int64_t first,
                    int64_t count) {
   const int64_t key_bytes = p.head_dim * static_cast<int64_t>(sizeof(Scalar));
   const int64_t value_bytes = p.value_dim * static_cast<int64_t>(sizeof(Scalar));
-  for (int64_t n = first; n < first + count; ++n) {
-    for (int64_t h = head0; h < head0 + heads; ++h) {
-      const char* key = reinterpret_cast<const char*>(p.any_key_row(b, h, n));
-      const char* value = reinterpret_cast<const char*>(p.any_value_row(b, h, n));
+  const Scalar* key_rows[attention_detail::kTileKeys];
+  const Scalar* value_rows[attention_detail::kTileKeys];
+  const bool paged = p.block_table != nullptr;
+  for (int64_t h = head0; h < head0 + heads; ++h) {
+    if (paged) p.paged_rows(b, h, first, count, key_rows, value_rows);
+    for (int64_t n = 0; n < count; ++n) {
+      const char* key = reinterpret_cast<const char*>(paged ? key_rows[n] : p.key_row(b, h, first + n));
+      const char* value = reinterpret_cast<const char*>(paged ? value_rows[n] : p.value_row(b, h, first + n));
       for (int64_t byte = 0; byte < key_bytes; byte += 64) __builtin_prefetch(key + byte, 0, 3);
       for (int64_t byte = 0; byte < value_bytes; byte += 64) __builtin_prefetch(value + byte, 0, 3);
     }
