@@ -3,10 +3,11 @@
 Two copies of the default model: a (the flag False for its calls) and b (True), each with its
 own `default_drafter` (their suffix caches then see the same requests in the same order). Each
 round runs every prompt on both, plain and with `default_drafter`, the order flipped every
-round; every pair's outputs must be equal (bf16: plain decoding's). Prints each pair's seconds and the median ratio
-(off / on) per method. Batch 1, greedy, 128 new tokens, dev prompts 5-7 of chat and code edit
-(not the benchmark's held-out ones; --workloads, --dtype). Logs: bench/results/huge_pages_ab_s15.txt (`huge_pages`:
-weights in 4 KB against 2 MB pages; b's first call moves them), argmax_head_ab_s16.txt.
+round; every pair's outputs must be equal (bf16: plain decoding's). Prints each pair's seconds
+and the median ratio (off / on) per method. Batch 1, greedy, 128 new tokens, dev prompts 5-7
+of chat and code edit (--workloads; not the benchmark's held-out ones), fp32 (--dtype). Logs:
+bench/results/huge_pages_ab_s15.txt (`huge_pages`: weights in 4 KB against 2 MB pages; b's
+first call moves them), argmax_head_ab_s16.txt, argmax_head_ab_{bf16,fp32}_s21.txt.
 
     SPECDEC_DATA=../shared/data/prompts python tools/ab_config.py --flag huge_pages [--rounds 4]
 """
