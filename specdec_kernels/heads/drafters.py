@@ -51,6 +51,10 @@ from .online import OnlineLearner, OnlineOptions, native_bf16_cpu, training_copy
 _TIE = 1e-6  # per-depth penalty on log scores: a parent always outranks its children
 _LAYOUTS = {}  # (head shapes, CPU threads) -> small_linear_rows, measured once per process
 CATCH_UP_CHUNK = 64  # entries per call of a long catch-up of the fused (CPU) head path
+# A batch's catch-up feeds each row alone when feeding them together would pad in more than
+# this many entries per extra call (a call costs ~0.2 ms of Python and a weight read from L3;
+# an entry ~0.07 ms of a bf16 head layer's products on the 2-core AMD EPYC).
+PER_ROW_PADDING = 4
 
 
 def _load(module_cls, target, head, kind):
@@ -319,46 +323,65 @@ class _HeadDrafter(Drafter):
             cos, sin = self._rotary(torch.arange(size)[None])
             table = self._rotary_table = (cos[0].contiguous(), sin[0].contiguous())
 
-        def run(x, positions, mask, seqlens):
+        def run(x, positions, mask, seqlens, rows=slice(None)):
+            # (rows: a slice of the batch, so the caches stay views the op writes through)
             out = torch.ops.specdec.decoder_layer(x.contiguous(), F.embedding(positions, table[0]),
-                                                  F.embedding(positions, table[1]), weights, k_cache, v_cache,
-                                                  mask.contiguous(), seqlens, scale, eps,
+                                                  F.embedding(positions, table[1]), weights, k_cache[rows],
+                                                  v_cache[rows], mask.contiguous(), seqlens, scale, eps,
                                                   self.small_linear_rows[1] + 1)  # (BLAS where measured faster)
             return self._block_outputs(out)
 
         # Feed the entries since the last step, and at least the last one (its output drafts
-        # the root's children): re-fed entries write the same keys and values again. Rows
-        # with fewer entries pad theirs with scratch past their prefix (overwritten later);
-        # a row whose window would pass the cache's end starts earlier instead.
+        # the root's children): re-fed entries write the same keys and values again.
         last = [max(p - 1, 0) for p in prefix]
         base = [min(c, n) for c, n in zip(cached.tolist(), last)]
-        count = max(max(p - b, 1) for p, b in zip(prefix, base))
-        start = [max(min(b, size - count), 0) for b in base]
-        positions = torch.tensor([[s + j for j in range(count)] for s in start])
-        # Row b's entries idx = min(position, last) as flat indices into the feature buffer
-        # and (idx + 1) into the history.
-        idx = [[min(s + j, n) for j in range(count)] for s, n in zip(start, last)]
+        counts = [max(p - b, 1) for p, b in zip(prefix, base)]
         capacity = self.features.shape[1]
-        feats = self.features.view(-1, hidden)[torch.tensor([b * capacity + i for b, row in enumerate(idx) for i in row])]
-        tokens = torch.take(history, torch.tensor([[b * width + i + 1 for i in row] for b, row in enumerate(idx)]))
-        x = self._block_inputs(feats.view(batch, count, hidden), tokens, positions if min(start) == 0 else None)
-        if count <= CATCH_UP_CHUNK:
-            feed, g = run(x, positions, _causal_mask(count), torch.tensor(start, dtype=torch.int32))
+
+        def catch_up(first, stop):
+            """Feed rows [first, stop) their entries; returns (fed deeper, logits' input) of
+            each row's last entry, [stop - first, ...] each. Rows with fewer entries than the
+            longest pad theirs with scratch past their prefix (overwritten later); a row whose
+            window would pass the cache's end starts earlier instead."""
+            rows, count = stop - first, max(counts[first:stop])
+            start = [max(min(b, size - count), 0) for b in base[first:stop]]
+            ends = last[first:stop]
+            positions = torch.tensor([[s + j for j in range(count)] for s in start])
+            # Row b's entries idx = min(position, last) as flat indices into the feature
+            # buffer and (idx + 1) into the history.
+            idx = [[min(s + j, n) for j in range(count)] for s, n in zip(start, ends)]
+            feats = self.features.view(-1, hidden)[torch.tensor([b * capacity + i for b, row in enumerate(idx, first)
+                                                                 for i in row])]
+            tokens = torch.take(history, torch.tensor([[b * width + i + 1 for i in row] for b, row in enumerate(idx, first)]))
+            x = self._block_inputs(feats.view(rows, count, hidden), tokens, positions if min(start) == 0 else None)
+            if count <= CATCH_UP_CHUNK:
+                feed, g = run(x, positions, _causal_mask(count), torch.tensor(start, dtype=torch.int32),
+                              slice(first, stop))
+            else:
+                # A long catch-up (the prompt, after the prefill) in chunks: each chunk reads the
+                # entries before it as its prefix. As one call, every entry was a node of a causal
+                # "tree" whose mask the tree attention walks per key and query (T^2): the head's
+                # catch-up over a 691-token prompt took 262 ms, eight target layers' worth.
+                parts = [run(x[:, c: c + CATCH_UP_CHUNK], positions[:, c: c + CATCH_UP_CHUNK],
+                             _causal_mask(min(CATCH_UP_CHUNK, count - c)),
+                             torch.tensor([s + c for s in start], dtype=torch.int32), slice(first, stop))
+                         for c in range(0, count, CATCH_UP_CHUNK)]
+                g = torch.cat([part[1] for part in parts], 1)
+                feed = g if parts[0][0] is parts[0][1] else torch.cat([part[0] for part in parts], 1)
+            at = torch.tensor([r * count + min(n - s, count - 1) for r, (s, n) in enumerate(zip(start, ends))])
+            g_last = g.reshape(rows * count, -1)[at]
+            return (g_last if feed is g else feed.reshape(rows * count, -1)[at]), g_last
+
+        # The rows are fed together, each padded to the longest row's entries, unless that
+        # pads more than PER_ROW_PADDING entries per extra call that feeding each row alone
+        # would make (one row accepted a long copy): then each row alone.
+        if batch > 1 and batch * max(counts) - sum(counts) > PER_ROW_PADDING * (batch - 1):
+            parts = [catch_up(b, b + 1) for b in range(batch)]
+            feed_root, g_root = torch.cat([part[0] for part in parts]), torch.cat([part[1] for part in parts])
         else:
-            # A long catch-up (the prompt, after the prefill) in chunks: each chunk reads the
-            # entries before it as its prefix. As one call, every entry was a node of a causal
-            # "tree" whose mask the tree attention walks per key and query (T^2): the head's
-            # catch-up over a 691-token prompt took 262 ms, eight target layers' worth.
-            parts = [run(x[:, c: c + CATCH_UP_CHUNK], positions[:, c: c + CATCH_UP_CHUNK],
-                         _causal_mask(min(CATCH_UP_CHUNK, count - c)),
-                         torch.tensor([s + c for s in start], dtype=torch.int32))
-                     for c in range(0, count, CATCH_UP_CHUNK)]
-            g = torch.cat([part[1] for part in parts], 1)
-            feed = g if parts[0][0] is parts[0][1] else torch.cat([part[0] for part in parts], 1)
+            feed_root, g_root = catch_up(0, batch)
         # The root's children come from the output at the last entry.
-        at = torch.tensor([b * count + min(n - s, count - 1) for b, (s, n) in enumerate(zip(start, last))])
-        g_root = g.reshape(batch * count, -1)[at]
-        state = {"x": None, "feed": feed.reshape(batch * count, -1)[at][:, None] if feed is not g else g_root[:, None]}
+        state = {"x": None, "feed": feed_root[:, None]}
 
         def expand(level, parent_pos, tokens):
             n_new = tokens.shape[1]
