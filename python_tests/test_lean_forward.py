@@ -349,6 +349,7 @@ def test_fused_prefill_matches_the_models_own(monkeypatch, name):
 
     monkeypatch.setattr(lean_module, "PREFILL_MIN_CHUNK", 5)
     monkeypatch.setattr(lean_module, "PREFILL_MAX_TOKENS", 15)
+    monkeypatch.setattr(lean_module.linear, "LAYOUT_ROWS", (1, 2, 5))  # our kernel won at every count compared
     model = build(name)
     lean = LeanForward.for_model(model, (1, 5))
     assert lean.prefill_chunk(hf.TreeKVCache.for_model(model, 1, 8)) == 5
@@ -380,7 +381,10 @@ def test_fused_prefill_runs_only_where_it_pays(monkeypatch):
 
     model = build("llama", seed=5)
     dense = hf.TreeKVCache.for_model(model, 1, 8)
-    assert LeanForward.for_model(model, (1, 64)).prefill_chunk(dense) == 64
+    most = max(lean_module.linear.LAYOUT_ROWS)
+    assert LeanForward.for_model(model, (1, most)).prefill_chunk(dense) == most  # ours won at every count
+    # BLAS won past 64 rows: a row's whole prompt (up to PREFILL_MAX_TOKENS) in one chunk
+    assert LeanForward.for_model(model, (1, 64)).prefill_chunk(dense) == lean_module.PREFILL_MAX_TOKENS
     assert LeanForward.for_model(model, (1, 63)).prefill_chunk(dense) == 0
     assert LeanForward.for_model(model, (1, 64)).prefill_chunk(hf.TreeKVCache.for_model(model, 1, 8, page_size=4)) == 0
     assert LeanForward.for_model(model, (0, 0)).prefill_chunk(dense) == 0
@@ -391,6 +395,7 @@ def test_fused_prefill_runs_only_where_it_pays(monkeypatch):
         assert_identical(tuple(got[1]), tuple(want[1]))
 
     monkeypatch.setattr(lean_module, "PREFILL_MIN_CHUNK", 8)
+    monkeypatch.setattr(lean_module.linear, "LAYOUT_ROWS", (1, 8))  # chunks of 8 rows at most
     monkeypatch.setattr(generate_module, "_small_linear_rows", lambda target, planner: (1, 8))
     calls = []
     real = LeanForward._prefill_row

@@ -30,8 +30,9 @@ squares (`config.fused_layers = False` or SPECDEC_FUSED_LAYERS=0 turns it off).
 
 The prefill takes the same ops where they pay (`LeanForward.prefill`): each row's prompt in
 equal chunks of at most `linear_rows[1]` tokens (the most rows at which `small_linear`
-measured faster than torch's BLAS), each chunk one step whose "tree" is a causal chain. Its
-products then run at the row counts where our kernel is fastest and its element-wise steps
+measured faster than torch's BLAS), or as one chunk where BLAS won at more rows
+(`prefill_chunk`), each chunk one step whose "tree" is a causal chain. Its
+products then run where they are fastest and its element-wise steps
 without transformers' per-op overhead: the default model's prefill of 84-285-token prompts
 1.1-1.36x faster than transformers' forward on MKL here (one row at a time), even or slower
 from ~360 tokens, so longer rows keep `hf.prefill` (`PREFILL_MAX_TOKENS`). It
@@ -339,12 +340,19 @@ class LeanForward:
         return h
 
     def prefill_chunk(self, cache) -> int:
-        """The most tokens a prefill chunk of one row runs on `cache` through the fused layers
-        (`linear_rows[1]`), or 0 where the prefill runs `hf.prefill` instead: no fused
-        layers, a paged cache, or our kernel faster than BLAS only below `PREFILL_MIN_CHUNK`
-        rows."""
+        """The most tokens a prefill chunk of one row runs on `cache` through the fused layers,
+        or 0 where the prefill runs `hf.prefill` instead: no fused layers, a paged cache, or
+        our kernel faster than BLAS only below `PREFILL_MIN_CHUNK` rows. Where our kernel
+        measured faster at every row count compared (`small_linear.LAYOUT_ROWS`), chunks of
+        `linear_rows[1]` tokens (its products on our kernel); where torch's BLAS won past
+        `linear_rows[1]` rows, a row's whole prompt of up to `PREFILL_MAX_TOKENS` tokens is one
+        chunk, its products on BLAS (`blas_rows`), which gains with the rows: bf16 on the
+        2-core AMD EPYC (Zen 4), rows of 150-285 tokens 5-20% faster than in chunks of 64 on
+        our kernel (interleaved, five rounds; docs/loop.md, twenty-second session)."""
         chunk = self.linear_rows[1]
-        return chunk if chunk >= PREFILL_MIN_CHUNK and self.fuses(chunk, cache) else 0
+        if chunk < PREFILL_MIN_CHUNK or not self.fuses(chunk, cache):
+            return 0
+        return chunk if chunk >= max(linear.LAYOUT_ROWS) else PREFILL_MAX_TOKENS
 
     def prefill(self, model, cache, history: torch.Tensor, lengths: torch.Tensor, return_hidden=False):
         """`hf.prefill(model, cache, history, lengths, return_hidden)`: the same arguments and
