@@ -72,6 +72,8 @@ CASES = {
     "one_node": dict(nodes=1, batch=1),
     "wide_tree_packed": dict(nodes=70, capacity=100, packed=True, batch=2),
     "odd_sizes": dict(width=72, inner=100, heads=3, kv_heads=3, head_dim=24, nodes=3),
+    # a prefill chunk's rows: the element-wise steps split over the threads (kParallelElements)
+    "many_rows_qk_norm": dict(batch=2, nodes=300, width=128, inner=256, capacity=320, qk_norm=True, packed=True),
 }
 
 
@@ -102,6 +104,24 @@ def test_matches_the_reference(name, dtype, blas):
             keep[start:start + nodes] = False
             assert torch.equal(got_k[b, keep], case["k_cache"][b, keep])
             assert torch.equal(got_v[b, keep], case["v_cache"][b, keep])
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+def test_the_threads_split_nothing_but_the_work(dtype):
+    """A step of many rows splits its element-wise steps (norms, rotations, adds, the gated
+    product) over torch's threads; each row is computed alone, so one thread and two give the
+    same bits."""
+    case = make_case(11, dtype=dtype, **CASES["many_rows_qk_norm"])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = run(case, "cpu")
+        torch.set_num_threads(2)
+        split = run(case, "cpu")
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(alone, split):
+        assert torch.equal(a, b)
 
 
 def test_the_values_are_written_exactly():
