@@ -52,8 +52,8 @@ _TIE = 1e-6  # per-depth penalty on log scores: a parent always outranks its chi
 _LAYOUTS = {}  # (head shapes, CPU threads) -> small_linear_rows, measured once per process
 CATCH_UP_CHUNK = 64  # entries per call of a long catch-up of the fused (CPU) head path
 # A batch's catch-up feeds each row alone when feeding them together would pad in more than
-# this many entries per extra call (a call costs ~0.2 ms of Python and a weight read from L3;
-# an entry ~0.07 ms of a bf16 head layer's products on the 2-core AMD EPYC).
+# this many entries per extra call (estimates for the 2-core AMD EPYC: a call ~0.2 ms of Python
+# and a weight read from L3, an entry ~0.07 ms of a bf16 head layer's products).
 PER_ROW_PADDING = 4
 
 
