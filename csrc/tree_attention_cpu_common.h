@@ -75,6 +75,7 @@ void fill_problem(cpu::TreeAttentionProblem<Storage>& p, const at::Tensor& q, co
   p.mask.stride_b = tree_mask.stride(0);
   p.mask.stride_t = tree_mask.stride(1);
   p.mask.stride_col = tree_mask.stride(2);
+  p.mask.chain = cpu::is_causal_chain(p.mask, q.size(0), q.size(1));
   p.cache_seqlens = lengths;
   p.num_nodes = q.size(1);
   p.num_q_heads = q.size(2);
@@ -92,6 +93,23 @@ void fill_problem(cpu::TreeAttentionProblem<Storage>& p, const at::Tensor& q, co
 // accumulators and two key / value tiles: ~70 KB at 48 queries and D = 64), and all of them
 // should stay in L2 together (192 rows: ~240 KB for 3 heads of 64).
 constexpr int64_t kAllHeadsMaxRows = 192;
+
+// Where range `part` of `parts` of row b's keys begins (part = parts: where the last ends) on a
+// causal chain (p.mask.chain): equal shares of the key x query work rather than of the keys, as
+// attend_tile skips the queries that come before a tree key (for a prefill chunk with no prefix
+// the first half of the keys holds three quarters of the work). A prefix key counts T queries,
+// tree node n T - n.
+template <typename Problem>
+int64_t chain_range_start(const Problem& p, int64_t b, int64_t part, int64_t parts) {
+  const int64_t nodes = p.num_nodes, first = p.first_key(b), prefix = p.cache_seqlens[b];
+  const int64_t prefix_work = (prefix - first) * nodes;
+  int64_t work = (prefix_work + nodes * (nodes + 1) / 2) * part / parts;
+  if (work <= prefix_work) return first + work / std::max<int64_t>(nodes, 1);
+  work -= prefix_work;
+  int64_t node = 0;
+  while (node < nodes && work >= nodes - node) work -= nodes - node++;
+  return prefix + node;
+}
 
 // Runs problem `p` (a cpu::TreeAttentionProblem, dense or paged) for `batch` rows, over keys
 // first_key(b) .. num_keys(b) - 1 of each row (all of them without a sliding window).
@@ -134,8 +152,12 @@ void run_split(const Problem& p, int64_t batch, const at::TensorOptions& options
       const int64_t b = u * heads_per_task / p.num_kv_heads;
       const int64_t head0 = u * heads_per_task % p.num_kv_heads;
       // A short row may leave its last ranges empty: max -inf, weight 0 in the merge.
-      const int64_t first = std::min(p.num_keys(b), p.first_key(b) + part * chunk);
-      const int64_t last = std::min(p.num_keys(b), first + chunk);
+      int64_t first = std::min(p.num_keys(b), p.first_key(b) + part * chunk);
+      int64_t last = std::min(p.num_keys(b), first + chunk);
+      if (p.mask.chain && parts > 1) {
+        first = chain_range_start(p, b, part, parts);
+        last = chain_range_start(p, b, part + 1, parts);
+      }
       if (all_heads) {
         cpu::attend_keys_all_heads(p, b, first, last, scratch);
       } else {

@@ -339,24 +339,30 @@ def prefill_with(model, prefill, lengths, return_hidden, page_size=None, rows=(1
         return out, [buf.clone() for buf in cache.buffers()], cache.seqlens.clone()
 
 
+@pytest.mark.parametrize("products", ("ours", "blas"))
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_fused_prefill_matches_the_models_own(monkeypatch, name):
-    """`LeanForward.prefill` (each row in equal chunks through the fused layers; chunks of at
-    most 5 tokens here; rows of up to 15 tokens (PREFILL_MAX_TOKENS, lowered) run in 1-3
-    chunks, longer rows through `hf.prefill`) agrees with `hf.prefill` to rounding: the hidden states in every `return_hidden` form (zeros past a row's length),
-    the keys and values it writes and the lengths it sets."""
+def test_fused_prefill_matches_the_models_own(monkeypatch, name, products):
+    """`LeanForward.prefill` (each row in equal chunks through the fused layers, every row
+    however long) agrees with `hf.prefill` to rounding: the hidden states in every
+    `return_hidden` form (zeros past a row's length), the keys and values it writes and the
+    lengths it sets. Chunks of at most 5 tokens where our kernel won at every row count
+    compared; of at most 7 (`PREFILL_BLAS_CHUNK`, lowered) where BLAS won past 5 rows, their
+    products of 6-7 rows on BLAS and of 5 or fewer on ours."""
     import specdec_kernels.loop.hf.lean as lean_module
 
     monkeypatch.setattr(lean_module, "PREFILL_MIN_CHUNK", 5)
-    monkeypatch.setattr(lean_module, "PREFILL_MAX_TOKENS", 15)
-    monkeypatch.setattr(lean_module.linear, "LAYOUT_ROWS", (1, 2, 5))  # our kernel won at every count compared
+    monkeypatch.setattr(lean_module, "PREFILL_BLAS_CHUNK", 7)
+    # (ours: our kernel won at every count compared; blas: BLAS won at 8 rows)
+    monkeypatch.setattr(lean_module.linear, "LAYOUT_ROWS", (1, 2, 5) if products == "ours" else (1, 2, 5, 8))
     model = build(name)
     lean = LeanForward.for_model(model, (1, 5))
-    assert lean.prefill_chunk(hf.TreeKVCache.for_model(model, 1, 8)) == 5
-    lengths = [24, 1, 14, 6, 2]  # row 0's 23 tokens: past 15, `hf.prefill`; row 2's 13: chunks of 5, 5, 3
+    most = 5 if products == "ours" else 7
+    assert lean.prefill_chunk(hf.TreeKVCache.for_model(model, 1, 8)) == most
+    lengths = [24, 1, 14, 6, 2]  # row 0's 23 tokens: 5 chunks of 5, 5, 5, 5, 3 (ours) or 4 of 6, 6, 6, 5
     chunked = []
     real = LeanForward._prefill_row
-    monkeypatch.setattr(LeanForward, "_prefill_row", lambda self, *args: chunked.append(args[2]) or real(self, *args))
+    monkeypatch.setattr(LeanForward, "_prefill_row",
+                        lambda self, *args: chunked.append(args[2:4]) or real(self, *args))
     for return_hidden in (False, True, (0, 2, -1)):
         got = prefill_with(model, lean.prefill, lengths, return_hidden, rows=(1, 5))
         want = prefill_with(model, hf.prefill, lengths, return_hidden, rows=(1, 5))
@@ -369,7 +375,7 @@ def test_fused_prefill_matches_the_models_own(monkeypatch, name):
             for b, n in enumerate(lengths):
                 torch.testing.assert_close(got_buf[b, : n - 1], want_buf[b, : n - 1], atol=1e-5, rtol=1e-5)
         assert torch.equal(got[2], want[2])
-    assert chunked == [0, 13, 5, 1] * 3  # each row's tokens but its last (row 0's ran `hf.prefill`)
+    assert chunked == [(n - 1, most) for n in lengths] * 3  # each row's tokens but its last
 
 
 def test_fused_prefill_runs_only_where_it_pays(monkeypatch):
@@ -383,8 +389,8 @@ def test_fused_prefill_runs_only_where_it_pays(monkeypatch):
     dense = hf.TreeKVCache.for_model(model, 1, 8)
     most = max(lean_module.linear.LAYOUT_ROWS)
     assert LeanForward.for_model(model, (1, most)).prefill_chunk(dense) == most  # ours won at every count
-    # BLAS won past 64 rows: a row's whole prompt (up to PREFILL_MAX_TOKENS) in one chunk
-    assert LeanForward.for_model(model, (1, 64)).prefill_chunk(dense) == lean_module.PREFILL_MAX_TOKENS
+    # BLAS won past 64 rows: chunks of up to PREFILL_BLAS_CHUNK tokens, their products on BLAS
+    assert LeanForward.for_model(model, (1, 64)).prefill_chunk(dense) == lean_module.PREFILL_BLAS_CHUNK
     assert LeanForward.for_model(model, (1, 63)).prefill_chunk(dense) == 0
     assert LeanForward.for_model(model, (1, 64)).prefill_chunk(hf.TreeKVCache.for_model(model, 1, 8, page_size=4)) == 0
     assert LeanForward.for_model(model, (0, 0)).prefill_chunk(dense) == 0

@@ -159,6 +159,26 @@ def test_attention_long_prefix_split_across_threads(gen, page_size):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("page_size", (16, 5))
+def test_attention_causal_chains(gen, page_size, dtype):
+    """Rows that are causal chains (prefill chunks of 150 nodes after prefixes of up to 300): the
+    CPU kernel's chain path (queries before a tile's tree keys skipped, keys split by work) on
+    pages, on 1-3 threads, with and without a window."""
+    q, k, v, _, prefix, k_pool, v_pool, table = attention_case(
+        gen, batch=2, num_nodes=150, q_heads=9, kv_heads=3, head_dim=64, dtype=dtype, page_size=page_size,
+        max_prefix=300, shared=False)
+    mask = pack_tree_mask(torch.ones(150, 150, dtype=torch.bool).tril())
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for window in (None, 40):
+                check_attention(q, k, v, mask, prefix, k_pool, v_pool, table, ATTENTION_BACKENDS, window=window)
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.parametrize("batch, num_nodes", [(1, 1), (1, 6), (4, 3)])
 def test_attention_decode_shapes_across_threads(gen, batch, num_nodes):
     """Decode and verify shapes (9 query heads, 3 KV heads): the CPU kernel's tasks take every

@@ -485,6 +485,95 @@ def test_decode_shapes_every_split(gen, dtype, batch, num_nodes, threads):
         torch.set_num_threads(old)
 
 
+def chain_case(gen, *, batch, num_nodes, max_prefix, q_heads=9, kv_heads=3, head_dim=64, dtype=torch.float32):
+    """make_case's inputs for rows that are all causal chains of num_nodes nodes (a prefill
+    chunk), one row's prefix empty."""
+    prefix = randint(gen, 0, max_prefix + 1, (batch,))
+    prefix[0] = 0
+    q, k, v, _, prefix = make_case(gen, batch=batch, num_nodes=num_nodes, q_heads=q_heads, kv_heads=kv_heads,
+                                   head_dim=head_dim, dtype=dtype, prefix=prefix)
+    parents = torch.arange(-1, num_nodes - 1).expand(batch, num_nodes).contiguous()
+    return q, k, v, parents, prefix
+
+
+def chain_masks(batch, num_nodes):
+    """{form: the causal chain's mask}: bool and packed, shared by the rows or one per row, and
+    packed with junk in the bits past T of its last word (not part of the mask)."""
+    chain = torch.ones(num_nodes, num_nodes, dtype=torch.bool).tril()
+    packed = pack_tree_mask(chain)
+    junk = packed.clone()
+    spare = packed.shape[-1] * 64 - num_nodes
+    if spare:
+        junk[:, -1] |= -(1 << (64 - spare))  # every bit past T set (a negative int64)
+    return {"bool": chain, "bool_rows": chain.expand(batch, -1, -1).contiguous(), "packed": packed,
+            "packed_rows": packed.expand(batch, -1, -1).contiguous(), "packed_junk_bits": junk}
+
+
+@pytest.mark.parametrize("threads", (1, 2, 3))
+@pytest.mark.parametrize("num_nodes, max_prefix", [(1, 30), (17, 40), (64, 0), (65, 200), (150, 0), (320, 330)])
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_causal_chains(gen, dtype, num_nodes, max_prefix, threads):
+    """Masks that are causal chains (the prefill's chunks, chain drafts): the CPU kernel
+    recognises them, skips the queries before each tile's first tree key (lane offsets of 16
+    inside groups of 3 query heads) and splits a row's keys over threads by work rather than
+    by count. Every form of the chain's mask, rows with and without a prefix, against the
+    brute force and the reference."""
+    q, k, v, parents, prefix = chain_case(gen, batch=2, num_nodes=num_nodes, max_prefix=max_prefix, dtype=dtype)
+    expected = brute_attention(q, k, v, parents, prefix)
+    ref = tree_attention(q, k, v, tree_mask(parents), prefix, backend="reference")
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for form, mask in chain_masks(2, num_nodes).items():
+            for backend in BACKENDS:
+                out = tree_attention(q, k, v, mask, prefix, backend=backend)
+                where = f"backend={backend}, {form}"
+                torch.testing.assert_close(out.double(), expected, **TOL[dtype], msg=lambda m: f"{where}: {m}")
+                torch.testing.assert_close(out, ref, **TOL_BACKEND[dtype], msg=lambda m: f"{where} vs reference: {m}")
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("window, softcap", [(3, None), (40, 20.0), (None, 5.0)])
+@pytest.mark.parametrize("threads", (1, 2))
+def test_causal_chains_window_softcap(gen, window, softcap, threads):
+    """Causal chains with a sliding window (inside the chain and reaching into the prefix) and
+    soft-capping, against the brute force."""
+    q, k, v, parents, prefix = chain_case(gen, batch=3, num_nodes=100, max_prefix=150, q_heads=6, kv_heads=2,
+                                          head_dim=32)
+    expected = brute_attention(q, k, v, parents, prefix, window=window, softcap=softcap)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for form, mask in chain_masks(3, 100).items():
+            for backend in BACKENDS + ["reference"]:
+                out = tree_attention(q, k, v, mask, prefix, window=window, softcap=softcap, backend=backend)
+                torch.testing.assert_close(out.double(), expected, **TOL[torch.float32],
+                                           msg=lambda m: f"backend={backend}, {form}: {m}")
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("change", ("hide_ancestor", "show_later_node", "one_row_not_a_chain"))
+def test_masks_one_bit_from_a_chain(gen, change):
+    """A mask one bit away from a causal chain is not one: it runs the general path, and every
+    backend matches the reference on it (the reference reads any mask)."""
+    num_nodes = 130
+    q, k, v, _, prefix = chain_case(gen, batch=2, num_nodes=num_nodes, max_prefix=100)
+    mask = torch.ones(num_nodes, num_nodes, dtype=torch.bool).tril().expand(2, -1, -1).clone()
+    if change == "hide_ancestor":
+        mask[:, 100, 70] = False
+    elif change == "show_later_node":
+        mask[:, 3, 90] = True
+    else:
+        mask[1, 120, 64] = False
+    ref = tree_attention(q, k, v, mask, prefix, backend="reference")
+    for backend in BACKENDS:
+        for m in (mask, pack_tree_mask(mask)):
+            out = tree_attention(q, k, v, m, prefix, backend=backend)
+            torch.testing.assert_close(out, ref, **TOL_BACKEND[torch.float32], msg=lambda e: f"backend={backend}: {e}")
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

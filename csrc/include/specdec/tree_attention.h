@@ -515,6 +515,10 @@ struct TreeMaskView {
   const bool* dense = nullptr;
   const int64_t* packed = nullptr;
   int64_t stride_b = 0, stride_t = 0, stride_col = 0;
+  // Every row's mask is a causal chain, query t seeing exactly nodes 0 .. t (a prefill chunk,
+  // or a chain draft; `is_causal_chain`): the kernels then know who sees a tree key without
+  // reading the mask, and skip the queries that see none of a tile's keys.
+  bool chain = false;
 
   bool visible(int64_t b, int64_t query, int64_t key) const {
     const int64_t base = b * stride_b + query * stride_t;
@@ -523,6 +527,31 @@ struct TreeMaskView {
     return (word >> (key & 63)) & 1u;
   }
 };
+
+// Whether every one of the `batch` rows of mask `m` over `num_nodes` nodes is a causal chain
+// (query t sees exactly nodes 0 .. t). Reads the whole mask: B x T x ceil(T / 64) words packed,
+// B x T x T bools (once where rows share it: stride_b 0); a packed word's bits past T are not
+// part of the mask and are ignored.
+inline bool is_causal_chain(const TreeMaskView& m, int64_t batch, int64_t num_nodes) {
+  const int64_t rows = m.stride_b == 0 ? std::min<int64_t>(batch, 1) : batch;
+  for (int64_t b = 0; b < rows; ++b) {
+    for (int64_t t = 0; t < num_nodes; ++t) {
+      const int64_t base = b * m.stride_b + t * m.stride_t;
+      if (m.dense != nullptr) {
+        for (int64_t j = 0; j < num_nodes; ++j) {
+          if (m.dense[base + j * m.stride_col] != (j <= t)) return false;
+        }
+        continue;
+      }
+      for (int64_t w = 0; w * 64 < num_nodes; ++w) {
+        auto low_bits = [](int64_t n) { return n <= 0 ? uint64_t{0} : n >= 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1; };
+        const uint64_t word = static_cast<uint64_t>(m.packed[base + w * m.stride_col]);
+        if ((word & low_bits(num_nodes - w * 64)) != low_bits(t + 1 - w * 64)) return false;
+      }
+    }
+  }
+  return true;
+}
 
 // One call's inputs. Strides are in elements; the last dim of q, k and v is contiguous.
 // q [B, T, Hq, D], k/v [B, S, Hkv, D], cache_seqlens [B] with L_b + T <= S (checked by
@@ -665,7 +694,11 @@ void begin_unit(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_hea
     s.depth.assign(p.num_nodes, -1);
     int64_t max_depth = 0;
     for (int64_t t = 0; t < p.num_nodes; ++t) {
-      for (int64_t j = 0; j < p.num_nodes; ++j) s.depth[t] += p.mask.visible(b, t, j);
+      if (p.mask.chain) {
+        s.depth[t] = t;
+      } else {
+        for (int64_t j = 0; j < p.num_nodes; ++j) s.depth[t] += p.mask.visible(b, t, j);
+      }
       max_depth = std::max(max_depth, s.depth[t]);
     }
     s.window_end = p.cache_seqlens[b] + max_depth - p.window + 1;
@@ -699,25 +732,40 @@ void attend_tile(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_he
   const Scalar* key_rows[kTileKeys];
   const Scalar* value_rows[kTileKeys];
   bool hidden[kTileKeys];
+  // A causal chain's query t sees tree node n only if n <= t, so the queries before the tile's
+  // first tree node see none of its keys (a tile past the prefix): their lanes are left out of
+  // the scores and the softmax, which then touch each query's state only for tiles it sees (a
+  // prefill chunk computes its T x T triangle, not the square). lane0 is a multiple of kLanes:
+  // the skipped lanes' state is as the tile would have left it (all -inf: max, sum and
+  // accumulators unchanged), and vectors stay aligned.
+  const int64_t first_node = first - prefix_len;
+  const int64_t lane0 = p.mask.chain && first_node > 0 ? first_node * group / kLanes * kLanes : 0;
+  float* const scores = s.scores + lane0;
+  const float* const queries_t = s.queries_t + lane0;
+  const int64_t live_lanes = lanes - lane0;
+  auto softmax_pv = [&](auto values) {
+    tile_softmax_pv(scores, count, mp, live_lanes, rows - lane0, values, dp, s.row_max + lane0, s.row_sum + lane0,
+                    s.alpha + lane0, s.acc + lane0 * dp);
+  };
   if (paged) p.paged_rows(b, kv_head, first, count, key_rows, value_rows);
   if constexpr (kFloat) {
     if (paged) {
-      tile_scores(s.queries_t, mp, lanes, RowList{key_rows}, count, head_dim, s.scores);
+      tile_scores(queries_t, mp, live_lanes, RowList{key_rows}, count, head_dim, scores);
     } else {
-      tile_scores(s.queries_t, mp, lanes, StridedRows{p.key_row(b, kv_head, first), p.k_stride_s}, count, head_dim,
-                  s.scores);
+      tile_scores(queries_t, mp, live_lanes, StridedRows{p.key_row(b, kv_head, first), p.k_stride_s}, count, head_dim,
+                  scores);
     }
   } else {
     for (int64_t n = 0; n < count; ++n) {
       load_row(paged ? key_rows[n] : p.key_row(b, kv_head, first + n), head_dim, s.keys + n * head_dim);
     }
-    tile_scores(s.queries_t, mp, lanes, StridedRows{s.keys, head_dim}, count, head_dim, s.scores);
+    tile_scores(queries_t, mp, live_lanes, StridedRows{s.keys, head_dim}, count, head_dim, scores);
   }
   // Before any masking (a masked score is overwritten with -inf below).
-  if (p.softcap > 0.0f) softcap_scores(s.scores, count, mp, lanes, p.softcap);
+  if (p.softcap > 0.0f) softcap_scores(scores, count, mp, live_lanes, p.softcap);
   if (first < std::min(s.window_end, prefix_len)) {
     // Prefix keys some query is too far from (p - k >= window). Every key from first_key(b)
-    // on is seen by the root, so none is hidden from all queries.
+    // on is seen by the root, so none is hidden from all queries. (lane0 is 0 here.)
     for (int64_t n = 0; n < count && first + n < prefix_len; ++n) {
       const int64_t key_pos = first + n;
       for (int64_t t = 0; t < p.num_nodes; ++t) {
@@ -729,20 +777,33 @@ void attend_tile(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_he
   // Tree keys: mask per query (overwriting, so NaN keys cannot leak through), and note
   // the keys no query sees, whose values must be zeroed (0 * NaN would still be NaN).
   bool any_hidden = false;
-  for (int64_t n = 0; n < count; ++n) {
-    const int64_t node = first + n - prefix_len;
-    hidden[n] = false;
-    if (node < 0) continue;
-    bool seen = false;
-    for (int64_t t = 0; t < p.num_nodes; ++t) {
-      if (p.mask.visible(b, t, node) && (window == 0 || s.depth[t] - s.depth[node] < window)) {
-        seen = true;
-      } else {
-        std::fill_n(s.scores + n * mp + t * group, group, neg_inf);
-      }
+  if (p.mask.chain) {
+    // Node n is seen by queries n .. T - 1 (with a window, those less than `window` deeper):
+    // none is hidden (each query sees itself).
+    for (int64_t n = 0; n < count; ++n) {
+      const int64_t node = first_node + n;
+      hidden[n] = false;
+      if (node < 0) continue;
+      float* row = s.scores + n * mp;
+      if (node * group > lane0) std::fill(row + lane0, row + node * group, neg_inf);
+      if (window > 0 && node + window < p.num_nodes) std::fill(row + (node + window) * group, row + rows, neg_inf);
     }
-    hidden[n] = !seen;
-    any_hidden |= !seen;
+  } else {
+    for (int64_t n = 0; n < count; ++n) {
+      const int64_t node = first_node + n;
+      hidden[n] = false;
+      if (node < 0) continue;
+      bool seen = false;
+      for (int64_t t = 0; t < p.num_nodes; ++t) {
+        if (p.mask.visible(b, t, node) && (window == 0 || s.depth[t] - s.depth[node] < window)) {
+          seen = true;
+        } else {
+          std::fill_n(s.scores + n * mp + t * group, group, neg_inf);
+        }
+      }
+      hidden[n] = !seen;
+      any_hidden |= !seen;
+    }
   }
 
   if constexpr (kFloat) {
@@ -752,13 +813,11 @@ void attend_tile(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_he
       for (int64_t n = 0; n < count; ++n) {
         if (hidden[n]) value_rows[n] = s.values;
       }
-      tile_softmax_pv(s.scores, count, mp, lanes, rows, RowList{value_rows}, dp, s.row_max, s.row_sum, s.alpha,
-                      s.acc);
+      softmax_pv(RowList{value_rows});
       return;
     }
     if (values_in_place && !any_hidden) {
-      tile_softmax_pv(s.scores, count, mp, lanes, rows, StridedRows{p.value_row(b, kv_head, first), p.v_stride_s}, dp,
-                      s.row_max, s.row_sum, s.alpha, s.acc);
+      softmax_pv(StridedRows{p.value_row(b, kv_head, first), p.v_stride_s});
       return;
     }
   }
@@ -769,8 +828,7 @@ void attend_tile(const TreeAttentionProblem<Scalar>& p, int64_t b, int64_t kv_he
       load_row(paged ? value_rows[n] : p.value_row(b, kv_head, first + n), value_dim, s.values + n * dp);
     }
   }
-  tile_softmax_pv(s.scores, count, mp, lanes, rows, StridedRows{s.values, dp}, dp, s.row_max, s.row_sum, s.alpha,
-                  s.acc);
+  softmax_pv(StridedRows{s.values, dp});
 }
 
 // Asks the memory system for the keys and values [first, first + count) of KV heads

@@ -31,12 +31,13 @@ squares (`config.fused_layers = False` or SPECDEC_FUSED_LAYERS=0 turns it off).
 The prefill takes the same ops where they pay (`LeanForward.prefill`): each row's prompt in
 equal chunks of at most `linear_rows[1]` tokens (the most rows at which `small_linear`
 measured faster than torch's BLAS), or as one chunk where BLAS won at more rows
-(`prefill_chunk`), each chunk one step whose "tree" is a causal chain. Its
-products then run where they are fastest and its element-wise steps
-without transformers' per-op overhead: the default model's prefill of 84-285-token prompts
-1.1-1.36x faster than transformers' forward on MKL here (one row at a time), even or slower
-from ~360 tokens, so longer rows keep `hf.prefill` (`PREFILL_MAX_TOKENS`). It
-equals `hf.prefill` to fp32 rounding (another summation order in the products), not bit for bit.
+(`prefill_chunk`), each chunk one step whose "tree" is a causal chain (which tree attention
+recognises: it computes the chunk's triangle of queries and keys, not the square). Its
+products then run where they are fastest and its element-wise steps without transformers'
+per-op overhead: on the default model here (2 cores, one row at a time, in one process) prompts
+of 240-692 tokens prefilled 1.0-1.2x faster than transformers' forward on MKL in fp32, and
+bf16 ones 1.0-1.2x faster up to 357 tokens, 1.15-1.4x beyond. It equals `hf.prefill` to fp32
+rounding (another summation order in the products), not bit for bit.
 """
 
 from typing import List, Optional
@@ -68,11 +69,11 @@ QK_NORM = frozenset({"qwen3"})  # families that RMS-normalise each query and key
 # torch's BLAS up to at least this many rows: smaller chunks would leave the products short of
 # the FMA peak that BLAS reaches on a whole prompt.
 PREFILL_MIN_CHUNK = 64
-# Rows of more tokens run `hf.prefill`: BLAS gains on longer products (MKL here: ~130 GFLOP/s
-# at 128 rows, ~145-166 from 192 rows on) and transformers' per-op overhead is spread over
-# more tokens. On the default model here the chunks were 1.10-1.36x faster on prompts of
-# 84-285 tokens, 0.88-1.14x at 357, 0.90-1.06x at 463-692 (prefill alone, two passes).
-PREFILL_MAX_TOKENS = 320
+# Where torch's BLAS won past `linear_rows[1]` rows (`prefill_chunk`), the most tokens of a
+# chunk: BLAS gains with the rows. bf16 on the 2-core AMD EPYC (Zen 4), in one process,
+# interleaved, prompts of 240-692 tokens: chunks of at most 128 / 200 / 320 / 512 / 1024 tokens
+# took 1.0-1.14 / 0.96-1.06 / 0.93-1.0 / 0.90-1.0 / 0.89-1.07 of what chunks of 320 did.
+PREFILL_BLAS_CHUNK = 512
 # Greedy steps of up to this many rows (B x T), per LM-head dtype, take each node's token from
 # `small_linear_argmax` (one byte per weight of the LM head, then the candidates' exact logits)
 # instead of the full logits. The default model's LM head (49152 x 576) on the 2-thread AMD
@@ -345,31 +346,28 @@ class LeanForward:
         our kernel faster than BLAS only below `PREFILL_MIN_CHUNK` rows. Where our kernel
         measured faster at every row count compared (`small_linear.LAYOUT_ROWS`), chunks of
         `linear_rows[1]` tokens (its products on our kernel); where torch's BLAS won past
-        `linear_rows[1]` rows, a row's whole prompt of up to `PREFILL_MAX_TOKENS` tokens is one
-        chunk, its products on BLAS (`blas_rows`), which gains with the rows: bf16 on the
-        2-core AMD EPYC (Zen 4), rows of 150-285 tokens 5-20% faster than in chunks of 64 on
-        our kernel (interleaved, five rounds; docs/loop.md, twenty-second session)."""
+        `linear_rows[1]` rows, chunks of up to `PREFILL_BLAS_CHUNK` tokens, their products on
+        BLAS (`blas_rows`), which gains with the rows: bf16 on the 2-core AMD EPYC (Zen 4), rows
+        of 150-285 tokens 5-20% faster than in chunks of 64 on our kernel (interleaved, five
+        rounds; docs/loop.md, twenty-second session)."""
         chunk = self.linear_rows[1]
         if chunk < PREFILL_MIN_CHUNK or not self.fuses(chunk, cache):
             return 0
-        return chunk if chunk >= max(linear.LAYOUT_ROWS) else PREFILL_MAX_TOKENS
+        return chunk if chunk >= max(linear.LAYOUT_ROWS) else PREFILL_BLAS_CHUNK
 
     def prefill(self, model, cache, history: torch.Tensor, lengths: torch.Tensor, return_hidden=False):
         """`hf.prefill(model, cache, history, lengths, return_hidden)`: the same arguments and
         results (to fp32 rounding), one row at a time (no padding is computed), each row's
         tokens but its last run through the fused layers in equal chunks of at most
-        `prefill_chunk(cache)` tokens; a row of more than PREFILL_MAX_TOKENS through
-        `hf.prefill`. `hf.prefill` itself for the whole batch where the chunk is 0, every row
-        is that long, or `model` is another model."""
+        `prefill_chunk(cache)` tokens. `hf.prefill` itself where the chunk is 0 or `model` is
+        another model."""
         chunk = self.prefill_chunk(cache)
+        if chunk == 0 or model is not self.model:
+            return model_prefill(model, cache, history, lengths, return_hidden)
         prefix = lengths.long() - 1
         sizes = prefix.tolist()  # (one read from the device)
-        if chunk == 0 or model is not self.model or min(sizes) > PREFILL_MAX_TOKENS:
-            return model_prefill(model, cache, history, lengths, return_hidden)
         layers_wanted = return_hidden not in (False, True)
-        parts = [self._prefill_row(cache.row(b), history[b: b + 1], n, chunk, return_hidden) if n <= PREFILL_MAX_TOKENS else
-                 model_prefill(model, cache.row(b), history[b: b + 1], lengths[b: b + 1], return_hidden)
-                 for b, n in enumerate(sizes)]
+        parts = [self._prefill_row(cache.row(b), history[b: b + 1], n, chunk, return_hidden) for b, n in enumerate(sizes)]
         cache.set_lengths(prefix)
         if not return_hidden:
             return None
