@@ -55,18 +55,23 @@ inline int small_linear_isa_cap() {
 }
 
 // Whether the AVX-512 kernels take a product of `rows` input rows one weight row at a time
-// (pairs of input rows against it, the second pair rereading it from L1), with no software
+// (against every input row in one block: `rows` independent accumulators), with no software
 // prefetch: a single stream through the weights, the access the hardware prefetchers follow
-// best. fp32 streams 1-2 rows, bf16 (AVX512-BF16) 1-4. Measured on an AMD EPYC (Zen 4, 2
+// best. fp32 and bf16 (AVX512-BF16) stream 1-4 rows. Measured on an AMD EPYC (Zen 4, 2
 // threads, the default model's layer products from memory, C++ harness, best of 5 in two
 // rounds), ms, stream against the 4-row blocks: fp32 1 row 14.9-18.7 / 19.3-21.6, 2 rows
-// 16.1-17.4 / 18.7-23.0, 3-4 rows no better, 6-8 rows worse (31-41 / 24-27); bf16 1 row
-// 8.5-9.5 / 11.6-15.3, 2 rows 8.1-9.6 / 13.6-14.7, 3 rows 8.2-9.6 / 12.9-13.4, 4 rows
-// 9.5-10.8 / 14.3-14.4, 6-8 rows worse. The blocks and their prefetch were tuned on an Intel
-// Xeon, where the stream has not been measured, so only AMD CPUs take it;
-// SPECDEC_SMALL_LINEAR_STREAM=1 / 0 (read once) forces it on / off. Either way each output is
-// summed in the same order, so the products agree bit for bit.
-constexpr int64_t kSmallLinearStreamRowsF32 = 2;
+// 16.1-17.4 / 18.7-23.0, 6-8 rows worse (31-41 / 24-27); bf16 1 row 8.5-9.5 / 11.6-15.3, 2
+// rows 8.1-9.6 / 13.6-14.7, 3 rows 8.2-9.6 / 12.9-13.4, 4 rows 9.5-10.8 / 14.3-14.4, 6-8 rows
+// worse. The stream first fed the rows in pairs (the second pair rereading the weight row
+// from L1); one block for all of them (twenty-third session, medians of 15, interleaved, three
+// runs) took fp32 2 rows 12.5-13.1 ms against the pairs' 16.6-18.6, 3 rows 15.2-16.2 against
+// the blocks' 18.2, 4 rows 17.2-18.8 against 19.7, 5 rows 20.8-21.9 against 18.6-19.7 (so fp32
+// streams up to 4); bf16 3 rows 6.7-7.4 against 7.2-8.3, 4 rows 8.0-9.9 against 8.0-9.1. The
+// blocks and their prefetch were tuned on an Intel Xeon, where the stream has not been
+// measured, so only AMD CPUs take it; SPECDEC_SMALL_LINEAR_STREAM=1 / 0 (read once) forces it
+// on / off. Either way each output is summed in the same order, so the products agree bit for
+// bit.
+constexpr int64_t kSmallLinearStreamRowsF32 = 4;
 constexpr int64_t kSmallLinearStreamRowsBf16 = 4;
 inline bool small_linear_streams_avx512(int64_t rows, bool bf16) {
   static const bool on = [] {
@@ -466,18 +471,26 @@ SPECDEC_AVX512_TARGET inline void small_linear_pass_f32_avx512(const float* x, i
   }
 }
 
+// The stream (small_linear_streams_avx512): weight rows [n_begin, n_end) one at a time, each
+// against all XR input rows in one block (XR independent accumulators, the row read once).
+template <int XR>
+SPECDEC_AVX512_TARGET inline void small_linear_stream_f32_avx512(const float* x, int64_t k_dim, const float* w,
+                                                                 const float* bias, float* y, int64_t n_dim,
+                                                                 int64_t n_begin, int64_t n_end) {
+  for (int64_t n = n_begin; n < n_end; ++n) small_linear_block_f32_avx512<1, XR>(x, k_dim, w, n, bias, y, n_dim, 0u);
+}
+
 SPECDEC_AVX512_TARGET inline void small_linear_rows_f32_avx512(const float* x, int64_t rows, int64_t k_dim,
                                                                const float* w, const float* bias, float* y,
                                                                int64_t n_dim, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
-  if (small_linear_streams_avx512(rows, false)) {  // one weight row at a time, pairs of rows (small_linear_streams_avx512)
-    for (; n < n_end; ++n) {
-      int64_t m = 0;
-      for (; m + 2 <= rows; m += 2)
-        small_linear_block_f32_avx512<1, 2>(x + m * k_dim, k_dim, w, n, bias, y + m * n_dim, n_dim, 0u);
-      if (m < rows) small_linear_block_f32_avx512<1, 1>(x + m * k_dim, k_dim, w, n, bias, y + m * n_dim, n_dim, 0u);
+  if (small_linear_streams_avx512(rows, false)) {  // one weight row at a time against every row
+    switch (rows) {
+      case 1: small_linear_stream_f32_avx512<1>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
+      case 2: small_linear_stream_f32_avx512<2>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
+      case 3: small_linear_stream_f32_avx512<3>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
+      default: small_linear_stream_f32_avx512<4>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
     }
-    return;
   }
   for (; n + 4 <= n_end; n += 4) small_linear_pass_f32_avx512<4>(x, rows, k_dim, w, n, bias, y, n_dim);
   for (; n < n_end; ++n) small_linear_pass_f32_avx512<1>(x, rows, k_dim, w, n, bias, y, n_dim);
@@ -629,19 +642,27 @@ SPECDEC_BF16_TARGET inline void small_linear_pass_bf16(const cpu::BFloat16Bits* 
   }
 }
 
+// The stream (small_linear_streams_avx512): as small_linear_stream_f32_avx512, in bf16.
+template <int XR>
+SPECDEC_BF16_TARGET inline void small_linear_stream_bf16(const cpu::BFloat16Bits* x, int64_t k_dim,
+                                                         const cpu::BFloat16Bits* w, const cpu::BFloat16Bits* bias,
+                                                         cpu::BFloat16Bits* y, int64_t n_dim, int64_t n_begin,
+                                                         int64_t n_end) {
+  for (int64_t n = n_begin; n < n_end; ++n) small_linear_block_bf16<1, XR>(x, k_dim, w, n, bias, y, n_dim, 0u);
+}
+
 SPECDEC_BF16_TARGET inline void small_linear_rows_bf16_avx512(const cpu::BFloat16Bits* x, int64_t rows, int64_t k_dim,
                                                               const cpu::BFloat16Bits* w,
                                                               const cpu::BFloat16Bits* bias, cpu::BFloat16Bits* y,
                                                               int64_t n_dim, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
-  if (small_linear_streams_avx512(rows, true)) {  // one weight row at a time, pairs of rows (small_linear_streams_avx512)
-    for (; n < n_end; ++n) {
-      int64_t m = 0;
-      for (; m + 2 <= rows; m += 2)
-        small_linear_block_bf16<1, 2>(x + m * k_dim, k_dim, w, n, bias, y + m * n_dim, n_dim, 0u);
-      if (m < rows) small_linear_block_bf16<1, 1>(x + m * k_dim, k_dim, w, n, bias, y + m * n_dim, n_dim, 0u);
+  if (small_linear_streams_avx512(rows, true)) {  // one weight row at a time against every row
+    switch (rows) {
+      case 1: small_linear_stream_bf16<1>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
+      case 2: small_linear_stream_bf16<2>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
+      case 3: small_linear_stream_bf16<3>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
+      default: small_linear_stream_bf16<4>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
     }
-    return;
   }
   for (; n + 4 <= n_end; n += 4) small_linear_pass_bf16<4>(x, rows, k_dim, w, n, bias, y, n_dim);
   for (; n < n_end; ++n) small_linear_pass_bf16<1>(x, rows, k_dim, w, n, bias, y, n_dim);
