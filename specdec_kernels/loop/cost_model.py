@@ -82,8 +82,9 @@ import torch
 # CPUs with AVX-512 fp32 products of 1-2 rows and bf16 products of 1-4 rows stream one weight row at a
 # time (plain fp32 steps ~1.25x and bf16 steps ~1.4x cheaper: the tables' shape changes); 12: greedy
 # steps' LM head from an int8 copy (`small_linear_argmax`, now bf16 heads too: ~1 ms off a step of up to
-# 7-8 rows) and tree attention's next tile prefetched
-FORMAT = 12
+# 7-8 rows) and tree attention's next tile prefetched; 13: the AVX-512 stream feeds each weight row to all
+# of its 1-4 input rows in one block, and fp32 streams 3-4 rows too (fp32 steps of 2-4 rows cheaper)
+FORMAT = 13
 DRAFT_FORMAT = 5  # of `DraftCost` files (their key holds the target's identity, FORMAT included); 2: merged drafters judge their sources (SourceJudge), one merge in HeadNgramDrafter; 3: head layers as one decoder_layer op on a CPU; 4: a head's logits for a batch as one product; 5: the heads' trees built on the host (numpy), their norms as rms_norm ops
 # 4: a head's strided logits as one product (batches of 4+ rows drafted 4-10x faster)
 ROWS = (1, 2, 4, 8)  # batch sizes timed at calibration (the target's forward and the drafter)
