@@ -34,10 +34,10 @@ measured faster than torch's BLAS), or as one chunk where BLAS won at more rows
 (`prefill_chunk`), each chunk one step whose "tree" is a causal chain (which tree attention
 recognises: it computes the chunk's triangle of queries and keys, not the square). Its
 products then run where they are fastest and its element-wise steps without transformers'
-per-op overhead: on the default model here (2 cores, one row at a time, in one process) prompts
-of 240-692 tokens prefilled 1.0-1.2x faster than transformers' forward on MKL in fp32, and
-bf16 ones 1.0-1.2x faster up to 357 tokens, 1.15-1.4x beyond. It equals `hf.prefill` to fp32
-rounding (another summation order in the products), not bit for bit.
+per-op overhead: on the default model here (2 cores, one row at a time, interleaved in one
+process) prompts of 240-692 tokens prefilled 1.11-1.22x faster than transformers' forward on
+MKL in fp32 (chunks of 128), 1.08-1.37x in bf16 (chunks of up to 512). It equals `hf.prefill`
+to fp32 rounding (another summation order in the products), not bit for bit.
 """
 
 from typing import List, Optional
@@ -71,8 +71,8 @@ QK_NORM = frozenset({"qwen3"})  # families that RMS-normalise each query and key
 PREFILL_MIN_CHUNK = 64
 # Where torch's BLAS won past `linear_rows[1]` rows (`prefill_chunk`), the most tokens of a
 # chunk: BLAS gains with the rows. bf16 on the 2-core AMD EPYC (Zen 4), in one process,
-# interleaved, prompts of 240-692 tokens: chunks of at most 128 / 200 / 320 / 512 / 1024 tokens
-# took 1.0-1.14 / 0.96-1.06 / 0.93-1.0 / 0.90-1.0 / 0.89-1.07 of what chunks of 320 did.
+# interleaved, prompts of 240-692 tokens: chunks of at most 128 / 200 / 512 / 1024 tokens took
+# 1.04-1.32 / 1.0-1.21 / 0.94-1.02 / 0.93-1.09 of the time chunks of 320 did.
 PREFILL_BLAS_CHUNK = 512
 # Greedy steps of up to this many rows (B x T), per LM-head dtype, take each node's token from
 # `small_linear_argmax` (one byte per weight of the LM head, then the candidates' exact logits)
