@@ -364,8 +364,11 @@ def test_cost_model_reads_multi_row_steps_from_their_tables():
 def test_calibration_times_each_row_count(target):
     cost = cm.calibrate(target, rows=(1, 2, 4), max_tokens=8, repeats=1, verbose=False)
     assert cost.rows == [1, 2, 4]
-    assert [cost.tables[r].x.tolist() for r in cost.rows] == [[1, 2, 4, 8], [1, 2, 4], [1, 2]]
-    assert cm.table_widths(8) == [1, 2, 4, 8, 16] and cm.table_widths(1) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert [cost.tables[r].x.tolist() for r in cost.rows] == [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4], [1, 2]]
+    # every width up to 8 tokens (the products' kernels change there), then doubling
+    assert cm.table_widths(8) == [1, 2, 4, 8, 16] and cm.table_widths(1) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128]
+    assert cm.table_widths(2) == [1, 2, 3, 4, 8, 16, 32, 64] and cm.table_widths(3) == [1, 2, 4, 8, 16, 32]
+    assert cm.table_widths(1, max_tokens=4) == [1, 2, 3, 4] and cm.table_widths(16, max_tokens=128) == [1, 2, 4, 8]
     for curve in cost.tables.values():  # never falling with the width
         assert bool((curve.y[1:] >= curve.y[:-1]).all())
 

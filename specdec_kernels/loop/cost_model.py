@@ -7,7 +7,8 @@ of about `prefix` tokens. Two measured parts predict its seconds:
     seconds = forward(rows, width) + per_key * rows * width * (prefix - P0) + drafting(rows, nodes)
 
 `CostModel` is the target's forward. It is timed at first use on batches of 1, 2, 4 and 8
-rows (`ROWS`), each at tree widths 1, 2, 4, ... up to 128 tokens in all, so a step of R rows
+rows (`ROWS`), each at every tree width up to 8 tokens in all and then at 2, 4, 8, ... times
+that, up to 128 tokens (`table_widths`), so a step of R rows
 x W nodes is read from what such steps measured: at 8 rows one node per row costs ~25%
 more than a 1-row chain of 8 tokens (each row attends to its own prefix and carries its
 own bookkeeping), which a table of 1-row chains read at R * W tokens missed. Each row
@@ -83,12 +84,18 @@ import torch
 # time (plain fp32 steps ~1.25x and bf16 steps ~1.4x cheaper: the tables' shape changes); 12: greedy
 # steps' LM head from an int8 copy (`small_linear_argmax`, now bf16 heads too: ~1 ms off a step of up to
 # 7-8 rows) and tree attention's next tile prefetched; 13: the AVX-512 stream feeds each weight row to all
-# of its 1-4 input rows in one block, and fp32 streams 3-4 rows too (fp32 steps of 2-4 rows cheaper)
-FORMAT = 13
+# of its 1-4 input rows in one block, and fp32 streams 3-4 rows too (fp32 steps of 2-4 rows cheaper); 14: the
+# tables time every width up to DENSE_TOKENS tokens
+FORMAT = 14
 DRAFT_FORMAT = 5  # of `DraftCost` files (their key holds the target's identity, FORMAT included); 2: merged drafters judge their sources (SourceJudge), one merge in HeadNgramDrafter; 3: head layers as one decoder_layer op on a CPU; 4: a head's logits for a batch as one product; 5: the heads' trees built on the host (numpy), their norms as rms_norm ops
 # 4: a head's strided logits as one product (batches of 4+ rows drafted 4-10x faster)
 ROWS = (1, 2, 4, 8)  # batch sizes timed at calibration (the target's forward and the drafter)
-MAX_TOKENS = 128  # the target's tables: widths 1, 2, 4, ... while rows * width <= MAX_TOKENS
+MAX_TOKENS = 128  # the target's tables: widths up to rows * width <= MAX_TOKENS (`table_widths`)
+# The tables time every width up to this many tokens (rows x width), and double it from there:
+# the products change kernels at small row counts, which a line between powers of two misses
+# (on AMD's AVX-512 they stream 1-4 rows and take 4 x 4 blocks from 5: a bf16 forward of a
+# 5-node chain cost 19.4 ms against 13.9 for 4 and 23.5 for 8, where the line from 4 to 8 says 16.3).
+DENSE_TOKENS = 8
 CAL_PREFIX = 64  # prefix length of the tables' forwards and of the drafter's made-up rows
 LONG_PREFIX = 1024  # prefix length of the forward that measures the attention term
 _DECAY = 0.8  # weight of the old ratio per observed step
@@ -557,9 +564,9 @@ def _time_forward(forward, model, cache, width: int, prefix: int) -> float:
 
 
 def table_widths(rows: int, max_tokens: int = MAX_TOKENS) -> list:
-    """The tree widths the calibration times at `rows` rows: 1, 2, 4, ... while rows * width
-    <= max_tokens."""
-    widths = [1]
+    """The tree widths the calibration times at `rows` rows: every width while rows * width <=
+    min(DENSE_TOKENS, max_tokens) (at least 1), then twice the last while rows * width <= max_tokens."""
+    widths = list(range(1, max(min(DENSE_TOKENS, max_tokens) // rows, 1) + 1))
     while rows * widths[-1] * 2 <= max_tokens:
         widths.append(widths[-1] * 2)
     return widths
