@@ -20,7 +20,7 @@ def _greedy_cell(r):
     if c["method"] in PEER_METHODS:
         same = r["greedy_compared_rows"] - len(r["mismatches"])
         return f"{same}/{r['greedy_compared_rows']} identical"
-    return "yes" if identical else f"NO ({len(r['mismatches'])} rows differ)"
+    return "yes" if identical else f"NO ({len(r['mismatches'])} of {r['greedy_compared_rows']} rows differ)"
 
 
 def table_rows(rows):

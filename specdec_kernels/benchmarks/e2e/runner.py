@@ -536,5 +536,11 @@ def _median_row(runs):
     if "greedy_identical" in row:
         checked = [r["greedy_identical"] for r in runs if r.get("greedy_identical") is not None]
         row["greedy_identical"] = all(checked) if checked else None
+        # The rows compared and the mismatches, both over every pass (a peer's identical share
+        # of 3 prompts x 3 passes with 6 mismatches is 3 of 9, not 3 - 6 of 3).
         row["mismatches"] = [m for r in runs for m in r.get("mismatches", [])]
+        row["greedy_compared_rows"] = sum(r.get("greedy_compared_rows", 0) for r in runs)
+        if "greedy_identical_share" in row:
+            compared = row["greedy_compared_rows"]
+            row["greedy_identical_share"] = (compared - len(row["mismatches"])) / compared if compared else None
     return row
