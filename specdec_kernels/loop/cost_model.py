@@ -7,8 +7,8 @@ of about `prefix` tokens. Two measured parts predict its seconds:
     seconds = forward(rows, width) + per_key * rows * width * (prefix - P0) + drafting(rows, nodes)
 
 `CostModel` is the target's forward. It is timed at first use on batches of 1, 2, 4 and 8
-rows (`ROWS`), each at every tree width up to 8 tokens in all and then at 2, 4, 8, ... times
-that, up to 128 tokens (`table_widths`), so a step of R rows
+rows (`ROWS`), each at every tree width up to 8 tokens in all, then at doubling widths up to
+128 tokens (`table_widths`), so a step of R rows
 x W nodes is read from what such steps measured: at 8 rows one node per row costs ~25%
 more than a 1-row chain of 8 tokens (each row attends to its own prefix and carries its
 own bookkeeping), which a table of 1-row chains read at R * W tokens missed. Each row

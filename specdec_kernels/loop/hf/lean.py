@@ -30,8 +30,8 @@ squares (`config.fused_layers = False` or SPECDEC_FUSED_LAYERS=0 turns it off).
 
 The prefill takes the same ops where they pay (`LeanForward.prefill`): each row's prompt in
 equal chunks of at most `linear_rows[1]` tokens (the most rows at which `small_linear`
-measured faster than torch's BLAS), or as one chunk where BLAS won at more rows
-(`prefill_chunk`), each chunk one step whose "tree" is a causal chain (which tree attention
+measured faster than torch's BLAS), or of up to `PREFILL_BLAS_CHUNK` tokens on BLAS where BLAS
+won at more rows (`prefill_chunk`), each chunk one step whose "tree" is a causal chain (which tree attention
 recognises: it computes the chunk's triangle of queries and keys, not the square). Its
 products then run where they are fastest and its element-wise steps without transformers'
 per-op overhead: on the default model here (2 cores, one row at a time, interleaved in one
