@@ -526,12 +526,12 @@ def extend_rows(target, history, lengths, new_tokens):
         return lengths, target.model(history[:, : int(lengths.max()) - 1]).last_hidden_state
 
 
-@pytest.mark.parametrize("chunk, per_row_padding", [(64, 4), (2, 4), (64, 0), (2, 0)])
+@pytest.mark.parametrize("chunk, per_row_padding", [(512, 4), (2, 4), (512, 0), (2, 0)])
 def test_fused_layer_drafts_as_the_modules(target, heads, monkeypatch, chunk, per_row_padding):
     """On a CPU an EAGLE head's layer runs as one `decoder_layer` op (`fused_block`): its
     trees equal the torch modules' over a ragged batch and two steps (the second catches up
     3, 1 and 0 new entries: a row that fed nothing re-feeds its last), scores to rounding;
-    also with the prompt's catch-up in chunks of 2 entries (`CATCH_UP_CHUNK`, 64: longer
+    also with the prompt's catch-up in chunks of 2 entries (`CATCH_UP_CHUNK`, 512: longer
     prompts), and with every catch-up that pads a row fed row by row (`PER_ROW_PADDING` 0;
     at 4 these rows are fed together)."""
     from specdec_kernels.heads import drafters as head_drafters

@@ -50,7 +50,13 @@ from .online import OnlineLearner, OnlineOptions, native_bf16_cpu, training_copy
 
 _TIE = 1e-6  # per-depth penalty on log scores: a parent always outranks its children
 _LAYOUTS = {}  # (head shapes, CPU threads) -> small_linear_rows, measured once per process
-CATCH_UP_CHUNK = 64  # entries per call of a long catch-up of the fused (CPU) head path
+# Entries per call of a long catch-up of the fused (CPU) head path (the prompt, after the
+# prefill). Its mask is a causal chain, whose triangle tree attention computes directly (the
+# twenty-third session; before, a 64-entry cap kept its T x T mask walk short); the cap now
+# bounds a call's mask and activations. A 692-token prompt's first draft, 2-core AMD EPYC,
+# interleaved, four rounds: chunks of 64 39-48 ms (bf16) / 37-57 (fp32), of 512 31-41 / 32-40,
+# one call 30-36 / 31-41.
+CATCH_UP_CHUNK = 512
 # A batch's catch-up feeds each row alone when feeding them together would pad in more than
 # this many entries per extra call (estimates for the 2-core AMD EPYC: a call ~0.2 ms of Python
 # and a weight read from L3, an entry ~0.07 ms of a bf16 head layer's products).
@@ -358,10 +364,8 @@ class _HeadDrafter(Drafter):
                 feed, g = run(x, positions, _causal_mask(count), torch.tensor(start, dtype=torch.int32),
                               slice(first, stop))
             else:
-                # A long catch-up (the prompt, after the prefill) in chunks: each chunk reads the
-                # entries before it as its prefix. As one call, every entry was a node of a causal
-                # "tree" whose mask the tree attention walks per key and query (T^2): the head's
-                # catch-up over a 691-token prompt took 262 ms, eight target layers' worth.
+                # A long catch-up (the prompt, after the prefill) in chunks of CATCH_UP_CHUNK:
+                # each chunk reads the entries before it as its prefix.
                 parts = [run(x[:, c: c + CATCH_UP_CHUNK], positions[:, c: c + CATCH_UP_CHUNK],
                              _causal_mask(min(CATCH_UP_CHUNK, count - c)),
                              torch.tensor([s + c for s in start], dtype=torch.int32), slice(first, stop))
