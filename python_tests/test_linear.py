@@ -98,16 +98,18 @@ def test_small_linear_narrower_kernels_match_f_linear(isa):
 
 @pytest.mark.skipif(not linear.has_kernel(), reason="needs the compiled extension")
 def test_small_linear_stream_and_blocks_agree_bit_for_bit(tmp_path):
-    """SPECDEC_SMALL_LINEAR_STREAM forces the AVX-512 kernels' one-weight-row stream (fp32
-    and bf16 1-4 rows) on (1) or off (0): each output is summed in the same order either way,
-    so the products are equal bit for bit (on a CPU without AVX-512 both runs take the same
-    kernel and agree trivially)."""
+    """SPECDEC_SMALL_LINEAR_STREAM forces the AVX-512 kernels' stream (fp32 and bf16 1-8 rows:
+    one weight row at a time for 1-2 rows, blocks of 3 prefetched into L2 for 3-8, a tail of
+    single rows where the outputs do not split in threes) on (1) or off (0): each output is
+    summed in the same order either way, so the products are equal bit for bit (on a CPU
+    without AVX-512 both runs take the same kernel and agree trivially)."""
     code = (
         "import sys, torch\n"
         "from specdec_kernels.ops import small_linear as linear\n"
         "gen = torch.Generator().manual_seed(3)\n"
         "out = []\n"
-        "for rows, k, n in [(1, 576, 37), (2, 576, 64), (1, 19, 5), (2, 1537, 9), (3, 40, 8), (3, 576, 11), (4, 576, 13), (4, 1537, 7), (5, 33, 6)]:\n"
+        "for rows, k, n in [(1, 576, 37), (2, 576, 64), (1, 19, 5), (2, 1537, 9), (3, 40, 8), (3, 576, 11), (4, 576, 13), (4, 1537, 7), (5, 33, 6),\n"
+        "                  (6, 576, 10), (7, 1537, 11), (8, 40, 4), (8, 576, 13), (9, 576, 7)]:\n"
         "    x, w, b = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)\n"
         "    out += [linear.small_linear(x, w, b), linear.small_linear(x.bfloat16(), w.bfloat16(), b.bfloat16())]\n"
         "torch.save(out, sys.argv[1])\n")
@@ -118,7 +120,7 @@ def test_small_linear_stream_and_blocks_agree_bit_for_bit(tmp_path):
         run = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env, timeout=300)
         assert run.returncode == 0, run.stderr[-2000:]
         results.append(torch.load(path))
-    assert len(results[0]) == 18 and all(torch.equal(a, b) for a, b in zip(*results))
+    assert len(results[0]) == 28 and all(torch.equal(a, b) for a, b in zip(*results))
 
 
 @pytest.mark.skipif(not linear.has_kernel(), reason="needs the compiled extension")

@@ -85,8 +85,9 @@ import torch
 # steps' LM head from an int8 copy (`small_linear_argmax`, now bf16 heads too: ~1 ms off a step of up to
 # 7-8 rows) and tree attention's next tile prefetched; 13: the AVX-512 stream feeds each weight row to all
 # of its 1-4 input rows in one block, and fp32 streams 3-4 rows too (fp32 steps of 2-4 rows cheaper); 14: the
-# tables time every width up to DENSE_TOKENS tokens
-FORMAT = 14
+# tables time every width up to DENSE_TOKENS tokens; 15: the AVX-512 stream takes 3-8 rows in blocks of 3 weight
+# rows prefetched into L2 (steps of 3-8 tokens cheaper)
+FORMAT = 15
 DRAFT_FORMAT = 5  # of `DraftCost` files (their key holds the target's identity, FORMAT included); 2: merged drafters judge their sources (SourceJudge), one merge in HeadNgramDrafter; 3: head layers as one decoder_layer op on a CPU; 4: a head's logits for a batch as one product; 5: the heads' trees built on the host (numpy), their norms as rms_norm ops
 # 4: a head's strided logits as one product (batches of 4+ rows drafted 4-10x faster)
 ROWS = (1, 2, 4, 8)  # batch sizes timed at calibration (the target's forward and the drafter)

@@ -54,10 +54,12 @@ inline int small_linear_isa_cap() {
   return cap;
 }
 
-// Whether the AVX-512 kernels take a product of `rows` input rows one weight row at a time
-// (against every input row in one block: `rows` independent accumulators), with no software
-// prefetch: a single stream through the weights, the access the hardware prefetchers follow
-// best. fp32 and bf16 (AVX512-BF16) stream 1-4 rows. Measured on an AMD EPYC (Zen 4, 2
+// Whether the AVX-512 kernels take a product of `rows` input rows as the stream: 1-2 rows one
+// weight row at a time (against every input row in one block: `rows` independent
+// accumulators), with no software prefetch: a single stream through the weights, the access
+// the hardware prefetchers follow best; 3-8 rows in blocks of 3 weight rows against every
+// input row, each weight row prefetched into L2 kSmallLinearL2PrefetchBytes ahead (measured
+// there). fp32 and bf16 (AVX512-BF16) stream 1-8 rows (1-4 before the twenty-fourth session). Measured on an AMD EPYC (Zen 4, 2
 // threads, the default model's layer products from memory, C++ harness, best of 5 in two
 // rounds), ms, stream against the 4-row blocks: fp32 1 row 14.9-18.7 / 19.3-21.6, 2 rows
 // 16.1-17.4 / 18.7-23.0, 6-8 rows worse (31-41 / 24-27); bf16 1 row 8.5-9.5 / 11.6-15.3, 2
@@ -71,9 +73,8 @@ inline int small_linear_isa_cap() {
 // measured, so only AMD CPUs take it; SPECDEC_SMALL_LINEAR_STREAM=1 / 0 (read once) forces it
 // on / off. Either way each output is summed in the same order, so the products agree bit for
 // bit.
-constexpr int64_t kSmallLinearStreamRowsF32 = 4;
-constexpr int64_t kSmallLinearStreamRowsBf16 = 4;
-inline bool small_linear_streams_avx512(int64_t rows, bool bf16) {
+constexpr int64_t kSmallLinearStreamRows = 8;
+inline bool small_linear_streams_avx512(int64_t rows) {
   static const bool on = [] {
     const char* env = std::getenv("SPECDEC_SMALL_LINEAR_STREAM");
     if (env != nullptr && env[0] != '\0') return std::strcmp(env, "0") != 0;
@@ -83,7 +84,7 @@ inline bool small_linear_streams_avx512(int64_t rows, bool bf16) {
     return false;
 #endif
   }();
-  return on && rows >= 1 && rows <= (bf16 ? kSmallLinearStreamRowsBf16 : kSmallLinearStreamRowsF32);
+  return on && rows >= 1 && rows <= kSmallLinearStreamRows;
 }
 
 // The portable loop: output features [n_begin, n_end) of every row.
@@ -108,6 +109,16 @@ inline void small_linear_rows_portable(const float* x, int64_t rows, int64_t k_d
 // 6-9 GB/s from 4 rows on, on one core of a Xeon whose memory gives ~14 GB/s; with 18 KB
 // ahead, 4 rows ran 1.4x and 8 rows 1.6x faster (9 KB ahead: less; 36 KB: less again).
 constexpr int64_t kSmallLinearPrefetchBytes = 18432;
+// The stream's distance for 3-8 input rows (small_linear_streams_avx512), into L2 (_MM_HINT_T1)
+// for every weight row of its 3-row blocks. Without it the hardware prefetchers fell behind
+// once a weight row's compute grew (each weight row is read once, then computed on): the time
+// was memory plus compute, not the larger. AMD EPYC (Zen 4), 2 threads, the default model's
+// layer products from memory, C++ harness, medians of 15 (twenty-fourth session): fp32 4 / 6 /
+// 8 rows 20.0 / 21.2 / 22.3 ms (stream to 4 rows, then 4-row blocks) -> 13.9 / 14.1 / 15.0
+// (1 row: 13.2-13.4); bf16 4 / 6 / 8 rows 10.0-11.4 / 11.0-11.7 / 11.4-12.1 -> 6.4-7.2 /
+// 7.2-8.0 / 8.1 (1 row: 6.2-6.9). 4 and 16 KB ahead measured about the same; into L1
+// (_MM_HINT_T0) at 16 KB no better than none.
+constexpr int64_t kSmallLinearL2PrefetchBytes = 8192;
 // The AVX2 kernel's distance: half of it. Its L1 (32 KB on the AMD EPYC measured) holds the
 // current block, the input rows and what is prefetched, and 18 KB ahead evicted the block
 // before its later passes read it: 3 rows of the default model's weights from L3 ran 4.8 ms
@@ -376,6 +387,16 @@ inline unsigned small_linear_prefetch_rows(int64_t pass, int64_t passes) {
   return mask;
 }
 
+// A block's prefetch of one weight row at k (a pointer to it): kSmallLinearPrefetchBytes ahead
+// into L1, or (kToL2: the stream's 3-8 rows) kSmallLinearL2PrefetchBytes ahead into L2. (A
+// prefetch past the end of the weights is harmless: prefetches never fault.)
+template <bool kToL2>
+inline void small_linear_prefetch(const void* row_at_k) {
+  const char* at = static_cast<const char*>(row_at_k);
+  if constexpr (kToL2) _mm_prefetch(at + kSmallLinearL2PrefetchBytes, _MM_HINT_T1);
+  else _mm_prefetch(at + kSmallLinearPrefetchBytes, _MM_HINT_T0);
+}
+
 // Horizontal sums of the accumulators, by GCC/Clang vector shuffles (GCC 12's AVX-512
 // shuffle intrinsics and _mm512_reduce_add_ps trip -Wuninitialized inside its own headers).
 // Each output is summed in one fixed order: 16 lanes -> 8 -> 4 -> 2 -> 1.
@@ -409,7 +430,7 @@ SPECDEC_AVX512_TARGET inline SlVec4 hsum16x4(__m512 va, __m512 vb, __m512 vc, __
   return __builtin_shufflevector(p, p, 0, 2, 4, 6) + __builtin_shufflevector(p, p, 1, 3, 5, 7);
 }
 
-template <int WR, int XR>
+template <int WR, int XR, bool kToL2 = false>
 SPECDEC_AVX512_TARGET inline void small_linear_block_f32_avx512(const float* x, int64_t k_dim, const float* w,
                                                                 int64_t n, const float* bias, float* y,
                                                                 int64_t n_dim, unsigned prefetch_rows) {
@@ -421,10 +442,8 @@ SPECDEC_AVX512_TARGET inline void small_linear_block_f32_avx512(const float* x, 
   int64_t k = 0;
   for (; k + 16 <= k_dim; k += 16) {
     __m512 wv[WR];
-    // (a prefetch past the end of the weights is harmless: prefetches never fault)
     for (int j = 0; j < WR; ++j)
-      if (prefetch_rows >> j & 1u)
-        _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kSmallLinearPrefetchBytes, _MM_HINT_T0);
+      if (prefetch_rows >> j & 1u) small_linear_prefetch<kToL2>(wr[j] + k);
     for (int j = 0; j < WR; ++j) wv[j] = _mm512_loadu_ps(wr[j] + k);
     for (int i = 0; i < XR; ++i) {
       const __m512 xv = _mm512_loadu_ps(x + i * k_dim + k);
@@ -477,19 +496,26 @@ template <int XR>
 SPECDEC_AVX512_TARGET inline void small_linear_stream_f32_avx512(const float* x, int64_t k_dim, const float* w,
                                                                  const float* bias, float* y, int64_t n_dim,
                                                                  int64_t n_begin, int64_t n_end) {
-  for (int64_t n = n_begin; n < n_end; ++n) small_linear_block_f32_avx512<1, XR>(x, k_dim, w, n, bias, y, n_dim, 0u);
+  int64_t n = n_begin;
+  if constexpr (XR >= 3)  // blocks of 3 weight rows, each prefetched into L2 (kSmallLinearL2PrefetchBytes)
+    for (; n + 3 <= n_end; n += 3) small_linear_block_f32_avx512<3, XR, true>(x, k_dim, w, n, bias, y, n_dim, 7u);
+  for (; n < n_end; ++n) small_linear_block_f32_avx512<1, XR, (XR >= 3)>(x, k_dim, w, n, bias, y, n_dim, XR >= 3);
 }
 
 SPECDEC_AVX512_TARGET inline void small_linear_rows_f32_avx512(const float* x, int64_t rows, int64_t k_dim,
                                                                const float* w, const float* bias, float* y,
                                                                int64_t n_dim, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
-  if (small_linear_streams_avx512(rows, false)) {  // one weight row at a time against every row
+  if (small_linear_streams_avx512(rows)) {  // one weight row at a time against every row
     switch (rows) {
       case 1: small_linear_stream_f32_avx512<1>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
       case 2: small_linear_stream_f32_avx512<2>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
       case 3: small_linear_stream_f32_avx512<3>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
-      default: small_linear_stream_f32_avx512<4>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
+      case 4: small_linear_stream_f32_avx512<4>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
+      case 5: small_linear_stream_f32_avx512<5>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
+      case 6: small_linear_stream_f32_avx512<6>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
+      case 7: small_linear_stream_f32_avx512<7>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
+      default: small_linear_stream_f32_avx512<8>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
     }
   }
   for (; n + 4 <= n_end; n += 4) small_linear_pass_f32_avx512<4>(x, rows, k_dim, w, n, bias, y, n_dim);
@@ -579,7 +605,7 @@ inline void small_linear_rows_bf16_portable(const cpu::BFloat16Bits* x, int64_t 
 // WR weight rows [n, n + WR) against XR consecutive input rows from x (row stride k_dim),
 // writing y[i * n_dim + n + j]. K runs 32 bf16 at a time; the last k_dim % 32 elements
 // through zero-masked loads (products with 0 add nothing), so no scalar tail.
-template <int WR, int XR>
+template <int WR, int XR, bool kToL2 = false>
 SPECDEC_BF16_TARGET inline void small_linear_block_bf16(const cpu::BFloat16Bits* x, int64_t k_dim,
                                                         const cpu::BFloat16Bits* w, int64_t n,
                                                         const cpu::BFloat16Bits* bias, cpu::BFloat16Bits* y,
@@ -593,8 +619,7 @@ SPECDEC_BF16_TARGET inline void small_linear_block_bf16(const cpu::BFloat16Bits*
   for (; k + 32 <= k_dim; k += 32) {
     __m512i wv[WR];
     for (int j = 0; j < WR; ++j)
-      if (prefetch_rows >> j & 1u)
-        _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kSmallLinearPrefetchBytes, _MM_HINT_T0);
+      if (prefetch_rows >> j & 1u) small_linear_prefetch<kToL2>(wr[j] + k);
     for (int j = 0; j < WR; ++j) wv[j] = _mm512_loadu_si512(wr[j] + k);
     for (int i = 0; i < XR; ++i) {
       const __m512i xv = _mm512_loadu_si512(x + i * k_dim + k);
@@ -648,7 +673,10 @@ SPECDEC_BF16_TARGET inline void small_linear_stream_bf16(const cpu::BFloat16Bits
                                                          const cpu::BFloat16Bits* w, const cpu::BFloat16Bits* bias,
                                                          cpu::BFloat16Bits* y, int64_t n_dim, int64_t n_begin,
                                                          int64_t n_end) {
-  for (int64_t n = n_begin; n < n_end; ++n) small_linear_block_bf16<1, XR>(x, k_dim, w, n, bias, y, n_dim, 0u);
+  int64_t n = n_begin;
+  if constexpr (XR >= 3)
+    for (; n + 3 <= n_end; n += 3) small_linear_block_bf16<3, XR, true>(x, k_dim, w, n, bias, y, n_dim, 7u);
+  for (; n < n_end; ++n) small_linear_block_bf16<1, XR, (XR >= 3)>(x, k_dim, w, n, bias, y, n_dim, XR >= 3);
 }
 
 SPECDEC_BF16_TARGET inline void small_linear_rows_bf16_avx512(const cpu::BFloat16Bits* x, int64_t rows, int64_t k_dim,
@@ -656,12 +684,16 @@ SPECDEC_BF16_TARGET inline void small_linear_rows_bf16_avx512(const cpu::BFloat1
                                                               const cpu::BFloat16Bits* bias, cpu::BFloat16Bits* y,
                                                               int64_t n_dim, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
-  if (small_linear_streams_avx512(rows, true)) {  // one weight row at a time against every row
+  if (small_linear_streams_avx512(rows)) {  // one weight row at a time against every row
     switch (rows) {
       case 1: small_linear_stream_bf16<1>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
       case 2: small_linear_stream_bf16<2>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
       case 3: small_linear_stream_bf16<3>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
-      default: small_linear_stream_bf16<4>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
+      case 4: small_linear_stream_bf16<4>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
+      case 5: small_linear_stream_bf16<5>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
+      case 6: small_linear_stream_bf16<6>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
+      case 7: small_linear_stream_bf16<7>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
+      default: small_linear_stream_bf16<8>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
     }
   }
   for (; n + 4 <= n_end; n += 4) small_linear_pass_bf16<4>(x, rows, k_dim, w, n, bias, y, n_dim);
@@ -732,7 +764,9 @@ inline void small_linear_q8w_rows_portable(const int16_t* xq, const float* xs, i
 // lanes) and an add into its accumulator; the k_dim % LANES tail in scalars. (Measured on the
 // AMD EPYC, Zen 4, in a harness over the default model's LM head: two weight rows a pass, which
 // share each input vector loaded, and AVX512-VNNI's VPDPWSSD, the multiply and add in one,
-// were both no faster at 1-8 rows, two rows side by side clearly slower at 1-2.)
+// were both no faster at 1-8 rows, two rows side by side clearly slower at 1-2; at 8 rows the
+// pass is compute bound, ~2 ms of the default model's ~25 ms fp32 8-token verify, and a
+// prefetch into L2 as the bf16 / fp32 stream's was within noise.)
 #define SPECDEC_Q8_ROW_KERNEL(NAME, TARGET, VEC, LANES, WIDEN, LOADX, MADD, ADD, ZERO, HSUM)                    \
   template <int XR>                                                                                             \
   TARGET inline void NAME(const int16_t* xq, const float* xs, int64_t k_dim, const int8_t* wq, const float* ws, \
