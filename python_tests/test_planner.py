@@ -244,6 +244,23 @@ def test_suffix_match_lengths_and_long_matches():
         assert draft.scores[0, 1] > 0.9 > 0.8 > draft.scores[1, 1]
 
 
+
+def test_suffix_match_lengths_host_and_device_paths_agree():
+    """The numpy path (CPU histories: only the first token's occurrences) and the torch path
+    (GPU histories: every position) give the same lengths on random histories of few distinct
+    tokens (many long runs), every `longest`, rows shorter than it, and first tokens absent."""
+    from specdec_kernels.loop.drafters import _suffix_match_lengths_device, suffix_match_lengths
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(40):
+        rows, width = int(torch.randint(1, 5, (1,), generator=gen)), int(torch.randint(2, 90, (1,), generator=gen))
+        history = torch.randint(0, 1 + trial % 4, (rows, width), generator=gen)
+        lengths = torch.randint(1, width + 1, (rows,), generator=gen)
+        first = torch.randint(0, 6, (rows,), generator=gen)
+        for longest in (1, 3, 32):
+            expected = _suffix_match_lengths_device(history, lengths, first, longest)
+            assert torch.equal(suffix_match_lengths(history, lengths, first, longest), expected), (trial, longest)
+
+
 def test_keep_nodes_renumbers_and_first_nodes_cuts():
     parents = torch.tensor([[-1, 0, 0, 1, 2, 3], [-1, 0, 1, -1, -1, -1]])
     tokens = torch.tensor([[5, 10, 11, 12, 13, 14], [6, 20, 21, -1, -1, -1]])

@@ -351,22 +351,25 @@ class NgramDrafter(Drafter):
         draft_lens = _cut(draft_lens, budget)
         # The matched n-gram's length: 1 + how many longer minimum lengths still find a match
         # (the search tries the longest n first, so a match of >= m tokens is the same match).
-        matched = (draft_lens > 0).long() * self.min_n
+        # On the host in numpy: a few numbers per row, where each torch op costs 5-10 us
+        # inside the decode loop on a CPU (one host read per query on a GPU).
+        found = draft_lens.cpu().numpy() > 0
+        matched = np.where(found, self.min_n, 0)
         for m in range(self.min_n + 1, self.max_n + 1):
-            matched += found_with(m).long().to(matched.device) & (draft_lens > 0).long()
+            matched += found & found_with(m).cpu().numpy()
         # Rows matching the longest n-gram: how far the match really goes (a copy in progress
         # matches dozens of tokens, and its drafts are far likelier to hold than a 4-gram's).
-        longest = (matched >= self.max_n) & (draft_lens > 0)
-        if bool(longest.any()):
-            rows = longest.nonzero()[:, 0]
+        longest = np.flatnonzero(found & (matched >= self.max_n))
+        if longest.size:
+            rows = torch.from_numpy(longest).to(history.device)
             history_rows = history[rows, : int(lengths[rows].max())]
             extended = suffix_match_lengths(history_rows, lengths[rows], drafts[rows, 0].to(history.device))
-            matched[rows] = torch.maximum(matched[rows], extended.to(matched.device))
+            matched[longest] = np.maximum(matched[longest], extended.cpu().numpy())
         # Host-matched drafts join the history's device here, once, cut to the longest chain
         # (a chain built at its width keeps the depths it knows; a cut one would recompute them).
         width = 1 + int(draft_lens.max()) if draft_lens.numel() else 1
         tree = TokenTree.chain(root, drafts[:, : width - 1].long().to(root.device), draft_lens.to(root.device))
-        scores = match_scores(matched.to(root.device), width - 1)
+        scores = match_scores(torch.from_numpy(matched).to(root.device), width - 1)
         return Draft(tree, scores=scores)
 
 
@@ -382,9 +385,37 @@ def suffix_match_lengths(history: torch.Tensor, lengths: torch.Tensor, first_tok
     its history right before an occurrence of `first_tokens[b]` (the draft's first token):
     the length of the longest earlier context that predicts the draft. 0 where none does.
 
-    One comparison per (earlier position, suffix token): O(B * S * longest) elementwise work
-    on the history as it is (no index), a few hundred microseconds per row of 1000 tokens.
+    A history on the CPU is matched in numpy, at the occurrences of each row's first token
+    only (O(occurrences * longest) per row); elsewhere one comparison per (earlier position,
+    suffix token) on the device, O(B * S * longest) elementwise work (no host reads).
     """
+    if history.device.type == "cpu":
+        return _suffix_match_lengths_host(history.numpy(), lengths.long().numpy(), first_tokens.long().cpu().numpy(),
+                                          longest)
+    return _suffix_match_lengths_device(history, lengths, first_tokens, longest)
+
+
+def _suffix_match_lengths_host(history: np.ndarray, lengths: np.ndarray, first_tokens: np.ndarray,
+                               longest: int) -> torch.Tensor:
+    """`suffix_match_lengths` in numpy, row by row: the earlier positions e followed by the
+    row's first token (e + 1 < its length), each compared backwards with its last tokens."""
+    out = np.zeros(history.shape[0], dtype=np.int64)
+    back = np.arange(longest)
+    for b, (n, first) in enumerate(zip(lengths.tolist(), first_tokens.tolist())):
+        row = history[b, :n]
+        ends = np.flatnonzero(row[1:] == first)  # e with row[e + 1] == first, e + 1 < n
+        if ends.size == 0:
+            continue
+        suffix = row[::-1][:longest]  # the row's last tokens, last first
+        at = ends[:, None] - back[None, : suffix.size]  # [E, s]: positions e, e - 1, ...
+        same = (at >= 0) & (row[np.maximum(at, 0)] == suffix[None, :])
+        out[b] = np.cumprod(same, axis=1).sum(1).max()
+    return torch.from_numpy(out)
+
+
+def _suffix_match_lengths_device(history: torch.Tensor, lengths: torch.Tensor, first_tokens: torch.Tensor,
+                                 longest: int) -> torch.Tensor:
+    """`suffix_match_lengths` in torch ops on the history's device (no host reads)."""
     rows, width = history.shape
     lengths = lengths.long()
     j = torch.arange(longest, device=history.device)
