@@ -619,8 +619,9 @@ class EagleDrafter(_HeadDrafter):
                  top_k: Optional[int] = None, min_score: Optional[float] = None, dtype=None, online=False):
         module = _load(EagleHead, target, head, "eagle")
         small = lm_head_weight(target).device.type == "cpu"
-        # On a CPU every verified node costs target compute (a 5-node tree ~1.5x one token
-        # on the 2-core machine), so the default tree is small; a GPU verifies wide trees
+        # On a CPU every verified node costs target compute (a bf16 5-node tree 1.1-1.2x one
+        # token on the 2-core machine, fp32 ~1.3x), so the default tree is small (6 / 3 / 2 and
+        # 8-node trees measured within noise of it: docs/loop.md); a GPU verifies wide trees
         # for nearly free (EAGLE-2's shapes).
         max_nodes = max_nodes if max_nodes is not None else (4 if small else 24)
         depth = depth if depth is not None else (3 if small else 6)
