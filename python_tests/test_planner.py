@@ -244,7 +244,6 @@ def test_suffix_match_lengths_and_long_matches():
         assert draft.scores[0, 1] > 0.9 > 0.8 > draft.scores[1, 1]
 
 
-
 def test_suffix_match_lengths_host_and_device_paths_agree():
     """The numpy path (CPU histories: only the first token's occurrences) and the torch path
     (GPU histories: every position) give the same lengths on random histories of few distinct

@@ -59,9 +59,9 @@ inline int small_linear_isa_cap() {
 // accumulators), with no software prefetch: a single stream through the weights, the access
 // the hardware prefetchers follow best; 3-8 rows in blocks of 3 weight rows against every
 // input row, each weight row prefetched into L2 kSmallLinearL2PrefetchBytes ahead (measured
-// there). fp32 and bf16 (AVX512-BF16) stream 1-8 rows (1-4 before the twenty-fourth session). Measured on an AMD EPYC (Zen 4, 2
-// threads, the default model's layer products from memory, C++ harness, best of 5 in two
-// rounds), ms, stream against the 4-row blocks: fp32 1 row 14.9-18.7 / 19.3-21.6, 2 rows
+// there). fp32 and bf16 (AVX512-BF16) stream 1-8 rows (1-4 before the twenty-fourth session).
+// Measured on an AMD EPYC (Zen 4, 2 threads, the default model's layer products from memory,
+// C++ harness, best of 5 in two rounds), ms, stream against the 4-row blocks: fp32 1 row 14.9-18.7 / 19.3-21.6, 2 rows
 // 16.1-17.4 / 18.7-23.0, 6-8 rows worse (31-41 / 24-27); bf16 1 row 8.5-9.5 / 11.6-15.3, 2
 // rows 8.1-9.6 / 13.6-14.7, 3 rows 8.2-9.6 / 12.9-13.4, 4 rows 9.5-10.8 / 14.3-14.4, 6-8 rows
 // worse. The stream first fed the rows in pairs (the second pair rereading the weight row
@@ -499,14 +499,14 @@ SPECDEC_AVX512_TARGET inline void small_linear_stream_f32_avx512(const float* x,
   int64_t n = n_begin;
   if constexpr (XR >= 3)  // blocks of 3 weight rows, each prefetched into L2 (kSmallLinearL2PrefetchBytes)
     for (; n + 3 <= n_end; n += 3) small_linear_block_f32_avx512<3, XR, true>(x, k_dim, w, n, bias, y, n_dim, 7u);
-  for (; n < n_end; ++n) small_linear_block_f32_avx512<1, XR, (XR >= 3)>(x, k_dim, w, n, bias, y, n_dim, XR >= 3);
+  for (; n < n_end; ++n) small_linear_block_f32_avx512<1, XR, (XR >= 3)>(x, k_dim, w, n, bias, y, n_dim, XR >= 3 ? 1u : 0u);
 }
 
 SPECDEC_AVX512_TARGET inline void small_linear_rows_f32_avx512(const float* x, int64_t rows, int64_t k_dim,
                                                                const float* w, const float* bias, float* y,
                                                                int64_t n_dim, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
-  if (small_linear_streams_avx512(rows)) {  // one weight row at a time against every row
+  if (small_linear_streams_avx512(rows)) {  // 1-2 rows a weight row at a time, 3-8 in blocks of 3
     switch (rows) {
       case 1: small_linear_stream_f32_avx512<1>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
       case 2: small_linear_stream_f32_avx512<2>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
@@ -676,7 +676,7 @@ SPECDEC_BF16_TARGET inline void small_linear_stream_bf16(const cpu::BFloat16Bits
   int64_t n = n_begin;
   if constexpr (XR >= 3)
     for (; n + 3 <= n_end; n += 3) small_linear_block_bf16<3, XR, true>(x, k_dim, w, n, bias, y, n_dim, 7u);
-  for (; n < n_end; ++n) small_linear_block_bf16<1, XR, (XR >= 3)>(x, k_dim, w, n, bias, y, n_dim, XR >= 3);
+  for (; n < n_end; ++n) small_linear_block_bf16<1, XR, (XR >= 3)>(x, k_dim, w, n, bias, y, n_dim, XR >= 3 ? 1u : 0u);
 }
 
 SPECDEC_BF16_TARGET inline void small_linear_rows_bf16_avx512(const cpu::BFloat16Bits* x, int64_t rows, int64_t k_dim,
@@ -684,7 +684,7 @@ SPECDEC_BF16_TARGET inline void small_linear_rows_bf16_avx512(const cpu::BFloat1
                                                               const cpu::BFloat16Bits* bias, cpu::BFloat16Bits* y,
                                                               int64_t n_dim, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
-  if (small_linear_streams_avx512(rows)) {  // one weight row at a time against every row
+  if (small_linear_streams_avx512(rows)) {  // 1-2 rows a weight row at a time, 3-8 in blocks of 3
     switch (rows) {
       case 1: small_linear_stream_bf16<1>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
       case 2: small_linear_stream_bf16<2>(x, k_dim, w, bias, y, n_dim, n, n_end); return;
